@@ -1,0 +1,165 @@
+//! The contract between vmlet's core and a hypervisor backend.
+//!
+//! A [`Provider`] manages the VMs of one hypervisor host (a libvirt connection, a
+//! Nova hypervisor, a vSphere HostSystem). vmlet's node agent drives it
+//! level-triggered: it reads what the provider reports ([`VmStatus`]), compares it
+//! with the pod, and calls the idempotent operations below.
+//!
+//! Identity: every VM is keyed by [`VmId`], the Kubernetes VirtualMachine object's
+//! UID, which the provider records in the backend's own metadata so that vmlet can
+//! find its VMs again after a restart without recreating anything.
+//!
+//! This crate names no backend and no Kubernetes type.
+
+use std::fmt;
+use std::net::IpAddr;
+
+mod error;
+pub use error::{Error, ErrorKind, Result};
+
+/// The stable identity of a VM: the UID of its VirtualMachine object
+/// (`metadata.uid`, an RFC 4122 UUID string).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VmId(pub String);
+
+impl fmt::Display for VmId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What the core asks a provider to define: one VM's backend-neutral shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmSpec {
+    /// Stable identity, recorded in the backend's metadata.
+    pub id: VmId,
+    /// Namespace of the VirtualMachine object.
+    pub namespace: String,
+    /// Name of the VirtualMachine object.
+    pub name: String,
+    /// Number of virtual CPUs (at least 1).
+    pub cpus: u32,
+    /// Guest memory in bytes (at least 1 MiB; providers round up to what the
+    /// backend allocates, e.g. KiB for libvirt).
+    pub memory_bytes: u64,
+    /// Optional boot disk: a path or volume name the backend resolves on the host.
+    pub image: Option<String>,
+}
+
+impl VmSpec {
+    /// The backend name vmlet gives the VM: `<namespace>_<name>`. Unique per host
+    /// because neither a namespace nor an object name may contain `_`.
+    pub fn backend_name(&self) -> String {
+        format!("{}_{}", self.namespace, self.name)
+    }
+}
+
+/// The power state of a VM as the backend reports it, mapped to a few states the
+/// core acts on (libvirt's `virDomainState`, Nova's `power_state`, vSphere's
+/// `VirtualMachinePowerState` all map onto these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PowerState {
+    /// The guest is running (or blocked, idle, which is still running).
+    Running,
+    /// Paused by the hypervisor (suspend, migration pause).
+    Paused,
+    /// A guest shutdown is in progress.
+    ShuttingDown,
+    /// Powered off; the definition and disks are kept.
+    Off,
+    /// The guest crashed; the definition is kept.
+    Crashed,
+    /// The backend reports a state vmlet does not know.
+    Unknown,
+}
+
+impl PowerState {
+    /// True when the guest holds CPU and memory on the host.
+    pub fn is_active(self) -> bool {
+        matches!(self, PowerState::Running | PowerState::Paused | PowerState::ShuttingDown)
+    }
+}
+
+/// What a provider reports about one of vmlet's VMs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmStatus {
+    /// The identity recorded in the backend's metadata.
+    pub id: VmId,
+    /// The backend's own name for the VM (libvirt domain name, Nova server name).
+    pub backend_name: String,
+    /// The backend's own identifier (libvirt domain UUID, Nova server id, MoRef),
+    /// used as the pod's provider ID and to prove "the same VM" across stop/start.
+    pub backend_id: String,
+    /// Current power state.
+    pub power: PowerState,
+    /// Virtual CPUs currently configured.
+    pub cpus: u32,
+    /// Memory currently configured, in bytes.
+    pub memory_bytes: u64,
+    /// Guest addresses, as far as the backend knows them (may be empty).
+    pub addresses: Vec<IpAddr>,
+}
+
+/// Capacity and identity of the hypervisor host, probed from the backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostInfo {
+    /// Logical CPUs the host offers to guests.
+    pub cpus: u32,
+    /// Memory the host offers to guests, in bytes.
+    pub memory_bytes: u64,
+    /// CPU architecture in Kubernetes' terms (`amd64`, `arm64`, ...).
+    pub architecture: String,
+    /// Backend and version, e.g. `libvirt 9.0.0 (QEMU)`; shown as the node's
+    /// container runtime version.
+    pub hypervisor: String,
+}
+
+/// One hypervisor host's VMs. Every operation is idempotent: calling it again
+/// after success (or after a crash half-way) converges to the same result and
+/// never creates a second VM. Implementations run blocking backend calls off the
+/// async workers (`spawn_blocking`).
+///
+/// Errors carry an [`ErrorKind`] that tells the core whether to retry, report
+/// the input as invalid, or answer "not supported".
+#[async_trait::async_trait]
+pub trait Provider: Send + Sync + 'static {
+    /// Short backend name for labels and logs: `libvirt`, `openstack`, `vsphere`.
+    fn kind(&self) -> &'static str;
+
+    /// Cheap liveness check of the backend connection. The node agent renews its
+    /// Lease only while this succeeds. Errors: `Transient` when unreachable.
+    async fn ping(&self) -> Result<()>;
+
+    /// Probe the host's capacity and identity. Errors: `Transient`.
+    async fn host_info(&self) -> Result<HostInfo>;
+
+    /// All VMs on this host that carry a vmlet identity; VMs without one are
+    /// not vmlet's and are never listed, touched or counted.
+    async fn list(&self) -> Result<Vec<VmStatus>>;
+
+    /// The VM with this identity, or `None` when the host has none.
+    async fn get(&self, id: &VmId) -> Result<Option<VmStatus>>;
+
+    /// Define the VM if the host has none with this identity; an existing one is
+    /// returned unchanged (no resize, no restart). Errors: `InvalidInput` when the
+    /// spec cannot be expressed, `Permanent` when the backend name is taken by a
+    /// VM with another identity.
+    async fn ensure_defined(&self, spec: &VmSpec) -> Result<VmStatus>;
+
+    /// Power on; a running VM is left alone. Errors: `NotFound` when undefined.
+    async fn start(&self, id: &VmId) -> Result<()>;
+
+    /// Ask the guest to shut down (ACPI power button or the backend's soft stop)
+    /// and return without waiting; an inactive VM is left alone. The caller polls
+    /// [`Provider::get`] and calls [`Provider::destroy`] after its grace period.
+    async fn shutdown(&self, id: &VmId) -> Result<()>;
+
+    /// Power off at once, keeping the definition and disks; an inactive VM is
+    /// left alone.
+    async fn destroy(&self, id: &VmId) -> Result<()>;
+
+    /// Remove the definition (and the backend's own metadata) of an inactive VM;
+    /// a VM that does not exist is success. Disks named by the user are kept.
+    /// Errors: `InvalidInput` when the VM is still active.
+    async fn undefine(&self, id: &VmId) -> Result<()>;
+}

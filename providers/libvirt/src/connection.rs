@@ -1,0 +1,93 @@
+//! A libvirt connection that reopens itself after the daemon went away.
+
+use std::sync::{Mutex, PoisonError};
+
+use virt::connect::Connect;
+use vmlet_provider::Result;
+
+use crate::error::from_libvirt;
+
+/// One libvirt URI and the connection currently open to it.
+///
+/// libvirt connections are thread-safe (the `virt` crate marks `Connect` `Send`
+/// and `Sync`, and cloning one only takes another reference), so callers share
+/// one connection; the mutex only guards swapping it for a new one.
+///
+/// Every method blocks: call them from `spawn_blocking`.
+pub(crate) struct Connection {
+    uri: String,
+    state: Mutex<State>,
+}
+
+/// The open connection, if any, and a counter that tells reopened ones apart.
+struct State {
+    generation: u64,
+    conn: Option<Connect>,
+}
+
+impl Connection {
+    /// Open `uri` now. Errors: the mapped libvirt error (`Transient` when the
+    /// daemon does not answer).
+    pub(crate) fn open(uri: &str) -> Result<Connection> {
+        let conn = Connect::open(Some(uri)).map_err(|e| from_libvirt("connect to libvirt", e))?;
+        Ok(Connection { uri: uri.to_owned(), state: Mutex::new(State { generation: 0, conn: Some(conn) }) })
+    }
+
+    /// The URI this connection opens.
+    pub(crate) fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// Run `f` on a live connection. When `f` fails with a transient error and
+    /// the connection turns out to be dead (libvirtd restarted), reopen it and
+    /// run `f` once more; `f` must therefore be idempotent, as every provider
+    /// operation is.
+    ///
+    /// Caveat: for `test:///` URIs a reopened connection starts again from the
+    /// inventory file, so everything defined on the old one is gone. The test
+    /// driver's connections never die on their own, so this only matters if
+    /// libvirt itself reports one dead.
+    pub(crate) fn with<T>(&self, f: impl Fn(&Connect) -> Result<T>) -> Result<T> {
+        let (generation, conn) = self.live()?;
+        match f(&conn) {
+            Err(err) if err.is_transient() && !conn.is_alive().unwrap_or(false) => {
+                tracing::warn!(
+                    libvirt.uri = %self.uri,
+                    error = %err,
+                    "libvirt connection lost; reconnecting"
+                );
+                drop(conn);
+                self.forget(generation);
+                let (_, conn) = self.live()?;
+                f(&conn)
+            }
+            result => result,
+        }
+    }
+
+    /// The current connection if it is alive, else a newly opened one.
+    fn live(&self) -> Result<(u64, Connect)> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(conn) = &state.conn {
+            if conn.is_alive().unwrap_or(false) {
+                return Ok((state.generation, conn.clone()));
+            }
+        }
+        // Close the dead connection before opening its replacement.
+        state.conn = None;
+        let conn = Connect::open(Some(&self.uri)).map_err(|e| from_libvirt("reconnect to libvirt", e))?;
+        tracing::info!(libvirt.uri = %self.uri, "libvirt connection reopened");
+        state.generation += 1;
+        state.conn = Some(conn.clone());
+        Ok((state.generation, conn))
+    }
+
+    /// Close connection `generation` so that the next call reopens; a newer one,
+    /// opened meanwhile by another thread, is kept.
+    fn forget(&self, generation: u64) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.generation == generation {
+            state.conn = None;
+        }
+    }
+}

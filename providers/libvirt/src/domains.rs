@@ -1,0 +1,157 @@
+//! Finding vmlet's domains on a host and reading their status. Blocking.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Mutex, PoisonError};
+
+use virt::connect::Connect;
+use virt::domain::{Domain, DomainState, DomainStateEnum};
+use virt::error::Error as VirtError;
+use vmlet_provider::{PowerState, Result, VmId, VmStatus};
+
+use crate::error::{from_libvirt, is_no_domain, is_no_metadata};
+use crate::xml::{parse_identity, Identity, METADATA_NS};
+
+/// Which domain carries which vmlet identity, remembered between calls so that
+/// finding one VM costs one lookup instead of a scan of the host.
+///
+/// Entries are hints: every hit is verified against the domain's metadata, and a
+/// miss or a stale entry falls back to a scan that rebuilds the whole map.
+#[derive(Default)]
+pub(crate) struct UuidCache {
+    by_id: Mutex<HashMap<VmId, String>>,
+}
+
+impl UuidCache {
+    fn get(&self, id: &VmId) -> Option<String> {
+        self.by_id.lock().unwrap_or_else(PoisonError::into_inner).get(id).cloned()
+    }
+
+    pub(crate) fn replace(&self, entries: HashMap<VmId, String>) {
+        *self.by_id.lock().unwrap_or_else(PoisonError::into_inner) = entries;
+    }
+
+    pub(crate) fn insert(&self, id: VmId, uuid: String) {
+        self.by_id.lock().unwrap_or_else(PoisonError::into_inner).insert(id, uuid);
+    }
+
+    pub(crate) fn remove(&self, id: &VmId) {
+        self.by_id.lock().unwrap_or_else(PoisonError::into_inner).remove(id);
+    }
+}
+
+/// The vmlet identity recorded on `domain`, `None` when it has none.
+pub(crate) fn identity_of(domain: &Domain) -> Result<Option<Identity>, VirtError> {
+    match domain.metadata(virt::sys::VIR_DOMAIN_METADATA_ELEMENT as i32, Some(METADATA_NS), 0) {
+        Ok(element) => Ok(parse_identity(&element)),
+        Err(err) if is_no_metadata(&err) => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+/// Every domain on the host, defined or active, that carries a vmlet identity.
+/// Rebuilds `cache`. Domains that disappear during the scan are skipped.
+pub(crate) fn scan(conn: &Connect, cache: &UuidCache) -> Result<Vec<(Domain, Identity)>> {
+    let all = conn.list_all_domains(0).map_err(|e| from_libvirt("list domains", e))?;
+    let mut found = Vec::new();
+    let mut uuids = HashMap::new();
+    for domain in all {
+        let identity = match identity_of(&domain) {
+            Ok(Some(identity)) => identity,
+            Ok(None) => continue,
+            Err(err) if is_no_domain(&err) => continue,
+            Err(err) => return Err(from_libvirt("read domain metadata", err)),
+        };
+        match domain.uuid_string() {
+            Ok(uuid) => {
+                uuids.insert(identity.id.clone(), uuid);
+            }
+            Err(err) if is_no_domain(&err) => continue,
+            Err(err) => return Err(from_libvirt("read domain uuid", err)),
+        }
+        found.push((domain, identity));
+    }
+    cache.replace(uuids);
+    Ok(found)
+}
+
+/// The domain carrying identity `id`, if the host has one: the cached UUID when
+/// it still points at that identity, else a scan.
+pub(crate) fn find(conn: &Connect, cache: &UuidCache, id: &VmId) -> Result<Option<Domain>> {
+    if let Some(uuid) = cache.get(id) {
+        match conn.lookup_domain_by_uuid_string(&uuid) {
+            Ok(domain) => match identity_of(&domain) {
+                Ok(Some(identity)) if identity.id == *id => return Ok(Some(domain)),
+                Ok(_) => {}
+                Err(err) if is_no_domain(&err) => {}
+                Err(err) => return Err(from_libvirt("read domain metadata", err)),
+            },
+            Err(err) if is_no_domain(&err) => {}
+            Err(err) => return Err(from_libvirt("look up domain", err)),
+        }
+    }
+    Ok(scan(conn, cache)?.into_iter().find(|(_, identity)| identity.id == *id).map(|(d, _)| d))
+}
+
+/// What vmlet reports about `domain`: power state, UUID as backend id, vCPUs,
+/// configured (maximum) memory, and for active domains the addresses libvirt's
+/// DHCP leases know (empty when none or when the lookup fails).
+pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus> {
+    let info = domain.info().map_err(|e| from_libvirt("read domain info", e))?;
+    let backend_id = domain.uuid_string().map_err(|e| from_libvirt("read domain uuid", e))?;
+    let backend_name = domain.name().map_err(|e| from_libvirt("read domain name", e))?;
+    let power = power_from_libvirt(info.state);
+    let addresses = if power.is_active() { lease_addresses(domain) } else { Vec::new() };
+    Ok(VmStatus {
+        id: identity.id,
+        backend_name,
+        backend_id,
+        power,
+        cpus: info.nr_virt_cpu,
+        memory_bytes: info.max_mem.saturating_mul(1024),
+        addresses,
+    })
+}
+
+/// The power state for a libvirt `virDomainState`.
+pub(crate) fn power_from_libvirt(state: DomainStateEnum) -> PowerState {
+    match state {
+        DomainStateEnum::Known(DomainState::Running | DomainState::Blocked) => PowerState::Running,
+        DomainStateEnum::Known(DomainState::Paused | DomainState::PMSuspended) => PowerState::Paused,
+        DomainStateEnum::Known(DomainState::Shutdown) => PowerState::ShuttingDown,
+        DomainStateEnum::Known(DomainState::Shutoff) => PowerState::Off,
+        DomainStateEnum::Known(DomainState::Crashed) => PowerState::Crashed,
+        DomainStateEnum::Known(DomainState::NoState) | DomainStateEnum::Unknown(_) => PowerState::Unknown,
+    }
+}
+
+/// Guest addresses from libvirt's DHCP leases; errors count as "none known".
+fn lease_addresses(domain: &Domain) -> Vec<IpAddr> {
+    let Ok(interfaces) = domain.interface_addresses(virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE, 0) else {
+        return Vec::new();
+    };
+    interfaces.iter().flat_map(|interface| &interface.addrs).filter_map(|address| address.addr.parse().ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn power_state_follows_the_libvirt_state() {
+        let cases = [
+            (DomainState::Running, PowerState::Running),
+            (DomainState::Blocked, PowerState::Running),
+            (DomainState::Paused, PowerState::Paused),
+            (DomainState::PMSuspended, PowerState::Paused),
+            (DomainState::Shutdown, PowerState::ShuttingDown),
+            (DomainState::Shutoff, PowerState::Off),
+            (DomainState::Crashed, PowerState::Crashed),
+            (DomainState::NoState, PowerState::Unknown),
+        ];
+        for (state, power) in cases {
+            assert_eq!(power_from_libvirt(DomainStateEnum::Known(state)), power, "{state:?}");
+        }
+        assert_eq!(power_from_libvirt(DomainStateEnum::Unknown(99)), PowerState::Unknown);
+    }
+}

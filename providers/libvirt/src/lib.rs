@@ -1,0 +1,36 @@
+//! vmlet's libvirt provider: the VMs of one libvirt host as persistent domains,
+//! driven through the [`virt`] crate.
+//!
+//! ```no_run
+//! # async fn example() -> vmlet_provider::Result<()> {
+//! use vmlet_libvirt::LibvirtProvider;
+//! use vmlet_provider::Provider;
+//!
+//! let provider = LibvirtProvider::connect("qemu:///system").await?;
+//! let host = provider.host_info().await?;
+//! println!("{} CPUs, {} bytes, {}", host.cpus, host.memory_bytes, host.hypervisor);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Supported drivers: QEMU (`qemu:///system`, domains of type `qemu`, software
+//! emulation) and libvirt's test driver (`test:///<absolute path>.xml`, used by
+//! the tests and by development clusters; see `test-vms/hosts/`).
+//!
+//! How vmlet finds its domains, how the connection survives a libvirtd restart
+//! and what that means for the test driver: see [`LibvirtProvider`].
+
+#![warn(missing_docs)]
+
+mod connection;
+mod domains;
+mod error;
+mod provider;
+mod xml;
+
+pub use provider::LibvirtProvider;
+
+/// Namespace URI of the `<vmlet:vm uid="…" namespace="…" name="…"/>` element
+/// vmlet writes into each of its domains' `<metadata>`; read it with
+/// `virsh metadata <domain> --uri https://vmlet.io/xmlns/domain/v1`.
+pub const METADATA_NAMESPACE: &str = xml::METADATA_NS;

@@ -1,0 +1,416 @@
+//! [`LibvirtProvider`]: the [`Provider`] operations on one libvirt connection.
+
+use std::sync::Arc;
+
+use tracing::instrument;
+use virt::connect::Connect;
+use virt::domain::Domain;
+use vmlet_provider::{Error, ErrorKind, HostInfo, Provider, Result, VmId, VmSpec, VmStatus};
+
+use crate::connection::Connection;
+use crate::domains::{find, identity_of, scan, status_of, UuidCache};
+use crate::error::{from_libvirt, is_no_domain, is_operation_invalid, is_unsupported_flags};
+use crate::xml::{domain_xml, DomainKind};
+
+/// The VMs of one libvirt host, reached through one libvirt connection URI
+/// (`qemu:///system`, `qemu+ssh://host/system`, `test:///<abs path>.xml`).
+///
+/// Every VM is a persistent domain named [`VmSpec::backend_name`] whose
+/// `<metadata>` carries vmlet's identity element (namespace
+/// `https://vmlet.io/xmlns/domain/v1`, attributes `uid`, `namespace`, `name`).
+/// Domains without it are never listed or touched.
+///
+/// Blocking libvirt calls run on tokio's blocking pool. The connection reopens
+/// itself when libvirtd restarts; each operation is retried once on the new
+/// connection. With the test driver (`test:///…`) every new connection starts
+/// again from the inventory file, so a reconnect would lose all VMs defined
+/// since: state that must outlive the process needs a daemon-held host.
+///
+/// Cloning is cheap and shares the connection.
+#[derive(Clone)]
+pub struct LibvirtProvider {
+    host: Arc<Host>,
+}
+
+/// The shared state behind a [`LibvirtProvider`].
+struct Host {
+    connection: Connection,
+    uuids: UuidCache,
+}
+
+impl LibvirtProvider {
+    /// Open a connection to `uri` (a libvirt connection URI, see
+    /// <https://libvirt.org/uri.html>) and return a provider for its host.
+    ///
+    /// Also silences libvirt's default error printing to stderr for the whole
+    /// process: errors reach the caller as values instead.
+    ///
+    /// Errors: `Transient` when the daemon does not answer (not running,
+    /// socket missing), `Permanent` for an unknown driver or a refused
+    /// connection, with libvirt's error as source.
+    pub async fn connect(uri: &str) -> Result<LibvirtProvider> {
+        let uri = uri.to_owned();
+        let connection = tokio::task::spawn_blocking(move || {
+            virt::error::clear_error_callback();
+            Connection::open(&uri)
+        })
+        .await
+        .map_err(|e| not_completed("connect to libvirt", e))??;
+        Ok(LibvirtProvider { host: Arc::new(Host { connection, uuids: UuidCache::default() }) })
+    }
+
+    /// The libvirt connection URI this provider was opened with.
+    pub fn uri(&self) -> &str {
+        self.host.connection.uri()
+    }
+
+    /// Run `f` with the host and a live connection on the blocking pool.
+    async fn blocking<T, F>(&self, operation: &'static str, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
+    {
+        let host = Arc::clone(&self.host);
+        tokio::task::spawn_blocking(move || host.connection.with(|conn| f(&host, conn)))
+            .await
+            .map_err(|e| not_completed(operation, e))?
+    }
+}
+
+/// The error for a blocking task that panicked or was cancelled.
+fn not_completed(operation: &'static str, err: tokio::task::JoinError) -> Error {
+    Error::new(operation, ErrorKind::Permanent, format!("libvirt call did not complete: {err}"))
+}
+
+impl Host {
+    /// The domain with identity `id`, or a `NotFound` error naming it.
+    fn require(&self, conn: &Connect, operation: &'static str, id: &VmId) -> Result<Domain> {
+        find(conn, &self.uuids, id)?
+            .ok_or_else(|| Error::new(operation, ErrorKind::NotFound, format!("no domain carries vmlet uid {id}")))
+    }
+
+    /// The status of the domain with identity `id`, if there is one.
+    fn get(&self, conn: &Connect, id: &VmId) -> Result<Option<VmStatus>> {
+        let Some(domain) = find(conn, &self.uuids, id)? else {
+            return Ok(None);
+        };
+        match identity_of(&domain) {
+            Ok(Some(identity)) => status_of(&domain, identity).map(Some),
+            Ok(None) => Ok(None),
+            Err(err) if is_no_domain(&err) => Ok(None),
+            Err(err) => Err(from_libvirt("read domain metadata", err)),
+        }
+    }
+
+    fn ensure_defined(&self, conn: &Connect, spec: &VmSpec) -> Result<VmStatus> {
+        const OP: &str = "define domain";
+        if let Some(status) = self.get(conn, &spec.id)? {
+            return Ok(status);
+        }
+        let kind = domain_kind(conn)?;
+        validate(spec, kind)?;
+        let name = spec.backend_name();
+        match conn.lookup_domain_by_name(&name) {
+            Ok(domain) => return Err(name_taken(&name, &domain)),
+            Err(err) if is_no_domain(&err) => {}
+            Err(err) => return Err(from_libvirt(OP, err)),
+        }
+        let domain = conn.define_domain_xml(&domain_xml(spec, kind)).map_err(|e| from_libvirt(OP, e))?;
+        let identity = identity_of(&domain).map_err(|e| from_libvirt(OP, e))?.ok_or_else(|| {
+            Error::new(
+                OP,
+                ErrorKind::Permanent,
+                format!(
+                    "domain {name} was defined but libvirt kept no vmlet metadata; undefine it (virsh undefine {name})"
+                ),
+            )
+        })?;
+        let status = status_of(&domain, identity)?;
+        self.uuids.insert(spec.id.clone(), status.backend_id.clone());
+        tracing::info!(domain = %name, domain.uuid = %status.backend_id, "domain defined");
+        Ok(status)
+    }
+
+    fn start(&self, conn: &Connect, id: &VmId) -> Result<()> {
+        const OP: &str = "start domain";
+        let domain = self.require(conn, OP, id)?;
+        if is_active(&domain, OP)? {
+            return Ok(());
+        }
+        match domain.create() {
+            Ok(()) => Ok(()),
+            // Started by someone else since the check.
+            Err(err) if is_operation_invalid(&err) && is_active(&domain, OP)? => Ok(()),
+            Err(err) => Err(from_libvirt(OP, err)),
+        }
+    }
+
+    fn stop(&self, conn: &Connect, id: &VmId, how: Stop) -> Result<()> {
+        let operation = how.operation();
+        let Some(domain) = find(conn, &self.uuids, id)? else {
+            return Ok(());
+        };
+        if !is_active(&domain, operation)? {
+            return Ok(());
+        }
+        let result = match how {
+            Stop::Shutdown => domain.shutdown(),
+            Stop::Destroy => domain.destroy(),
+        };
+        match result {
+            Ok(()) => Ok(()),
+            // Stopped by itself or by someone else since the check.
+            Err(err) if is_operation_invalid(&err) && !is_active(&domain, operation)? => Ok(()),
+            Err(err) => Err(from_libvirt(operation, err)),
+        }
+    }
+
+    fn undefine(&self, conn: &Connect, id: &VmId) -> Result<()> {
+        const OP: &str = "undefine domain";
+        let Some(domain) = find(conn, &self.uuids, id)? else {
+            return Ok(());
+        };
+        if is_active(&domain, OP)? {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!("domain for vmlet uid {id} is still active; destroy it first"),
+            ));
+        }
+        // Also remove what libvirt keeps beside the definition; drivers that do
+        // not know a flag (the test driver rejects NVRAM) get fewer.
+        let all = virt::sys::VIR_DOMAIN_UNDEFINE_MANAGED_SAVE | virt::sys::VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA;
+        let mut result = Ok(());
+        for flags in [all | virt::sys::VIR_DOMAIN_UNDEFINE_NVRAM, all, 0] {
+            result = domain.undefine_flags(flags);
+            match &result {
+                Err(err) if flags != 0 && is_unsupported_flags(err) => continue,
+                _ => break,
+            }
+        }
+        match result {
+            Ok(()) => {}
+            Err(err) if is_no_domain(&err) => {}
+            Err(err) => return Err(from_libvirt(OP, err)),
+        }
+        self.uuids.remove(id);
+        Ok(())
+    }
+
+    fn host_info(&self, conn: &Connect) -> Result<HostInfo> {
+        const OP: &str = "read host info";
+        let node = conn.node_info().map_err(|e| from_libvirt(OP, e))?;
+        Ok(HostInfo {
+            cpus: node.cpus,
+            memory_bytes: node.memory.saturating_mul(1024),
+            architecture: kubernetes_architecture(&node.model),
+            hypervisor: hypervisor(conn, OP)?,
+        })
+    }
+}
+
+/// How [`Host::stop`] stops a domain.
+#[derive(Clone, Copy)]
+enum Stop {
+    /// `virDomainShutdown`: ACPI power button, the guest decides.
+    Shutdown,
+    /// `virDomainDestroy`: power off at once.
+    Destroy,
+}
+
+impl Stop {
+    fn operation(self) -> &'static str {
+        match self {
+            Stop::Shutdown => "shut down domain",
+            Stop::Destroy => "destroy domain",
+        }
+    }
+}
+
+/// Whether `domain` is active (running, paused or shutting down).
+fn is_active(domain: &Domain, operation: &'static str) -> Result<bool> {
+    domain.is_active().map_err(|e| from_libvirt(operation, e))
+}
+
+/// The domain flavour this connection's driver takes.
+fn domain_kind(conn: &Connect) -> Result<DomainKind> {
+    const OP: &str = "define domain";
+    let driver = conn.driver_type().map_err(|e| from_libvirt(OP, e))?;
+    match driver.as_str() {
+        "TEST" => Ok(DomainKind::Test),
+        "QEMU" => Ok(DomainKind::Qemu),
+        other => Err(Error::new(
+            OP,
+            ErrorKind::Unsupported,
+            format!("libvirt driver {other} is not supported; use a qemu:// or test:// URI"),
+        )),
+    }
+}
+
+/// Reject specs libvirt cannot express.
+fn validate(spec: &VmSpec, kind: DomainKind) -> Result<()> {
+    const OP: &str = "define domain";
+    let invalid = |message: String| Err(Error::new(OP, ErrorKind::InvalidInput, message));
+    if spec.cpus == 0 {
+        return invalid("cpus must be at least 1".into());
+    }
+    if spec.memory_bytes < 1024 * 1024 {
+        return invalid(format!("memory must be at least 1 MiB, got {} bytes", spec.memory_bytes));
+    }
+    if spec.backend_name().contains('/') {
+        return invalid(format!("domain name {} must not contain '/'", spec.backend_name()));
+    }
+    if let (Some(image), DomainKind::Qemu) = (&spec.image, kind) {
+        if !image.starts_with('/') {
+            return invalid(format!("image {image} must be an absolute path to a disk file on the libvirt host"));
+        }
+    }
+    Ok(())
+}
+
+/// The error for a domain name that a domain without this VM's identity holds.
+fn name_taken(name: &str, domain: &Domain) -> Error {
+    let owner = match identity_of(domain) {
+        Ok(Some(identity)) => {
+            format!("it belongs to VirtualMachine {}/{} (uid {})", identity.namespace, identity.name, identity.id)
+        }
+        Ok(None) => "it carries no vmlet identity, so vmlet did not create it".to_owned(),
+        Err(err) => format!("its vmlet identity could not be read ({})", err.message()),
+    };
+    Error::new(
+        "define domain",
+        ErrorKind::Permanent,
+        format!(
+            "a domain named {name} already exists on this host and {owner}; \
+             rename it (virsh domrename) or remove it (virsh undefine) to let vmlet define its own"
+        ),
+    )
+}
+
+/// `libvirt <version> (<driver>)`, e.g. `libvirt 9.0.0 (QEMU)`.
+fn hypervisor(conn: &Connect, operation: &'static str) -> Result<String> {
+    let driver = conn.driver_type().map_err(|e| from_libvirt(operation, e))?;
+    let version = conn.lib_version().map_err(|e| from_libvirt(operation, e))?;
+    Ok(format!("libvirt {}.{}.{} ({driver})", version / 1_000_000, version / 1_000 % 1_000, version % 1_000))
+}
+
+/// Kubernetes' name (`GOARCH`) for a libvirt/uname CPU architecture; unknown
+/// ones pass through unchanged.
+fn kubernetes_architecture(arch: &str) -> String {
+    match arch {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "i686" | "i586" | "i486" | "i386" => "386",
+        "armv7l" | "armv6l" => "arm",
+        "ppc64le" => "ppc64le",
+        "s390x" => "s390x",
+        "riscv64" => "riscv64",
+        other => other,
+    }
+    .to_owned()
+}
+
+#[async_trait::async_trait]
+impl Provider for LibvirtProvider {
+    /// Always `libvirt`.
+    fn kind(&self) -> &'static str {
+        "libvirt"
+    }
+
+    /// Asks the daemon for its library version (one round trip). Errors:
+    /// `Transient` when it does not answer even after one reconnect.
+    #[instrument(level = "debug", skip(self), fields(provider = "libvirt"))]
+    async fn ping(&self) -> Result<()> {
+        const OP: &str = "ping libvirt";
+        self.blocking(OP, |_, conn| {
+            conn.lib_version().map(drop).map_err(|e| {
+                let mut err = from_libvirt(OP, e);
+                err.kind = ErrorKind::Transient;
+                err
+            })
+        })
+        .await
+    }
+
+    /// `virNodeGetInfo` (logical CPUs, memory KiB → bytes, CPU model mapped to
+    /// Kubernetes' architecture names) and `libvirt <version> (<driver>)`.
+    #[instrument(level = "debug", skip(self), fields(provider = "libvirt"))]
+    async fn host_info(&self) -> Result<HostInfo> {
+        self.blocking("read host info", |host, conn| host.host_info(conn)).await
+    }
+
+    /// Scans all domains, defined and active; one metadata read per domain.
+    #[instrument(level = "debug", skip(self), fields(provider = "libvirt"))]
+    async fn list(&self) -> Result<Vec<VmStatus>> {
+        self.blocking("list domains", |host, conn| {
+            let mut statuses = Vec::new();
+            for (domain, identity) in scan(conn, &host.uuids)? {
+                match status_of(&domain, identity) {
+                    Ok(status) => statuses.push(status),
+                    // Undefined during the scan.
+                    Err(err) if err.kind == ErrorKind::NotFound => {}
+                    Err(err) => return Err(err),
+                }
+            }
+            Ok(statuses)
+        })
+        .await
+    }
+
+    /// One lookup by the cached domain UUID, verified against its metadata; a
+    /// full scan when the cache misses.
+    #[instrument(level = "debug", skip(self), fields(provider = "libvirt", vm.uid = %id))]
+    async fn get(&self, id: &VmId) -> Result<Option<VmStatus>> {
+        let id = id.clone();
+        self.blocking("get domain", move |host, conn| host.get(conn, &id)).await
+    }
+
+    /// Defines a persistent domain named [`VmSpec::backend_name`]: `<domain
+    /// type='test'>` on the test driver, `<domain type='qemu'>` (software
+    /// emulation, machine `pc`, ACPI, a serial console on a pty, and a virtio
+    /// disk from `spec.image` when set) on QEMU. The test driver ignores
+    /// `spec.image`. Errors: `InvalidInput` for zero CPUs, less than 1 MiB or a
+    /// relative image path; `Unsupported` for drivers other than test and QEMU;
+    /// `Permanent` when the name is taken by a domain without this identity.
+    #[instrument(skip(self, spec), fields(provider = "libvirt", vm.uid = %spec.id, vm.name = %spec.name))]
+    async fn ensure_defined(&self, spec: &VmSpec) -> Result<VmStatus> {
+        let spec = spec.clone();
+        self.blocking("define domain", move |host, conn| host.ensure_defined(conn, &spec)).await
+    }
+
+    /// `virDomainCreate` unless active. Errors: `NotFound` when no domain
+    /// carries this identity.
+    #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
+    async fn start(&self, id: &VmId) -> Result<()> {
+        let id = id.clone();
+        self.blocking("start domain", move |host, conn| host.start(conn, &id)).await
+    }
+
+    /// `virDomainShutdown` (ACPI power button) if active; a VM that does not
+    /// exist is success, as there is nothing to stop.
+    #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
+    async fn shutdown(&self, id: &VmId) -> Result<()> {
+        let id = id.clone();
+        self.blocking(Stop::Shutdown.operation(), move |host, conn| host.stop(conn, &id, Stop::Shutdown)).await
+    }
+
+    /// `virDomainDestroy` if active; a VM that does not exist is success.
+    #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
+    async fn destroy(&self, id: &VmId) -> Result<()> {
+        let id = id.clone();
+        self.blocking(Stop::Destroy.operation(), move |host, conn| host.stop(conn, &id, Stop::Destroy)).await
+    }
+
+    /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,
+    /// fewer flags where the driver rejects them. Disk files are never deleted.
+    /// Errors: `InvalidInput` while the domain is active.
+    #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
+    async fn undefine(&self, id: &VmId) -> Result<()> {
+        let id = id.clone();
+        self.blocking("undefine domain", move |host, conn| host.undefine(conn, &id)).await
+    }
+}
+
+#[cfg(test)]
+#[path = "provider_tests.rs"]
+mod tests;

@@ -1,0 +1,278 @@
+//! [`LibvirtProvider`] against libvirt's test driver, opened in-process from the
+//! inventories in `test-vms/hosts/` (no daemon). Each open is a private copy of
+//! the file, so every test starts from the inventory and none sees another's.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use vmlet_provider::{ErrorKind, PowerState, Provider, VmId, VmSpec};
+
+use super::LibvirtProvider;
+use crate::domains::identity_of;
+use crate::xml::METADATA_NS;
+
+const GIB: u64 = 1024 * 1024 * 1024;
+const MIB: u64 = 1024 * 1024;
+
+/// `test:///<absolute path>` for one of the inventories in `test-vms/hosts/`.
+fn host_uri(host: &str) -> String {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../test-vms/hosts").join(format!("{host}.xml"));
+    let path = path.canonicalize().unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    format!("test://{}", path.display())
+}
+
+async fn host(host: &str) -> LibvirtProvider {
+    LibvirtProvider::connect(&host_uri(host)).await.expect("open test driver")
+}
+
+/// A spec with a fresh uid: 1 vCPU, 256 MiB, no image.
+fn vm(namespace: &str, name: &str) -> VmSpec {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    VmSpec {
+        id: VmId(format!("00000000-0000-4000-8000-{n:012x}")),
+        namespace: namespace.into(),
+        name: name.into(),
+        cpus: 1,
+        memory_bytes: 256 * MIB,
+        image: None,
+    }
+}
+
+/// Define a domain on `provider`'s connection without vmlet's metadata, as
+/// another tool would.
+fn define_foreign_domain(provider: &LibvirtProvider, name: &str) {
+    let xml = format!(
+        "<domain type='test'><name>{name}</name><memory unit='KiB'>65536</memory>\
+         <vcpu>1</vcpu><os><type>hvm</type></os></domain>"
+    );
+    provider.host.connection.with(|conn| conn.define_domain_xml(&xml).map(drop).map_err(|e| panic!("{e}"))).unwrap();
+}
+
+#[tokio::test]
+async fn provider_kind_is_libvirt() {
+    assert_eq!(host("host-a").await.kind(), "libvirt");
+}
+
+#[tokio::test]
+async fn host_info_equals_the_inventory() {
+    for (name, cpus, memory) in [("host-a", 8, 16 * GIB), ("host-b", 4, 8 * GIB), ("host-c", 16, 32 * GIB)] {
+        let info = host(name).await.host_info().await.expect("host info");
+        assert_eq!(info.cpus, cpus, "{name}");
+        assert_eq!(info.memory_bytes, memory, "{name}");
+        assert_eq!(info.architecture, "amd64", "{name}");
+        let version = virt::connect::Connect::version().expect("libvirt version");
+        let expected =
+            format!("libvirt {}.{}.{} (TEST)", version / 1_000_000, version / 1_000 % 1_000, version % 1_000);
+        assert_eq!(info.hypervisor, expected, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn ping_answers_while_connected() {
+    host("host-b").await.ping().await.expect("ping");
+}
+
+#[tokio::test]
+async fn connecting_to_a_missing_inventory_fails() {
+    let err = LibvirtProvider::connect("test:///nonexistent/vmlet-host.xml").await.err();
+    let err = err.expect("missing inventory must not open");
+    assert_eq!(err.operation, "connect to libvirt");
+    assert!(err.source.is_some(), "libvirt error kept as source");
+}
+
+#[tokio::test]
+async fn ensure_defined_writes_name_shape_and_identity() {
+    let provider = host("host-a").await;
+    let mut spec = vm("team-a", "web.1-x");
+    spec.cpus = 2;
+    spec.memory_bytes = 512 * MIB + 1; // rounds up to the next KiB
+
+    let status = provider.ensure_defined(&spec).await.expect("define");
+    assert_eq!(status.id, spec.id);
+    assert_eq!(status.backend_name, "team-a_web.1-x");
+    assert_eq!(status.backend_id.len(), 36, "a UUID string: {}", status.backend_id);
+    assert_eq!(status.power, PowerState::Off);
+    assert_eq!(status.cpus, 2);
+    assert_eq!(status.memory_bytes, 512 * MIB + 1024);
+    assert!(status.addresses.is_empty());
+
+    // The identity is in the domain's metadata, in vmlet's namespace.
+    let element = provider
+        .host
+        .connection
+        .with(|conn| {
+            let domain = conn.lookup_domain_by_name("team-a_web.1-x").unwrap();
+            Ok(domain.metadata(virt::sys::VIR_DOMAIN_METADATA_ELEMENT as i32, Some(METADATA_NS), 0).unwrap())
+        })
+        .unwrap();
+    assert!(element.contains(&format!("uid=\"{}\"", spec.id)), "{element}");
+    assert!(element.contains("namespace=\"team-a\""), "{element}");
+    assert!(element.contains("name=\"web.1-x\""), "{element}");
+}
+
+#[tokio::test]
+async fn identity_is_found_again_through_metadata_alone() {
+    let provider = host("host-a").await;
+    let spec = vm("team-a", "db");
+    let defined = provider.ensure_defined(&spec).await.expect("define");
+
+    // Forget the uid -> UUID cache, as a restarted vmlet would.
+    provider.host.uuids.replace(HashMap::new());
+    let found = provider.get(&spec.id).await.expect("get").expect("found by metadata");
+    assert_eq!(found, defined);
+
+    let identity = provider
+        .host
+        .connection
+        .with(|conn| {
+            let domain = conn.lookup_domain_by_uuid_string(&defined.backend_id).unwrap();
+            Ok(identity_of(&domain).unwrap())
+        })
+        .unwrap()
+        .expect("identity");
+    assert_eq!((identity.id, identity.namespace, identity.name), (spec.id, "team-a".into(), "db".into()));
+}
+
+#[tokio::test]
+async fn ensure_defined_again_returns_the_existing_domain_unchanged() {
+    let provider = host("host-b").await;
+    let spec = vm("ns", "app");
+    let first = provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("start");
+
+    let mut resized = spec.clone();
+    resized.cpus = 4;
+    resized.memory_bytes = GIB;
+    let again = provider.ensure_defined(&resized).await.expect("define again");
+    assert_eq!(again.backend_id, first.backend_id);
+    assert_eq!(again.cpus, 1, "no resize");
+    assert_eq!(again.memory_bytes, 256 * MIB, "no resize");
+    assert_eq!(again.power, PowerState::Running, "no restart");
+    assert_eq!(provider.list().await.expect("list").len(), 1);
+}
+
+#[tokio::test]
+async fn lifecycle_operations_are_idempotent() {
+    let provider = host("host-a").await;
+    let spec = vm("ns", "cycle");
+    let id = &spec.id;
+    provider.ensure_defined(&spec).await.expect("define");
+    let power = |p: &LibvirtProvider| {
+        let p = p.clone();
+        let id = id.clone();
+        async move { p.get(&id).await.expect("get").expect("defined").power }
+    };
+
+    provider.start(id).await.expect("start");
+    provider.start(id).await.expect("start a running VM");
+    assert_eq!(power(&provider).await, PowerState::Running);
+
+    provider.shutdown(id).await.expect("shutdown");
+    assert_eq!(power(&provider).await, PowerState::Off, "the test driver stops at once");
+    provider.shutdown(id).await.expect("shutdown a stopped VM");
+
+    provider.start(id).await.expect("start again");
+    provider.destroy(id).await.expect("destroy");
+    provider.destroy(id).await.expect("destroy a stopped VM");
+    assert_eq!(power(&provider).await, PowerState::Off);
+
+    provider.undefine(id).await.expect("undefine");
+    provider.undefine(id).await.expect("undefine a missing VM");
+    assert_eq!(provider.get(id).await.expect("get"), None);
+    assert!(provider.list().await.expect("list").is_empty());
+
+    let err = provider.start(id).await.expect_err("start of an undefined VM");
+    assert_eq!(err.kind, ErrorKind::NotFound);
+    provider.shutdown(id).await.expect("shutdown of a missing VM is a no-op");
+    provider.destroy(id).await.expect("destroy of a missing VM is a no-op");
+}
+
+#[tokio::test]
+async fn undefine_refuses_an_active_vm() {
+    let provider = host("host-a").await;
+    let spec = vm("ns", "busy");
+    provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("start");
+
+    let err = provider.undefine(&spec.id).await.expect_err("undefine while running");
+    assert_eq!(err.kind, ErrorKind::InvalidInput);
+    assert_eq!(provider.get(&spec.id).await.expect("get").expect("still defined").power, PowerState::Running);
+}
+
+#[tokio::test]
+async fn name_taken_by_a_foreign_domain_is_a_permanent_error() {
+    let provider = host("host-a").await;
+    define_foreign_domain(&provider, "ns_taken");
+
+    let err = provider.ensure_defined(&vm("ns", "taken")).await.expect_err("name conflict");
+    assert_eq!(err.kind, ErrorKind::Permanent);
+    assert!(err.message.contains("ns_taken"), "{}", err.message);
+    assert!(err.message.contains("no vmlet identity"), "{}", err.message);
+    assert!(err.message.contains("virsh undefine"), "{}", err.message);
+    assert!(provider.list().await.expect("list").is_empty());
+}
+
+#[tokio::test]
+async fn name_taken_by_another_vm_identity_is_a_permanent_error() {
+    let provider = host("host-a").await;
+    let old = vm("ns", "reused");
+    provider.ensure_defined(&old).await.expect("define");
+
+    let new = vm("ns", "reused"); // same name, new uid: the object was recreated
+    let err = provider.ensure_defined(&new).await.expect_err("name conflict");
+    assert_eq!(err.kind, ErrorKind::Permanent);
+    assert!(err.message.contains(&old.id.0), "{}", err.message);
+    assert_eq!(provider.get(&new.id).await.expect("get"), None);
+}
+
+#[tokio::test]
+async fn list_ignores_domains_without_vmlet_metadata() {
+    // host-c's inventory holds "legacy-appliance", which vmlet did not create.
+    let provider = host("host-c").await;
+    define_foreign_domain(&provider, "hand-made");
+    assert!(provider.list().await.expect("list").is_empty());
+
+    let spec = vm("ns", "mine");
+    provider.ensure_defined(&spec).await.expect("define");
+    let listed = provider.list().await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].id, spec.id);
+    assert_eq!(listed[0].backend_name, "ns_mine");
+}
+
+#[tokio::test]
+async fn domain_undefined_behind_vmlets_back_is_gone() {
+    let provider = host("host-b").await;
+    let spec = vm("ns", "vanishing");
+    let status = provider.ensure_defined(&spec).await.expect("define");
+
+    provider
+        .host
+        .connection
+        .with(|conn| {
+            conn.lookup_domain_by_uuid_string(&status.backend_id).unwrap().undefine().unwrap();
+            Ok(())
+        })
+        .unwrap();
+    // The cached UUID is stale now; get must verify it, not trust it.
+    assert_eq!(provider.get(&spec.id).await.expect("get"), None);
+    // And the name is free again.
+    let again = provider.ensure_defined(&spec).await.expect("define again");
+    assert_ne!(again.backend_id, status.backend_id);
+}
+
+#[tokio::test]
+async fn specs_libvirt_cannot_express_are_invalid_input() {
+    let provider = host("host-a").await;
+    let mut no_cpus = vm("ns", "zero");
+    no_cpus.cpus = 0;
+    let mut tiny = vm("ns", "tiny");
+    tiny.memory_bytes = 4096;
+    for spec in [no_cpus, tiny] {
+        let err = provider.ensure_defined(&spec).await.expect_err("invalid spec");
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{}", spec.name);
+    }
+    assert!(provider.list().await.expect("list").is_empty());
+}

@@ -1,0 +1,286 @@
+//! Domain XML that vmlet writes, and the identity element it reads back.
+//!
+//! vmlet writes its identity into the domain's `<metadata>` as one element in its
+//! own namespace:
+//!
+//! ```xml
+//! <metadata>
+//!   <vmlet:vm xmlns:vmlet="https://vmlet.io/xmlns/domain/v1"
+//!             uid="…" namespace="…" name="…"/>
+//! </metadata>
+//! ```
+//!
+//! libvirt hands that element back through `virDomainGetMetadata` (type ELEMENT,
+//! keyed by the namespace URI), so reading it needs no XML library: a small
+//! attribute scanner over one self-describing element is enough.
+
+use std::fmt::Write as _;
+
+use vmlet_provider::{VmId, VmSpec};
+
+/// Namespace URI of vmlet's metadata element in a domain's `<metadata>`.
+pub(crate) const METADATA_NS: &str = "https://vmlet.io/xmlns/domain/v1";
+
+/// Prefix used for [`METADATA_NS`] when vmlet writes the element.
+const METADATA_PREFIX: &str = "vmlet";
+
+/// The identity vmlet records on a domain it defined.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Identity {
+    /// The VirtualMachine object's UID.
+    pub(crate) id: VmId,
+    /// The VirtualMachine object's namespace.
+    pub(crate) namespace: String,
+    /// The VirtualMachine object's name.
+    pub(crate) name: String,
+}
+
+/// Which libvirt driver the domain is for; decides the domain type and devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DomainKind {
+    /// libvirt's test driver (`test:///…`): no devices, no real guest.
+    Test,
+    /// QEMU under software emulation (`<domain type='qemu'>`).
+    Qemu,
+}
+
+/// Escape `value` for use inside a single- or double-quoted XML attribute or as
+/// element text.
+pub(crate) fn escape(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Undo [`escape`] and numeric character references; unknown entities are kept
+/// as written.
+fn unescape(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    let mut rest = value;
+    while let Some(amp) = rest.find('&') {
+        out.push_str(&rest[..amp]);
+        rest = &rest[amp..];
+        let Some(semi) = rest.find(';') else { break };
+        let entity = &rest[1..semi];
+        let decoded = match entity {
+            "amp" => Some('&'),
+            "lt" => Some('<'),
+            "gt" => Some('>'),
+            "quot" => Some('"'),
+            "apos" => Some('\''),
+            _ => entity
+                .strip_prefix("#x")
+                .map(|hex| u32::from_str_radix(hex, 16))
+                .or_else(|| entity.strip_prefix('#').map(str::parse))
+                .and_then(|n| n.ok())
+                .and_then(char::from_u32),
+        };
+        match decoded {
+            Some(c) => {
+                out.push(c);
+                rest = &rest[semi + 1..];
+            }
+            None => {
+                out.push('&');
+                rest = &rest[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The `<vmlet:vm …/>` element for `spec`, as written into `<metadata>`.
+pub(crate) fn identity_element(spec: &VmSpec) -> String {
+    format!(
+        "<{p}:vm xmlns:{p}=\"{ns}\" uid=\"{uid}\" namespace=\"{namespace}\" name=\"{name}\"/>",
+        p = METADATA_PREFIX,
+        ns = METADATA_NS,
+        uid = escape(&spec.id.0),
+        namespace = escape(&spec.namespace),
+        name = escape(&spec.name),
+    )
+}
+
+/// Parse the identity from the element libvirt returns for [`METADATA_NS`].
+/// `None` when the element lacks a non-empty `uid` (not written by vmlet).
+pub(crate) fn parse_identity(element: &str) -> Option<Identity> {
+    let attrs = attributes(element)?;
+    let get = |key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+    let uid = get("uid").filter(|uid| !uid.is_empty())?;
+    Some(Identity {
+        id: VmId(uid),
+        namespace: get("namespace").unwrap_or_default(),
+        name: get("name").unwrap_or_default(),
+    })
+}
+
+/// The attributes of the first element in `xml`, unescaped, in document order.
+/// `None` when `xml` does not start with a well-formed start tag.
+fn attributes(xml: &str) -> Option<Vec<(String, String)>> {
+    let start = xml.find('<')?;
+    let mut rest = &xml[start + 1..];
+    // Skip the element name.
+    let name_end = rest.find(|c: char| c.is_whitespace() || c == '/' || c == '>')?;
+    rest = &rest[name_end..];
+    let mut attrs = Vec::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.starts_with('/') || rest.starts_with('>') {
+            return Some(attrs);
+        }
+        let eq = rest.find('=')?;
+        let key = rest[..eq].trim().to_owned();
+        rest = rest[eq + 1..].trim_start();
+        let quote = rest.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+        rest = &rest[1..];
+        let close = rest.find(quote)?;
+        attrs.push((key, unescape(&rest[..close])));
+        rest = &rest[close + 1..];
+    }
+}
+
+/// The persistent domain definition for `spec` on a driver of `kind`: name
+/// [`VmSpec::backend_name`], memory in KiB rounded up, `spec.cpus` vCPUs, vmlet's
+/// identity in `<metadata>`, and for QEMU a serial console and, when
+/// `spec.image` is set, a virtio disk from that file (qcow2 when the name ends in
+/// `.qcow2`, raw otherwise).
+pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind) -> String {
+    let memory_kib = spec.memory_bytes.div_ceil(1024);
+    let mut xml = String::new();
+    let domain_type = match kind {
+        DomainKind::Test => "test",
+        DomainKind::Qemu => "qemu",
+    };
+    // Writing into a String cannot fail.
+    let _ = writeln!(xml, "<domain type='{domain_type}'>");
+    let _ = writeln!(xml, "  <name>{}</name>", escape(&spec.backend_name()));
+    let _ = writeln!(xml, "  <metadata>{}</metadata>", identity_element(spec));
+    let _ = writeln!(xml, "  <memory unit='KiB'>{memory_kib}</memory>");
+    let _ = writeln!(xml, "  <currentMemory unit='KiB'>{memory_kib}</currentMemory>");
+    let _ = writeln!(xml, "  <vcpu placement='static'>{}</vcpu>", spec.cpus);
+    match kind {
+        DomainKind::Test => {
+            xml.push_str("  <os>\n    <type>hvm</type>\n  </os>\n");
+        }
+        DomainKind::Qemu => {
+            xml.push_str(concat!(
+                "  <os>\n",
+                "    <type arch='x86_64' machine='pc'>hvm</type>\n",
+                "    <boot dev='hd'/>\n",
+                "  </os>\n",
+                "  <features>\n    <acpi/>\n    <apic/>\n  </features>\n",
+                "  <clock offset='utc'/>\n",
+                "  <on_poweroff>destroy</on_poweroff>\n",
+                "  <on_reboot>restart</on_reboot>\n",
+                "  <on_crash>destroy</on_crash>\n",
+                "  <devices>\n",
+            ));
+            if let Some(image) = &spec.image {
+                let format = if image.ends_with(".qcow2") { "qcow2" } else { "raw" };
+                let _ = write!(
+                    xml,
+                    concat!(
+                        "    <disk type='file' device='disk'>\n",
+                        "      <driver name='qemu' type='{format}'/>\n",
+                        "      <source file='{source}'/>\n",
+                        "      <target dev='vda' bus='virtio'/>\n",
+                        "    </disk>\n",
+                    ),
+                    format = format,
+                    source = escape(image),
+                );
+            }
+            xml.push_str(concat!("    <serial type='pty'/>\n", "    <console type='pty'/>\n", "  </devices>\n",));
+        }
+    }
+    xml.push_str("</domain>\n");
+    xml
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> VmSpec {
+        VmSpec {
+            id: VmId("6c8f1f4e-2b0a-4e53-9d1e-0f1e2d3c4b5a".into()),
+            namespace: "team-a".into(),
+            name: "web.1".into(),
+            cpus: 2,
+            memory_bytes: 512 * 1024 * 1024 + 1,
+            image: None,
+        }
+    }
+
+    #[test]
+    fn escape_covers_the_five_xml_specials_and_round_trips() {
+        let raw = r#"a&b<c>d"e'f.g-h"#;
+        assert_eq!(escape(raw), "a&amp;b&lt;c&gt;d&quot;e&apos;f.g-h");
+        assert_eq!(unescape(&escape(raw)), raw);
+        assert_eq!(unescape("&#65;&#x42;&bogus;"), "AB&bogus;");
+    }
+
+    #[test]
+    fn identity_round_trips_through_the_metadata_element() {
+        let mut spec = spec();
+        spec.name = "quote\"and'amp&".into();
+        let parsed = parse_identity(&identity_element(&spec)).expect("identity");
+        assert_eq!(parsed.id, spec.id);
+        assert_eq!(parsed.namespace, "team-a");
+        assert_eq!(parsed.name, "quote\"and'amp&");
+    }
+
+    #[test]
+    fn identity_parses_libvirts_own_serialisation() {
+        // What libvirt 9 returns from virDomainGetMetadata(ELEMENT).
+        let element = "<vmlet:vm xmlns:vmlet=\"https://vmlet.io/xmlns/domain/v1\" \
+                       uid=\"u-1\" namespace=\"ns\" name=\"n\"/>\n";
+        let parsed = parse_identity(element).expect("identity");
+        assert_eq!(parsed.id, VmId("u-1".into()));
+        assert_eq!((parsed.namespace.as_str(), parsed.name.as_str()), ("ns", "n"));
+    }
+
+    #[test]
+    fn element_without_uid_is_no_identity() {
+        assert_eq!(parse_identity("<vmlet:vm namespace='ns' name='n'/>"), None);
+        assert_eq!(parse_identity("<vmlet:vm uid=''/>"), None);
+        assert_eq!(parse_identity(""), None);
+    }
+
+    #[test]
+    fn memory_is_rounded_up_to_whole_kib() {
+        let xml = domain_xml(&spec(), DomainKind::Test);
+        assert!(xml.contains("<memory unit='KiB'>524289</memory>"), "{xml}");
+        assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
+        assert!(xml.contains("<name>team-a_web.1</name>"), "{xml}");
+        assert!(xml.starts_with("<domain type='test'>"), "{xml}");
+    }
+
+    #[test]
+    fn qemu_domain_gets_a_disk_only_when_an_image_is_given() {
+        let without = domain_xml(&spec(), DomainKind::Qemu);
+        assert!(without.starts_with("<domain type='qemu'>"), "{without}");
+        assert!(without.contains("machine='pc'"), "{without}");
+        assert!(without.contains("<serial type='pty'/>"), "{without}");
+        assert!(!without.contains("<disk"), "{without}");
+
+        let mut with = spec();
+        with.image = Some("/var/lib/vmlet/images/it's.qcow2".into());
+        let xml = domain_xml(&with, DomainKind::Qemu);
+        assert!(xml.contains("<driver name='qemu' type='qcow2'/>"), "{xml}");
+        assert!(xml.contains("<source file='/var/lib/vmlet/images/it&apos;s.qcow2'/>"), "{xml}");
+
+        with.image = Some("/images/disk.img".into());
+        assert!(domain_xml(&with, DomainKind::Qemu).contains("type='raw'"));
+    }
+}

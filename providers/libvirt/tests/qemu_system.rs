@@ -1,0 +1,112 @@
+//! The libvirt provider against a real libvirtd with QEMU (`qemu:///system`).
+//!
+//! Runs only when `VMLET_LIBVIRT_QEMU_URI` is set (CI sets it after
+//! `hack/libvirtd.sh up`); otherwise each test prints why it skipped and passes.
+//! The guest has no disk: QEMU idles in the firmware, which is a real, cheap
+//! process for lifecycle checks. Names and uids are unique per run; VMs left by an
+//! earlier, failed run (namespace `vmlet-it`) are removed first.
+
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use vmlet_libvirt::LibvirtProvider;
+use vmlet_provider::{PowerState, Provider, VmId, VmSpec};
+
+const NAMESPACE: &str = "vmlet-it";
+
+fn qemu_uri() -> Option<String> {
+    let uri = std::env::var("VMLET_LIBVIRT_QEMU_URI").ok().filter(|uri| !uri.is_empty());
+    if uri.is_none() {
+        println!("skipped: VMLET_LIBVIRT_QEMU_URI unset");
+    }
+    uri
+}
+
+/// A spec unique to this run: a UUID-shaped uid from the clock and the pid.
+fn unique_spec() -> VmSpec {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_nanos();
+    let pid = std::process::id();
+    let uid = format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        (nanos >> 64) as u32 ^ pid,
+        (nanos >> 48) as u16,
+        (nanos >> 36) as u16 & 0xfff,
+        (nanos >> 24) as u16 & 0xfff,
+        nanos as u64 & 0xffff_ffff_ffff,
+    );
+    VmSpec {
+        id: VmId(uid),
+        namespace: NAMESPACE.into(),
+        name: format!("lifecycle-{pid}-{}", nanos % 1_000_000_000),
+        cpus: 1,
+        memory_bytes: 64 * 1024 * 1024,
+        image: None,
+    }
+}
+
+/// `virsh -c <uri> domstate <name>`, trimmed.
+fn virsh_domstate(uri: &str, name: &str) -> String {
+    let out = Command::new("virsh").args(["-c", uri, "domstate", name]).output().expect("run virsh");
+    assert!(out.status.success(), "virsh domstate {name}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Destroy and undefine every VM an earlier run of these tests left behind.
+async fn remove_leftovers(provider: &LibvirtProvider) {
+    for vm in provider.list().await.expect("list") {
+        if vm.backend_name.starts_with(&format!("{NAMESPACE}_")) {
+            println!("removing leftover {} (uid {})", vm.backend_name, vm.id);
+            provider.destroy(&vm.id).await.expect("destroy leftover");
+            provider.undefine(&vm.id).await.expect("undefine leftover");
+        }
+    }
+}
+
+#[tokio::test]
+async fn qemu_domain_lifecycle_survives_a_provider_restart() {
+    let Some(uri) = qemu_uri() else { return };
+    let provider = LibvirtProvider::connect(&uri).await.expect("connect");
+    provider.ping().await.expect("ping");
+    remove_leftovers(&provider).await;
+
+    let host = provider.host_info().await.expect("host info");
+    assert!(host.cpus >= 1 && host.memory_bytes > 0, "{host:?}");
+    assert!(host.hypervisor.starts_with("libvirt ") && host.hypervisor.ends_with("(QEMU)"), "{host:?}");
+
+    let spec = unique_spec();
+    let name = spec.backend_name();
+    let defined = provider.ensure_defined(&spec).await.expect("define");
+    assert_eq!(defined.backend_name, name);
+    assert_eq!(defined.power, PowerState::Off);
+    assert_eq!(defined.memory_bytes, spec.memory_bytes);
+    assert_eq!(virsh_domstate(&uri, &name), "shut off");
+
+    provider.start(&spec.id).await.expect("start");
+    provider.start(&spec.id).await.expect("start again");
+    assert_eq!(virsh_domstate(&uri, &name), "running");
+    let running = provider.get(&spec.id).await.expect("get").expect("defined");
+    assert_eq!(running.power, PowerState::Running);
+    assert_eq!(running.backend_id, defined.backend_id);
+
+    // A fresh connection, as after a vmlet restart, finds the same domain by uid.
+    let restarted = LibvirtProvider::connect(&uri).await.expect("connect again");
+    let found = restarted.get(&spec.id).await.expect("get").expect("found after restart");
+    assert_eq!(found.backend_id, defined.backend_id);
+    assert_eq!(found.backend_name, name);
+    assert_eq!(found.power, PowerState::Running);
+    assert!(restarted.list().await.expect("list").iter().any(|vm| vm.id == spec.id));
+
+    // No guest OS answers ACPI: shutdown is accepted, destroy stops it.
+    restarted.shutdown(&spec.id).await.expect("shutdown");
+    restarted.destroy(&spec.id).await.expect("destroy");
+    restarted.destroy(&spec.id).await.expect("destroy again");
+    assert_eq!(virsh_domstate(&uri, &name), "shut off");
+    let stopped = restarted.get(&spec.id).await.expect("get").expect("still defined");
+    assert_eq!(stopped.power, PowerState::Off);
+    assert_eq!(stopped.backend_id, defined.backend_id, "the same domain across stop/start");
+
+    restarted.undefine(&spec.id).await.expect("undefine");
+    restarted.undefine(&spec.id).await.expect("undefine again");
+    assert_eq!(restarted.get(&spec.id).await.expect("get"), None);
+    assert_eq!(provider.get(&spec.id).await.expect("get through the first connection"), None);
+}

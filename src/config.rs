@@ -1,0 +1,285 @@
+//! vmlet's configuration file: which hypervisor hosts this process serves, and how.
+//!
+//! ```yaml
+//! nodeIP: 127.0.0.1          # InternalIP of every node; the API server dials it for logs/exec
+//! kubeletPort: 10250         # daemonEndpoints.kubeletEndpoint.Port of every node
+//! controller: true           # also run the VirtualMachine controller
+//! hosts:
+//!   - name: host-a           # becomes the Node name
+//!     provider: libvirt
+//!     uri: qemu:///system
+//!     labels: {zone: a}
+//!     taints: [{key: virtual-kubelet.io/provider, value: vmlet, effect: NoSchedule}]
+//!     maxPods: 110
+//! ```
+//!
+//! [`Config::from_yaml`] resolves defaults and validates everything before any
+//! socket is opened; its errors name the field and the fix.
+
+use serde::Deserialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::Duration;
+
+/// The taint every virtual node carries unless a host lists its own.
+pub const DEFAULT_TAINT_KEY: &str = "virtual-kubelet.io/provider";
+/// Value of the default taint.
+pub const DEFAULT_TAINT_VALUE: &str = "vmlet";
+
+/// A configuration that cannot be used, naming the field and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The path given.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The YAML does not parse or has unknown fields.
+    #[error("parsing {path}: {source}")]
+    Parse {
+        /// The path given.
+        path: String,
+        /// The YAML error, with line and column.
+        #[source]
+        source: serde_yaml::Error,
+    },
+    /// A field has a value vmlet cannot use.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// The field, e.g. `hosts[1].name`.
+        field: String,
+        /// What is wrong and what to write instead.
+        message: String,
+    },
+}
+
+/// The resolved, validated configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Config {
+    /// InternalIP of every node vmlet registers: where the API server reaches the
+    /// kubelet API. Default 127.0.0.1.
+    #[serde(default = "default_node_ip")]
+    pub node_ip: IpAddr,
+    /// Port of the kubelet API (`daemonEndpoints.kubeletEndpoint.Port`). Default 10250.
+    #[serde(default = "default_kubelet_port")]
+    pub kubelet_port: u16,
+    /// Whether this process also runs the VirtualMachine controller. Default true.
+    #[serde(default = "default_true")]
+    pub controller: bool,
+    /// Lease duration in seconds (kube-node-lease). Default 40, as the kubelet's.
+    #[serde(default = "default_lease_seconds")]
+    pub lease_duration_seconds: u32,
+    /// The hypervisor hosts this process serves, one virtual node each.
+    pub hosts: Vec<HostConfig>,
+}
+
+/// One hypervisor host.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostConfig {
+    /// Node name: a DNS-1123 subdomain, unique in this file.
+    pub name: String,
+    /// Backend name, e.g. `libvirt`.
+    pub provider: String,
+    /// Backend connection URI, e.g. `qemu:///system` or `test:///abs/path/host.xml`.
+    pub uri: String,
+    /// Extra Node labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Node taints; default: `virtual-kubelet.io/provider=vmlet:NoSchedule`. An
+    /// empty list means no taint: plain pods may then be scheduled onto the host.
+    #[serde(default)]
+    pub taints: Option<Vec<TaintConfig>>,
+    /// Pod capacity of the node. Default 110, as the kubelet's.
+    #[serde(default = "default_max_pods")]
+    pub max_pods: u32,
+}
+
+/// A Node taint.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TaintConfig {
+    /// Taint key.
+    pub key: String,
+    /// Taint value (may be empty).
+    #[serde(default)]
+    pub value: String,
+    /// `NoSchedule`, `PreferNoSchedule` or `NoExecute`.
+    pub effect: String,
+}
+
+fn default_node_ip() -> IpAddr {
+    IpAddr::from([127, 0, 0, 1])
+}
+fn default_kubelet_port() -> u16 {
+    10250
+}
+fn default_true() -> bool {
+    true
+}
+fn default_lease_seconds() -> u32 {
+    40
+}
+fn default_max_pods() -> u32 {
+    110
+}
+
+impl HostConfig {
+    /// The host's taints with the default applied.
+    pub fn effective_taints(&self) -> Vec<TaintConfig> {
+        self.taints.clone().unwrap_or_else(|| {
+            vec![TaintConfig {
+                key: DEFAULT_TAINT_KEY.to_owned(),
+                value: DEFAULT_TAINT_VALUE.to_owned(),
+                effect: "NoSchedule".to_owned(),
+            }]
+        })
+    }
+}
+
+impl Config {
+    /// Read and validate a config file. Errors: [`ConfigError`], naming the field.
+    pub fn from_file(path: &Path, known_providers: &[&str]) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        Config::from_yaml(&text, known_providers).map_err(|e| match e {
+            ConfigError::Parse { source, .. } => ConfigError::Parse { path: path.display().to_string(), source },
+            other => other,
+        })
+    }
+
+    /// Parse and validate YAML text. `known_providers` lists the backends this
+    /// binary was built with.
+    pub fn from_yaml(text: &str, known_providers: &[&str]) -> Result<Config, ConfigError> {
+        let config: Config =
+            serde_yaml::from_str(text).map_err(|source| ConfigError::Parse { path: "<config>".to_owned(), source })?;
+        config.validate(known_providers)?;
+        Ok(config)
+    }
+
+    /// How long a Lease lives without renewal.
+    pub fn lease_duration(&self) -> Duration {
+        Duration::from_secs(self.lease_duration_seconds.into())
+    }
+
+    fn validate(&self, known_providers: &[&str]) -> Result<(), ConfigError> {
+        let invalid = |field: String, message: String| Err(ConfigError::Invalid { field, message });
+        if self.hosts.is_empty() {
+            return invalid("hosts".into(), "lists no host; add at least one {name, provider, uri}".into());
+        }
+        if self.lease_duration_seconds < 10 {
+            return invalid(
+                "leaseDurationSeconds".into(),
+                format!("{} is too short; use at least 10 (default 40)", self.lease_duration_seconds),
+            );
+        }
+        let mut names = BTreeSet::new();
+        for (i, host) in self.hosts.iter().enumerate() {
+            let at = |f: &str| format!("hosts[{i}].{f}");
+            if let Err(why) = check_subdomain(&host.name) {
+                return invalid(at("name"), format!("{:?} is not a valid node name: {why}", host.name));
+            }
+            if !names.insert(host.name.as_str()) {
+                return invalid(at("name"), format!("{:?} appears twice; node names must be unique", host.name));
+            }
+            if !known_providers.contains(&host.provider.as_str()) {
+                return invalid(
+                    at("provider"),
+                    format!("{:?} is not a provider of this build; use one of {known_providers:?}", host.provider),
+                );
+            }
+            if host.uri.trim().is_empty() {
+                return invalid(at("uri"), "is empty; give the backend's connection URI, e.g. qemu:///system".into());
+            }
+            if host.max_pods == 0 {
+                return invalid(at("maxPods"), "is 0; a node needs room for at least one pod".into());
+            }
+            for (j, taint) in host.effective_taints().iter().enumerate() {
+                if !matches!(taint.effect.as_str(), "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+                    return invalid(
+                        at(&format!("taints[{j}].effect")),
+                        format!(
+                            "{:?} is not a taint effect; use NoSchedule, PreferNoSchedule or NoExecute",
+                            taint.effect
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Check a DNS-1123 subdomain (what Kubernetes requires of node names).
+fn check_subdomain(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name.len() > 253 {
+        return Err("it must be 1 to 253 characters");
+    }
+    for label in name.split('.') {
+        let ok_chars = label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        let ok_ends = label.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && label.ends_with(|c: char| c.is_ascii_alphanumeric());
+        if !ok_chars || !ok_ends {
+            return Err("use lowercase letters, digits, '-' and '.', starting and ending with a letter or digit");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PROVIDERS: &[&str] = &["libvirt"];
+
+    #[test]
+    fn minimal_config_gets_kubelet_like_defaults() {
+        let config =
+            Config::from_yaml("hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}]", PROVIDERS).unwrap();
+        assert_eq!(config.node_ip, IpAddr::from([127, 0, 0, 1]));
+        assert_eq!(config.kubelet_port, 10250);
+        assert_eq!(config.lease_duration(), Duration::from_secs(40));
+        assert_eq!(config.hosts[0].max_pods, 110);
+        let taints = config.hosts[0].effective_taints();
+        assert_eq!(taints.len(), 1);
+        assert_eq!(taints[0].key, "virtual-kubelet.io/provider");
+        assert_eq!(taints[0].effect, "NoSchedule");
+    }
+
+    fn error_of(yaml: &str) -> String {
+        Config::from_yaml(yaml, PROVIDERS).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn bad_host_fields_are_named() {
+        let e = error_of("hosts: [{name: Host_A, provider: libvirt, uri: x}]");
+        assert!(e.starts_with("hosts[0].name:"), "{e}");
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x}, {name: a, provider: libvirt, uri: y}]");
+        assert!(e.starts_with("hosts[1].name:") && e.contains("twice"), "{e}");
+        let e = error_of("hosts: [{name: a, provider: xen, uri: x}]");
+        assert!(e.starts_with("hosts[0].provider:") && e.contains("libvirt"), "{e}");
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: ' '}]");
+        assert!(e.starts_with("hosts[0].uri:"), "{e}");
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x, taints: [{key: k, effect: Sometimes}]}]");
+        assert!(e.starts_with("hosts[0].taints[0].effect:"), "{e}");
+        assert!(error_of("hosts: []").starts_with("hosts:"));
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_with_their_name() {
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x, maxpods: 3}]");
+        assert!(e.contains("maxpods"), "{e}");
+    }
+
+    #[test]
+    fn an_empty_taint_list_means_untainted() {
+        let config = Config::from_yaml("hosts: [{name: a, provider: libvirt, uri: x, taints: []}]", PROVIDERS).unwrap();
+        assert!(config.hosts[0].effective_taints().is_empty());
+    }
+}

@@ -1,0 +1,174 @@
+//! VirtualMachine status derived from the VM and its pod (pure functions).
+
+use crate::conditions::set_condition;
+use crate::v1alpha1::{VirtualMachine, VirtualMachineStatus, VmPhase, VM_LABEL};
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::ResourceExt;
+
+/// The status a VM should have given its current pod (`None` when it has none).
+///
+/// Keeps `nodeName` from the previous status while the VM has no pod: a stopped
+/// VM's definition stays on that host and its next start goes back there.
+pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachineStatus {
+    let previous = vm.status.clone().unwrap_or_default();
+    let generation = vm.metadata.generation;
+    let mut status = VirtualMachineStatus {
+        observed_generation: generation,
+        selector: Some(format!("{VM_LABEL}={}", vm.name_any())),
+        node_name: previous.node_name.clone(),
+        provider_id: previous.provider_id.clone(),
+        conditions: previous.conditions.clone(),
+        ..VirtualMachineStatus::default()
+    };
+
+    let Some(pod) = pod else {
+        status.phase = Some(if vm.spec.replicas == 0 { VmPhase::Stopped } else { VmPhase::Scheduling });
+        let (reason, message) = if vm.spec.replicas == 0 {
+            ("Stopped", "spec.replicas is 0".to_owned())
+        } else {
+            ("PodPending", "the VM's pod is being created".to_owned())
+        };
+        set_condition(&mut status.conditions, condition("Ready", false, reason, &message, generation));
+        return status;
+    };
+
+    let pod_status = pod.status.clone().unwrap_or_default();
+    let pod_conditions = pod_status.conditions.clone().unwrap_or_default();
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    let ready = pod_condition(&pod_conditions, "Ready").is_some_and(|c| c.status == "True");
+    let container = pod_status.container_statuses.as_ref().and_then(|c| c.first());
+
+    status.replicas = 1;
+    status.ready_replicas = i32::from(ready);
+    status.pod_name = Some(pod.name_any());
+    if node.is_some() {
+        status.node_name = node.clone();
+    }
+    if let Some(id) = container.and_then(|c| c.container_id.clone()) {
+        status.provider_id = Some(id);
+    }
+    status.addresses = pod_status.pod_ips.iter().flatten().map(|ip| ip.ip.clone()).collect();
+
+    let scheduled = pod_condition(&pod_conditions, "PodScheduled");
+    let waiting = container.and_then(|c| c.state.as_ref()).and_then(|s| s.waiting.as_ref());
+    let phase = if pod.metadata.deletion_timestamp.is_some() {
+        VmPhase::Stopping
+    } else if node.is_none() {
+        VmPhase::Scheduling
+    } else {
+        match pod_status.phase.as_deref() {
+            Some("Running") if ready => VmPhase::Running,
+            Some("Failed") => VmPhase::Failed,
+            Some("Unknown") => VmPhase::Unknown,
+            _ => VmPhase::Starting,
+        }
+    };
+    status.phase = Some(phase);
+
+    match scheduled {
+        Some(c) if c.status == "False" => set_condition(
+            &mut status.conditions,
+            condition(
+                "Scheduled",
+                false,
+                c.reason.as_deref().unwrap_or("Unschedulable"),
+                c.message.as_deref().unwrap_or("the scheduler found no host"),
+                generation,
+            ),
+        ),
+        _ if node.is_some() => set_condition(
+            &mut status.conditions,
+            condition(
+                "Scheduled",
+                true,
+                "Scheduled",
+                &format!("bound to host {}", node.as_deref().unwrap_or_default()),
+                generation,
+            ),
+        ),
+        _ => {}
+    }
+
+    let (reason, message) = match phase {
+        VmPhase::Running => ("Running", "the VM runs and its pod is Ready".to_owned()),
+        VmPhase::Stopping => ("Stopping", "the VM is shutting down".to_owned()),
+        VmPhase::Scheduling => (
+            "Unschedulable",
+            scheduled.and_then(|c| c.message.clone()).unwrap_or_else(|| "waiting for the scheduler".into()),
+        ),
+        _ => match waiting {
+            Some(w) => (
+                w.reason.as_deref().unwrap_or("Starting"),
+                w.message.clone().unwrap_or_else(|| "the VM is starting".into()),
+            ),
+            None => ("Starting", "the VM is starting".to_owned()),
+        },
+    };
+    set_condition(&mut status.conditions, condition("Ready", ready, reason, &message, generation));
+    status
+}
+
+fn pod_condition<'a>(conditions: &'a [PodCondition], type_: &str) -> Option<&'a PodCondition> {
+    conditions.iter().find(|c| c.type_ == type_)
+}
+
+fn condition(type_: &str, status: bool, reason: &str, message: &str, generation: Option<i64>) -> Condition {
+    crate::conditions::new_condition(type_, status, reason, message, generation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{PodBuilder, VmBuilder};
+
+    fn find<'a>(status: &'a VirtualMachineStatus, type_: &str) -> &'a Condition {
+        status.conditions.iter().find(|c| c.type_ == type_).unwrap()
+    }
+
+    #[test]
+    fn stopped_vm_without_pod_is_stopped_and_keeps_its_home_host() {
+        let vm = VmBuilder::new("web").stopped().on_host("host-b").build();
+        let status = status_from_pod(&vm, None);
+        assert_eq!(status.phase, Some(VmPhase::Stopped));
+        assert_eq!((status.replicas, status.ready_replicas), (0, 0));
+        assert_eq!(status.node_name.as_deref(), Some("host-b"));
+        assert_eq!(status.selector.as_deref(), Some("vmlet.io/vm=web"));
+        assert_eq!(find(&status, "Ready").reason, "Stopped");
+    }
+
+    #[test]
+    fn unschedulable_pod_puts_the_schedulers_message_in_the_status() {
+        let vm = VmBuilder::new("big").cpu(512).build();
+        let msg = "0/3 nodes are available: 3 Insufficient cpu.";
+        let pod = PodBuilder::for_vm(&vm).unschedulable(msg).build();
+        let status = status_from_pod(&vm, Some(&pod));
+        assert_eq!(status.phase, Some(VmPhase::Scheduling));
+        let scheduled = find(&status, "Scheduled");
+        assert_eq!((scheduled.status.as_str(), scheduled.reason.as_str()), ("False", "Unschedulable"));
+        assert_eq!(scheduled.message, msg);
+        assert_eq!(find(&status, "Ready").message, msg);
+    }
+
+    #[test]
+    fn running_ready_pod_makes_a_running_vm_with_its_node_and_ip() {
+        let vm = VmBuilder::new("web").build();
+        let pod = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.10").build();
+        let status = status_from_pod(&vm, Some(&pod));
+        assert_eq!(status.phase, Some(VmPhase::Running));
+        assert_eq!((status.replicas, status.ready_replicas), (1, 1));
+        assert_eq!(status.node_name.as_deref(), Some("host-a"));
+        assert_eq!(status.pod_name.as_deref(), Some("web"));
+        assert_eq!(status.addresses, vec!["192.0.2.10".to_owned()]);
+        assert_eq!(status.provider_id.as_deref(), Some("libvirt://0b5c3b3e-0000-4000-8000-00000000000a"));
+        assert_eq!(find(&status, "Ready").status, "True");
+        assert_eq!(status.observed_generation, Some(1));
+    }
+
+    #[test]
+    fn deleting_pod_means_stopping() {
+        let vm = VmBuilder::new("web").stopped().build();
+        let pod = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.10").deleting().build();
+        assert_eq!(status_from_pod(&vm, Some(&pod)).phase, Some(VmPhase::Stopping));
+    }
+}

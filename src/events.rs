@@ -1,0 +1,100 @@
+//! Kubernetes Events for what vmlet does and what fails, with one PascalCase
+//! reason per action (shown by `kubectl describe` and `kubectl get events`).
+
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, Resource};
+use tracing::debug;
+
+/// Every Event reason vmlet emits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The controller created a VM's pod.
+    CreatedPod,
+    /// The controller deleted a VM's pod (stop, delete or replacement).
+    DeletedPod,
+    /// The controller released a deleted VM without touching its IaaS VM.
+    ReleasedVm,
+    /// The agent defined the VM on its host.
+    Defined,
+    /// The agent powered the VM on.
+    Started,
+    /// The agent asked the guest to shut down.
+    ShuttingDown,
+    /// The agent powered the VM off (after the grace period, or `Hard`).
+    Destroyed,
+    /// The VM is off; the pod's deletion is complete.
+    Stopped,
+    /// The agent removed the VM's definition from its host.
+    Undefined,
+    /// The agent keeps an evicted VM running because it still should run.
+    EvictionHeld,
+    /// A provider call failed.
+    ProviderFailed,
+    /// A pod that is not a VM pod was bound to a virtual node.
+    NotAVirtualMachine,
+}
+
+impl Reason {
+    /// The PascalCase reason string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::CreatedPod => "CreatedPod",
+            Reason::DeletedPod => "DeletedPod",
+            Reason::ReleasedVm => "ReleasedVm",
+            Reason::Defined => "Defined",
+            Reason::Started => "Started",
+            Reason::ShuttingDown => "ShuttingDown",
+            Reason::Destroyed => "Destroyed",
+            Reason::Stopped => "Stopped",
+            Reason::Undefined => "Undefined",
+            Reason::EvictionHeld => "EvictionHeld",
+            Reason::ProviderFailed => "ProviderFailed",
+            Reason::NotAVirtualMachine => "NotAVirtualMachine",
+        }
+    }
+
+    fn is_warning(self) -> bool {
+        matches!(self, Reason::ProviderFailed | Reason::NotAVirtualMachine | Reason::EvictionHeld)
+    }
+}
+
+/// Publishes Events as one reporting component. Failures to publish are logged at
+/// debug level and otherwise ignored: an Event is never worth failing an action.
+#[derive(Clone)]
+pub struct EventSink {
+    recorder: Recorder,
+}
+
+impl EventSink {
+    /// A sink reporting as `component` (e.g. `vmlet-controller`, `vmlet/host-a`).
+    pub fn new(client: Client, component: &str) -> Self {
+        let reporter = Reporter {
+            controller: component.to_owned(),
+            instance: hostname::get().ok().and_then(|h| h.into_string().ok()),
+        };
+        EventSink { recorder: Recorder::new(client, reporter) }
+    }
+
+    /// Publish `reason` with `note` (at most 1 KiB is kept) about `object`.
+    pub async fn publish<K: Resource<DynamicType = ()>>(&self, object: &K, reason: Reason, note: &str) {
+        let mut note = note.to_owned();
+        if note.len() > 1024 {
+            let mut end = 1021;
+            while !note.is_char_boundary(end) {
+                end -= 1;
+            }
+            note.truncate(end);
+            note.push_str("...");
+        }
+        let event = Event {
+            type_: if reason.is_warning() { EventType::Warning } else { EventType::Normal },
+            reason: reason.as_str().to_owned(),
+            note: Some(note),
+            action: reason.as_str().to_owned(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &object.object_ref(&())).await {
+            debug!(error = %e, reason = reason.as_str(), "event not published");
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! vmlet: IaaS virtual machines under Kubernetes.
+//!
+//! Each hypervisor host registers as a virtual node ([`node`]); each running VM
+//! is a pod bound to its host's node, created by the VirtualMachine controller
+//! ([`controller`]) from the [`v1alpha1::VirtualMachine`] resource. Backends are
+//! reached only through [`vmlet_provider::Provider`]; this crate names none.
+
+pub mod conditions;
+pub mod config;
+pub mod controller;
+pub mod events;
+pub mod node;
+pub mod quantity;
+pub mod v1alpha1;
+pub mod vmpod;
+
+#[cfg(test)]
+mod testing;

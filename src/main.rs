@@ -1,0 +1,138 @@
+//! The `vmlet` binary: `vmlet run --config FILE` serves the configured hypervisor
+//! hosts as virtual nodes; `vmlet crd` prints the VirtualMachine CRD.
+//!
+//! This is the only place that names backends: it turns a host's `provider` field
+//! into a [`Provider`].
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use kube::CustomResourceExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+use vmlet::config::{Config, HostConfig};
+use vmlet::v1alpha1::VirtualMachine;
+use vmlet_provider::Provider;
+
+/// Backends this binary is built with.
+const PROVIDERS: &[&str] = &["libvirt"];
+
+/// Exit code for a bad command line or configuration (sysexits EX_USAGE).
+const EX_USAGE: u8 = 64;
+
+#[derive(Parser)]
+#[command(name = "vmlet", version, about = "Run IaaS virtual machines from Kubernetes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the configured hosts as virtual nodes (and run the VirtualMachine
+    /// controller unless the config says `controller: false`).
+    Run {
+        /// The configuration file (YAML); see deploy/config.example.yaml.
+        #[arg(long, short, env = "VMLET_CONFIG")]
+        config: PathBuf,
+        /// Grace period for a clean shutdown, in seconds.
+        #[arg(long, default_value_t = 10)]
+        shutdown_grace_seconds: u64,
+    },
+    /// Print the VirtualMachine CustomResourceDefinition as YAML.
+    Crd,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd => match serde_yaml::to_string(&VirtualMachine::crd()) {
+            Ok(yaml) => {
+                print!("{yaml}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("vmlet crd: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Run { config, shutdown_grace_seconds } => {
+            init_tracing();
+            let config = match Config::from_file(&config, PROVIDERS) {
+                Ok(config) => config,
+                Err(e) => {
+                    eprintln!("vmlet: bad configuration: {e}");
+                    return ExitCode::from(EX_USAGE);
+                }
+            };
+            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+            match runtime.block_on(run(config, Duration::from_secs(shutdown_grace_seconds))) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    error!("{e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("VMLET_LOG").unwrap_or_else(|_| EnvFilter::new("info,kube=warn"));
+    let json = std::env::var("VMLET_LOG_FORMAT").is_ok_and(|f| f == "json");
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn connect(host: &HostConfig) -> anyhow::Result<Arc<dyn Provider>> {
+    match host.provider.as_str() {
+        "libvirt" => Ok(Arc::new(
+            vmlet_libvirt::LibvirtProvider::connect(&host.uri)
+                .await
+                .with_context(|| format!("host {}: connecting to {}", host.name, host.uri))?,
+        )),
+        other => anyhow::bail!("host {}: provider {other:?} is not built in", host.name),
+    }
+}
+
+async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API server (KUBECONFIG or in-cluster)")?;
+    let config = Arc::new(config);
+    let shutdown = CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+
+    for host in &config.hosts {
+        let provider = connect(host).await?;
+        tasks.spawn(vmlet::node::run(client.clone(), config.clone(), host.clone(), provider, shutdown.child_token()));
+    }
+    if config.controller {
+        tasks.spawn(vmlet::controller::run(client.clone(), shutdown.child_token()));
+    }
+    info!(hosts = config.hosts.len(), controller = config.controller, "vmlet running");
+
+    wait_for_signal().await;
+    info!("shutting down; VMs keep running");
+    shutdown.cancel();
+    if tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await.is_err() {
+        warn!(grace_seconds = grace.as_secs(), "shutdown grace period passed; exiting");
+    }
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,0 +1,189 @@
+//! The node agent of one hypervisor host: its Node, its Lease, and the sync of
+//! the pods bound to it.
+//!
+//! Order, as the kubelet's: probe the host, start the pod and cleanup loops, then
+//! register the Node as Ready; renew the Lease every `leaseDuration / 4` only
+//! while the provider answers its ping; on shutdown, report NotReady (the VMs keep
+//! running) and stop.
+
+mod cleanup;
+pub mod lease;
+pub mod pod_status;
+mod pods;
+pub mod registration;
+
+use crate::config::{Config, HostConfig};
+use crate::events::EventSink;
+use crate::v1alpha1::VirtualMachine;
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::runtime::{watcher, Controller};
+use kube::{Api, Client};
+use registration::Readiness;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, instrument, warn};
+use vmlet_provider::{HostInfo, Provider};
+
+/// Shared state of one host's agent.
+pub struct Agent {
+    host: HostConfig,
+    host_ip: String,
+    client: Client,
+    provider: Arc<dyn Provider>,
+    events: EventSink,
+    /// Pods (by UID) whose guest was already asked to shut down.
+    shutdown_sent: Mutex<HashSet<String>>,
+    /// Evicted pods (by UID) whose VM is held running; the Event was sent.
+    held: Mutex<HashSet<String>>,
+}
+
+impl Agent {
+    /// Record `uid` in `set`; true when it was new.
+    fn remember(&self, set: &Mutex<HashSet<String>>, uid: &str) -> bool {
+        set.lock().expect("agent set poisoned").insert(uid.to_owned())
+    }
+
+    fn forget(&self, uid: &str) {
+        self.shutdown_sent.lock().expect("agent set poisoned").remove(uid);
+        self.held.lock().expect("agent set poisoned").remove(uid);
+    }
+}
+
+/// Run the agent of `host` until `shutdown` is cancelled.
+#[instrument(skip_all, fields(node.name = %host.name, provider = provider.kind()))]
+pub async fn run(
+    client: Client,
+    config: Arc<Config>,
+    host: HostConfig,
+    provider: Arc<dyn Provider>,
+    shutdown: CancellationToken,
+) {
+    let Some(info) = probe(&*provider, &shutdown).await else { return };
+    match provider.list().await {
+        Ok(vms) => info!(count = vms.len(), "found vmlet VMs on the host; they are adopted, not changed"),
+        Err(e) => warn!(error = %e, "could not list the host's VMs"),
+    }
+    let agent = Arc::new(Agent {
+        host_ip: config.node_ip.to_string(),
+        events: EventSink::new(client.clone(), &format!("vmlet/{}", host.name)),
+        client: client.clone(),
+        provider: provider.clone(),
+        host: host.clone(),
+        shutdown_sent: Mutex::default(),
+        held: Mutex::default(),
+    });
+
+    let pods = Controller::new(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().fields(&format!("spec.nodeName={}", host.name)),
+    )
+    .graceful_shutdown_on(cancelled(shutdown.clone()))
+    .run(pods::reconcile, pods::error_policy, agent.clone())
+    .for_each(|_| async {});
+    let cleanup = Controller::new(Api::<VirtualMachine>::all(client.clone()), watcher::Config::default())
+        .graceful_shutdown_on(cancelled(shutdown.clone()))
+        .run(cleanup::reconcile, cleanup::error_policy, agent.clone())
+        .for_each(|_| async {});
+    let loops = tokio::spawn(async move { tokio::join!(pods, cleanup) });
+
+    heartbeat(&client, &config, &host, &*provider, info, &shutdown).await;
+    let _ = loops.await;
+    info!("node agent stopped");
+}
+
+async fn cancelled(token: CancellationToken) {
+    token.cancelled().await
+}
+
+/// Probe the host until it answers (or shutdown). Logs each failure.
+async fn probe(provider: &dyn Provider, shutdown: &CancellationToken) -> Option<HostInfo> {
+    loop {
+        match provider.host_info().await {
+            Ok(info) => return Some(info),
+            Err(e) => warn!(error = %e, "host does not answer; retrying in 5 s"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+    }
+}
+
+/// Register the Node, then renew its Lease and refresh its status until
+/// shutdown; finally report NotReady.
+async fn heartbeat(
+    client: &Client,
+    config: &Config,
+    host: &HostConfig,
+    provider: &dyn Provider,
+    mut info: HostInfo,
+    shutdown: &CancellationToken,
+) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let leases: Api<Lease> = Api::namespaced(client.clone(), lease::NAMESPACE);
+    let desired = registration::node_for_host(host, provider.kind(), &info);
+    let lease_seconds = config.lease_duration_seconds as i32;
+    let tick = config.lease_duration() / 4;
+    let status_every = Duration::from_secs(60);
+
+    let mut node_uid = None;
+    let mut last_status: Option<Instant> = None;
+    let mut reachable = true;
+    loop {
+        if node_uid.is_none() {
+            match registration::register(&nodes, &desired).await {
+                Ok(uid) => {
+                    info!("node registered");
+                    node_uid = Some(uid);
+                }
+                Err(e) => warn!(error = %e, "node registration failed; retrying"),
+            }
+        }
+        if let Some(uid) = &node_uid {
+            match provider.ping().await {
+                Ok(()) => {
+                    if !reachable {
+                        info!("host answers again; resuming heartbeats");
+                        reachable = true;
+                    }
+                    if let Ok(fresh) = provider.host_info().await {
+                        if fresh != info {
+                            info = fresh;
+                            last_status = None;
+                        }
+                    }
+                    if last_status.is_none_or(|t| t.elapsed() >= status_every) {
+                        let status = registration::node_status(config, host, &info, Readiness::Ready);
+                        match registration::write_status(&nodes, &host.name, &status).await {
+                            Ok(()) => last_status = Some(Instant::now()),
+                            Err(e) => warn!(error = %e, "node status write failed"),
+                        }
+                    }
+                    if let Err(e) = lease::renew(&leases, &host.name, uid, lease_seconds).await {
+                        warn!(error = %e, "lease renewal failed");
+                    }
+                }
+                Err(e) => {
+                    if reachable {
+                        warn!(error = %e, "host unreachable: no more heartbeats until it answers");
+                        reachable = false;
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(tick) => {}
+        }
+    }
+    if node_uid.is_some() {
+        let status = registration::node_status(config, host, &info, Readiness::Stopping);
+        if let Err(e) = registration::write_status(&nodes, &host.name, &status).await {
+            warn!(error = %e, "could not report NotReady on shutdown");
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The Node object of one hypervisor host: built from the config and the probed
+//! host (pure), and written to the API server.
+
+use crate::config::{Config, HostConfig};
+use k8s_openapi::api::core::v1::{
+    DaemonEndpoint, Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus, NodeSystemInfo, Taint,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::Api;
+use std::collections::BTreeMap;
+use vmlet_provider::HostInfo;
+
+/// Value of `nodeInfo.kubeletVersion`: `vmlet/<version>`.
+pub const KUBELET_VERSION: &str = concat!("vmlet/", env!("CARGO_PKG_VERSION"));
+
+/// Labels of a host's Node: the virtual-kubelet set plus the host's own.
+pub fn node_labels(host: &HostConfig, provider: &str, info: &HostInfo) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::from([
+        ("kubernetes.io/hostname".to_owned(), host.name.clone()),
+        ("kubernetes.io/role".to_owned(), "agent".to_owned()),
+        ("kubernetes.io/os".to_owned(), "linux".to_owned()),
+        ("kubernetes.io/arch".to_owned(), info.architecture.clone()),
+        ("type".to_owned(), "virtual-kubelet".to_owned()),
+        ("vmlet.io/provider".to_owned(), provider.to_owned()),
+    ]);
+    labels.extend(host.labels.clone());
+    labels
+}
+
+/// The host's configured taints as Node taints.
+pub fn node_taints(host: &HostConfig) -> Vec<Taint> {
+    host.effective_taints()
+        .into_iter()
+        .map(|t| Taint { key: t.key, value: Some(t.value), effect: t.effect, time_added: None })
+        .collect()
+}
+
+/// A new Node for `host` (metadata and spec; status is written separately).
+pub fn node_for_host(host: &HostConfig, provider: &str, info: &HostInfo) -> Node {
+    Node {
+        metadata: ObjectMeta {
+            name: Some(host.name.clone()),
+            labels: Some(node_labels(host, provider, info)),
+            ..ObjectMeta::default()
+        },
+        spec: Some(NodeSpec {
+            taints: Some(node_taints(host)),
+            provider_id: Some(format!("vmlet://{provider}/{}", host.name)),
+            ..NodeSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// Whether the node reports Ready, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// The provider answers; pod loops run.
+    Ready,
+    /// vmlet is shutting down; the VMs keep running.
+    Stopping,
+}
+
+/// The Node status for `host`: capacity and allocatable from the probed host
+/// (cpu in cores, memory in bytes, pods = maxPods), addresses, the kubelet
+/// endpoint, node info and the four kubelet conditions.
+pub fn node_status(config: &Config, host: &HostConfig, info: &HostInfo, readiness: Readiness) -> NodeStatus {
+    let now = Time(Timestamp::now());
+    let capacity = BTreeMap::from([
+        ("cpu".to_owned(), Quantity(info.cpus.to_string())),
+        ("memory".to_owned(), Quantity(crate::quantity::format_bytes(info.memory_bytes))),
+        ("pods".to_owned(), Quantity(host.max_pods.to_string())),
+    ]);
+    let condition = |type_: &str, status: &str, reason: &str, message: &str| NodeCondition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: Some(reason.into()),
+        message: Some(message.into()),
+        last_heartbeat_time: Some(now.clone()),
+        last_transition_time: Some(now.clone()),
+    };
+    let ready = match readiness {
+        Readiness::Ready => condition("Ready", "True", "KubeletReady", "vmlet is posting ready status"),
+        Readiness::Stopping => {
+            condition("Ready", "False", "KubeletNotReady", "vmlet is stopping; the host's VMs keep running")
+        }
+    };
+    NodeStatus {
+        capacity: Some(capacity.clone()),
+        allocatable: Some(capacity),
+        addresses: Some(vec![
+            NodeAddress { type_: "InternalIP".into(), address: config.node_ip.to_string() },
+            NodeAddress { type_: "Hostname".into(), address: host.name.clone() },
+        ]),
+        daemon_endpoints: Some(NodeDaemonEndpoints {
+            kubelet_endpoint: Some(DaemonEndpoint { port: config.kubelet_port.into() }),
+        }),
+        node_info: Some(NodeSystemInfo {
+            architecture: info.architecture.clone(),
+            operating_system: "linux".into(),
+            kubelet_version: KUBELET_VERSION.into(),
+            container_runtime_version: info.hypervisor.clone(),
+            os_image: info.hypervisor.clone(),
+            kernel_version: String::new(),
+            kube_proxy_version: String::new(),
+            boot_id: String::new(),
+            machine_id: host.name.clone(),
+            system_uuid: String::new(),
+            ..NodeSystemInfo::default()
+        }),
+        conditions: Some(vec![
+            ready,
+            condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "the hypervisor has memory available"),
+            condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "the hypervisor has no disk pressure"),
+            condition("PIDPressure", "False", "KubeletHasSufficientPID", "the hypervisor has PIDs available"),
+        ]),
+        ..NodeStatus::default()
+    }
+}
+
+/// Create the Node, or bring an existing one's labels and taints up to date
+/// (taints the node lifecycle controller added, `node.kubernetes.io/*`, are kept).
+/// Returns the Node's UID (the Lease's owner).
+pub async fn register(nodes: &Api<Node>, desired: &Node) -> Result<String, kube::Error> {
+    let name = desired.metadata.name.clone().unwrap_or_default();
+    let node = match nodes.get_opt(&name).await? {
+        None => match nodes.create(&PostParams::default(), desired).await {
+            Ok(node) => node,
+            Err(kube::Error::Api(s)) if s.code == 409 => nodes.get(&name).await?,
+            Err(e) => return Err(e),
+        },
+        Some(existing) => {
+            let mut taints: Vec<Taint> = existing
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|t| t.key.starts_with("node.kubernetes.io/"))
+                .collect();
+            taints.extend(desired.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default());
+            let patch = serde_json::json!({
+                "metadata": {"labels": desired.metadata.labels},
+                "spec": {"taints": taints},
+            });
+            nodes.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?
+        }
+    };
+    Ok(node.metadata.uid.unwrap_or_default())
+}
+
+/// Write the Node's status (a merge patch of the whole status we own).
+pub async fn write_status(nodes: &Api<Node>, name: &str, status: &NodeStatus) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({ "status": status });
+    nodes.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host() -> (Config, HostInfo) {
+        let config = Config::from_yaml(
+            "kubeletPort: 10251\nhosts: [{name: host-a, provider: libvirt, uri: 'test:///x', labels: {zone: z1}, maxPods: 20}]",
+            &["libvirt"],
+        )
+        .unwrap();
+        let info = HostInfo {
+            cpus: 8,
+            memory_bytes: 16 << 30,
+            architecture: "amd64".into(),
+            hypervisor: "libvirt 9.0.0 (TEST)".into(),
+        };
+        (config, info)
+    }
+
+    #[test]
+    fn node_has_virtual_kubelet_labels_and_the_default_taint() {
+        let (config, info) = host();
+        let node = node_for_host(&config.hosts[0], "libvirt", &info);
+        let labels = node.metadata.labels.unwrap();
+        for (k, v) in [
+            ("kubernetes.io/hostname", "host-a"),
+            ("kubernetes.io/role", "agent"),
+            ("type", "virtual-kubelet"),
+            ("vmlet.io/provider", "libvirt"),
+            ("zone", "z1"),
+        ] {
+            assert_eq!(labels.get(k).map(String::as_str), Some(v), "{k}");
+        }
+        let taints = node.spec.unwrap().taints.unwrap();
+        assert_eq!(taints.len(), 1);
+        assert_eq!(
+            (taints[0].key.as_str(), taints[0].value.as_deref(), taints[0].effect.as_str()),
+            ("virtual-kubelet.io/provider", Some("vmlet"), "NoSchedule")
+        );
+    }
+
+    #[test]
+    fn status_reports_probed_capacity_and_the_kubelet_endpoint() {
+        let (config, info) = host();
+        let status = node_status(&config, &config.hosts[0], &info, Readiness::Ready);
+        let capacity = status.capacity.unwrap();
+        assert_eq!(capacity["cpu"].0, "8");
+        assert_eq!(capacity["memory"].0, "16Gi");
+        assert_eq!(capacity["pods"].0, "20");
+        assert_eq!(status.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port, 10251);
+        assert_eq!(status.node_info.unwrap().kubelet_version, KUBELET_VERSION);
+        let conditions = status.conditions.unwrap();
+        let types: Vec<_> = conditions.iter().map(|c| (c.type_.as_str(), c.status.as_str())).collect();
+        assert_eq!(
+            types,
+            [("Ready", "True"), ("MemoryPressure", "False"), ("DiskPressure", "False"), ("PIDPressure", "False")]
+        );
+        let address = &status.addresses.unwrap()[0];
+        assert_eq!((address.type_.as_str(), address.address.as_str()), ("InternalIP", "127.0.0.1"));
+    }
+
+    #[test]
+    fn a_stopping_vmlet_reports_not_ready() {
+        let (config, info) = host();
+        let status = node_status(&config, &config.hosts[0], &info, Readiness::Stopping);
+        assert_eq!(status.conditions.unwrap()[0].status, "False");
+    }
+}

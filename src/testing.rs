@@ -1,0 +1,117 @@
+//! Builders for test objects that read as sentences (unit tests only).
+
+use crate::v1alpha1::{VirtualMachine, VirtualMachineSpec, VirtualMachineStatus, VmResources};
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod, PodCondition, PodSpec, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::ObjectMeta;
+
+/// Builds a [`VirtualMachine`] in namespace `default` with a fixed UID.
+#[must_use]
+pub struct VmBuilder(VirtualMachine);
+
+impl VmBuilder {
+    /// A running (replicas 1) VM with the CRD's defaults.
+    pub fn new(name: &str) -> Self {
+        let spec: VirtualMachineSpec = serde_json::from_value(serde_json::json!({})).unwrap();
+        let mut vm = VirtualMachine::new(name, spec);
+        vm.metadata = ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("default".into()),
+            uid: Some("6d0c1e52-0000-4000-8000-000000000001".into()),
+            generation: Some(1),
+            ..ObjectMeta::default()
+        };
+        VmBuilder(vm)
+    }
+    /// `spec.replicas: 0`.
+    pub fn stopped(mut self) -> Self {
+        self.0.spec.replicas = 0;
+        self
+    }
+    /// `spec.resources.cpu`.
+    pub fn cpu(mut self, cpu: i32) -> Self {
+        self.0.spec.resources = VmResources { cpu, ..self.0.spec.resources };
+        self
+    }
+    /// `spec.resources.memory`.
+    pub fn memory(mut self, memory: &str) -> Self {
+        self.0.spec.resources.memory = memory.into();
+        self
+    }
+    /// `spec.image`.
+    pub fn image(mut self, image: &str) -> Self {
+        self.0.spec.image = Some(image.into());
+        self
+    }
+    /// `status.nodeName`: the VM's domain is defined on this host.
+    pub fn on_host(mut self, host: &str) -> Self {
+        self.0.status.get_or_insert_with(VirtualMachineStatus::default).node_name = Some(host.into());
+        self
+    }
+    /// The built object.
+    pub fn build(self) -> VirtualMachine {
+        self.0
+    }
+}
+
+/// Builds the pod of a VM as the API server would show it.
+#[must_use]
+pub struct PodBuilder(Pod);
+
+impl PodBuilder {
+    /// A pending, unscheduled pod for `vm`.
+    pub fn for_vm(vm: &VirtualMachine) -> Self {
+        let mut pod = crate::vmpod::pod_for_vm(vm, None).unwrap();
+        pod.metadata.uid = Some("pod-uid-1".into());
+        pod.status = Some(PodStatus { phase: Some("Pending".into()), ..PodStatus::default() });
+        PodBuilder(pod)
+    }
+    /// The scheduler could not place it.
+    pub fn unschedulable(mut self, message: &str) -> Self {
+        self.status().conditions = Some(vec![PodCondition {
+            type_: "PodScheduled".into(),
+            status: "False".into(),
+            reason: Some("Unschedulable".into()),
+            message: Some(message.into()),
+            ..PodCondition::default()
+        }]);
+        self
+    }
+    /// Bound to `node`.
+    pub fn on_node(mut self, node: &str) -> Self {
+        self.0.spec.get_or_insert_with(PodSpec::default).node_name = Some(node.into());
+        self
+    }
+    /// Running and Ready with `ip`, the container ID `libvirt://<uuid>`.
+    pub fn running(mut self, ip: &str) -> Self {
+        let status = self.status();
+        status.phase = Some("Running".into());
+        status.pod_ip = Some(ip.into());
+        status.pod_ips = Some(vec![k8s_openapi::api::core::v1::PodIP { ip: ip.into() }]);
+        status.conditions =
+            Some(vec![PodCondition { type_: "Ready".into(), status: "True".into(), ..PodCondition::default() }]);
+        status.container_statuses = Some(vec![ContainerStatus {
+            name: "vm".into(),
+            ready: true,
+            container_id: Some("libvirt://0b5c3b3e-0000-4000-8000-00000000000a".into()),
+            ..ContainerStatus::default()
+        }]);
+        self
+    }
+    /// Deletion requested.
+    pub fn deleting(mut self) -> Self {
+        self.0.metadata.deletion_timestamp = Some(Time(jiff_now()));
+        self
+    }
+    /// The built object.
+    pub fn build(self) -> Pod {
+        self.0
+    }
+    fn status(&mut self) -> &mut PodStatus {
+        self.0.status.get_or_insert_with(PodStatus::default)
+    }
+}
+
+fn jiff_now() -> k8s_openapi::jiff::Timestamp {
+    k8s_openapi::jiff::Timestamp::now()
+}

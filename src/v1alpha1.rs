@@ -1,0 +1,223 @@
+//! The `VirtualMachine` custom resource, group `vmlet.io`, version `v1alpha1`.
+//!
+//! The CRD in `crds/` is generated from these types (`vmlet crd`); validation lives
+//! in the schema (ranges, patterns) and CEL rules so that `kubectl apply` of a bad
+//! object fails at the API server with a message naming the field.
+
+use k8s_openapi::api::core::v1::{Affinity, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// API group of vmlet's resources.
+pub const GROUP: &str = "vmlet.io";
+/// Label on a VM's pod naming its VirtualMachine (`vmlet.io/vm=<name>`).
+pub const VM_LABEL: &str = "vmlet.io/vm";
+/// Finalizer that keeps a VirtualMachine until its IaaS VM is removed or released.
+pub const FINALIZER: &str = "virtualmachines.vmlet.io";
+
+/// A virtual machine on one of vmlet's hypervisor hosts, run through a pod that
+/// the scheduler binds to the host's virtual node.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "vmlet.io",
+    version = "v1alpha1",
+    kind = "VirtualMachine",
+    namespaced,
+    status = "VirtualMachineStatus",
+    shortname = "vm",
+    shortname = "vms",
+    category = "all",
+    doc = "A virtual machine on a hypervisor host, run through a pod bound to the host's virtual node.",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Node", type_ = "string", json_path = ".status.nodeName"),
+    printcolumn(name = "IP", type_ = "string", json_path = ".status.addresses[0]"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("self.metadata.name.size() <= 63")
+        .message("metadata.name must be at most 63 characters, because it becomes the vmlet.io/vm label value of the VM's pod; choose a shorter name"),
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSpec {
+    /// 1 runs the VM, 0 stops it (keeping its definition and disks). Changed with
+    /// `kubectl scale virtualmachine/<name> --replicas=0|1`.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 0, max = 1))]
+    pub replicas: i32,
+
+    /// CPU and memory of the VM; they become the pod's requests and limits, so the
+    /// scheduler places the VM on a host with room for it.
+    #[serde(default)]
+    pub resources: VmResources,
+
+    /// Boot disk: a path (or volume name) that the backend resolves on the host,
+    /// e.g. `/var/lib/libvirt/images/web.qcow2`. Without it the VM boots with no
+    /// disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+
+    /// Copied onto the VM's pod: only hosts whose node has these labels qualify.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+
+    /// Copied onto the VM's pod: node and pod (anti-)affinity for host selection.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+
+    /// Copied onto the VM's pod, beside the toleration for the virtual-node taint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+
+    /// Copied onto the VM's pod: the priority class used for scheduling and preemption.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+
+    /// How a stop powers the VM off: `Soft` asks the guest (ACPI) and waits,
+    /// `Hard` cuts power at once, `TrySoft` asks the guest and cuts power after
+    /// `shutdownTimeoutSeconds`.
+    #[serde(default)]
+    pub power_off_mode: PowerOffMode,
+
+    /// Seconds a soft stop waits for the guest before `TrySoft` cuts power; also the
+    /// pod's `terminationGracePeriodSeconds`. Default 30.
+    #[serde(default = "default_shutdown_timeout")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub shutdown_timeout_seconds: i64,
+
+    /// Whether deleting this object deletes the IaaS VM (`Delete`) or leaves it
+    /// defined on its host (`Retain`).
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
+}
+
+fn default_replicas() -> i32 {
+    1
+}
+
+fn default_shutdown_timeout() -> i64 {
+    30
+}
+
+/// Size of a VM.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VmResources {
+    /// Virtual CPUs, a whole number from 1. Default 1.
+    #[serde(default = "default_cpu")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub cpu: i32,
+
+    /// Guest memory as a Kubernetes binary or decimal quantity, e.g. `512Mi`,
+    /// `2Gi`, `1G`; at least 1Mi. Default `512Mi`.
+    #[serde(default = "default_memory")]
+    #[schemars(length(max = 32), regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"))]
+    #[x_kube(validation = Rule::new("!isQuantity(self) || quantity(self).compareTo(quantity('1Mi')) >= 0").message(
+        "spec.resources.memory must be at least 1Mi, e.g. 512Mi"
+    ))]
+    pub memory: String,
+}
+
+fn default_cpu() -> i32 {
+    1
+}
+
+fn default_memory() -> String {
+    "512Mi".to_owned()
+}
+
+impl Default for VmResources {
+    fn default() -> Self {
+        VmResources { cpu: default_cpu(), memory: default_memory() }
+    }
+}
+
+/// How a stop powers a VM off.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PowerOffMode {
+    /// Cut power at once.
+    Hard,
+    /// Ask the guest to shut down and wait for it, however long it takes.
+    Soft,
+    /// Ask the guest, and cut power after `shutdownTimeoutSeconds`.
+    #[default]
+    TrySoft,
+}
+
+/// What deleting a VirtualMachine does to its IaaS VM.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeletionPolicy {
+    /// Power the VM off and remove its definition from the host.
+    #[default]
+    Delete,
+    /// Leave the VM defined on its host (powered off).
+    Retain,
+}
+
+/// Observed state of a VirtualMachine, mirrored from its pod by the controller.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachineStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// 1 while the VM has a pod, else 0 (the scale subresource's status replicas).
+    #[serde(default)]
+    pub replicas: i32,
+    /// 1 while the VM's pod is Ready, else 0.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// Label selector of the VM's pod, `vmlet.io/vm=<name>` (for the scale subresource).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// Lifecycle phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<VmPhase>,
+    /// The host (node) the VM runs on, or where its definition stays while stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// The VM's current pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    /// The backend's identity of the VM, `<provider>://<host>/<backend id>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_id: Option<String>,
+    /// Guest IP addresses, as far as the backend knows them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<String>,
+    /// Conditions: `Ready`, `Scheduled`, `ProviderError`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Lifecycle phase of a VirtualMachine.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmPhase {
+    /// replicas is 0 and no pod runs.
+    Stopped,
+    /// The pod waits for the scheduler (see the `Scheduled` condition for why).
+    Scheduling,
+    /// Bound to a host; the VM is being defined or powered on.
+    Starting,
+    /// The VM runs and its pod is Ready.
+    Running,
+    /// The VM is shutting down.
+    Stopping,
+    /// The backend reports a failure (see the `ProviderError` condition).
+    Failed,
+    /// The VM's state cannot be read.
+    Unknown,
+}
+
+impl VirtualMachine {
+    /// Memory in bytes from `spec.resources.memory`. Errors name the field.
+    pub fn memory_bytes(&self) -> Result<u64, crate::quantity::QuantityError> {
+        crate::quantity::parse_bytes(&self.spec.resources.memory)
+    }
+}

@@ -1,0 +1,251 @@
+//! How a VirtualMachine is written into its pod, and read back by the node agent.
+//!
+//! This is the contract between the VirtualMachine controller (which builds the
+//! pod) and the node agent (which reads it to drive the provider). The pod carries
+//! everything the agent needs, so the agent acts on the pod alone:
+//!
+//! - `metadata.name` = the VM's name, label `vmlet.io/vm=<name>`, a controller
+//!   ownerReference to the VM;
+//! - annotation `vmlet.io/vm-uid` = the VM's UID, the provider identity;
+//! - annotations `vmlet.io/image`, `vmlet.io/power-off-mode`;
+//! - one container `vm` whose requests and limits are the VM's cpu and memory;
+//! - `terminationGracePeriodSeconds` = `spec.shutdownTimeoutSeconds`.
+
+use crate::quantity;
+use crate::v1alpha1::{PowerOffMode, VirtualMachine, VM_LABEL};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::{Resource, ResourceExt};
+use std::collections::BTreeMap;
+use vmlet_provider::{VmId, VmSpec};
+
+/// Annotation holding the VirtualMachine's UID.
+pub const UID_ANNOTATION: &str = "vmlet.io/vm-uid";
+/// Annotation holding `spec.image`.
+pub const IMAGE_ANNOTATION: &str = "vmlet.io/image";
+/// Annotation holding `spec.powerOffMode`.
+pub const POWER_OFF_ANNOTATION: &str = "vmlet.io/power-off-mode";
+/// Name of the single container that stands for the VM.
+pub const CONTAINER_NAME: &str = "vm";
+/// Image name shown for the VM's container; never pulled.
+pub const CONTAINER_IMAGE: &str = "vmlet.io/virtual-machine";
+/// Node label every virtual node carries; VM pods select it.
+pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
+/// Taint key of virtual nodes that VM pods tolerate (any value, effect NoSchedule).
+pub const VIRTUAL_NODE_TAINT_KEY: &str = crate::config::DEFAULT_TAINT_KEY;
+
+/// The pod a VirtualMachine runs through. `home` is the host where its domain is
+/// already defined (`status.nodeName` of a stopped VM): the pod is pinned there so
+/// that a start powers on the same domain instead of defining a new one elsewhere.
+///
+/// Errors: `spec.resources.memory` does not parse (the API server's pattern should
+/// have refused it already).
+pub fn pod_for_vm(vm: &VirtualMachine, home: Option<&str>) -> Result<Pod, quantity::QuantityError> {
+    let spec = &vm.spec;
+    quantity::parse_bytes(&spec.resources.memory)?;
+    let name = vm.name_any();
+    let amounts: BTreeMap<String, Quantity> = [
+        ("cpu".to_owned(), Quantity(spec.resources.cpu.to_string())),
+        ("memory".to_owned(), Quantity(spec.resources.memory.clone())),
+    ]
+    .into();
+
+    let mut annotations = BTreeMap::from([
+        (UID_ANNOTATION.to_owned(), vm.uid().unwrap_or_default()),
+        (POWER_OFF_ANNOTATION.to_owned(), power_off_mode_name(spec.power_off_mode).to_owned()),
+    ]);
+    if let Some(image) = &spec.image {
+        annotations.insert(IMAGE_ANNOTATION.to_owned(), image.clone());
+    }
+
+    let mut node_selector = spec.node_selector.clone().unwrap_or_default();
+    node_selector.insert(VIRTUAL_NODE_LABEL.0.to_owned(), VIRTUAL_NODE_LABEL.1.to_owned());
+    if let Some(home) = home {
+        node_selector.insert("kubernetes.io/hostname".to_owned(), home.to_owned());
+    }
+
+    let mut tolerations = spec.tolerations.clone().unwrap_or_default();
+    tolerations.push(Toleration {
+        key: Some(VIRTUAL_NODE_TAINT_KEY.to_owned()),
+        operator: Some("Exists".to_owned()),
+        effect: Some("NoSchedule".to_owned()),
+        ..Toleration::default()
+    });
+    // A VM outlives vmlet outages: without these, the taint manager would evict the
+    // pod 300 s after the node goes NotReady, and the returning agent would read the
+    // deletion as a stop.
+    for key in ["node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"] {
+        tolerations.push(Toleration {
+            key: Some(key.to_owned()),
+            operator: Some("Exists".to_owned()),
+            effect: Some("NoExecute".to_owned()),
+            ..Toleration::default()
+        });
+    }
+
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: vm.namespace(),
+            labels: Some(BTreeMap::from([(VM_LABEL.to_owned(), name)])),
+            annotations: Some(annotations),
+            owner_references: vm.controller_owner_ref(&()).map(|r| vec![r]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: CONTAINER_NAME.to_owned(),
+                image: Some(CONTAINER_IMAGE.to_owned()),
+                resources: Some(ResourceRequirements {
+                    requests: Some(amounts.clone()),
+                    limits: Some(amounts),
+                    ..ResourceRequirements::default()
+                }),
+                ..Container::default()
+            }],
+            restart_policy: Some("Always".to_owned()),
+            termination_grace_period_seconds: Some(spec.shutdown_timeout_seconds),
+            node_selector: Some(node_selector),
+            affinity: spec.affinity.clone(),
+            tolerations: Some(tolerations),
+            priority_class_name: spec.priority_class_name.clone(),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            ..PodSpec::default()
+        }),
+        status: None,
+    })
+}
+
+fn power_off_mode_name(mode: PowerOffMode) -> &'static str {
+    match mode {
+        PowerOffMode::Hard => "Hard",
+        PowerOffMode::Soft => "Soft",
+        PowerOffMode::TrySoft => "TrySoft",
+    }
+}
+
+/// What the node agent reads from a VM pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodVm {
+    /// The provider-facing definition.
+    pub spec: VmSpec,
+    /// How to power the VM off when the pod is deleted.
+    pub power_off_mode: PowerOffMode,
+}
+
+/// Why a pod cannot be read as a VM pod.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PodVmError {
+    /// The pod has no `vmlet.io/vm-uid` annotation: it was not made by vmlet.
+    #[error("pod has no {UID_ANNOTATION} annotation: it is not a vmlet VirtualMachine pod; only VirtualMachines run on vmlet's nodes")]
+    NotAVmPod,
+    /// A field is missing or malformed; names the field.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// The pod field, e.g. `spec.containers[0].resources.limits.memory`.
+        field: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Read the VM a pod stands for. Errors: [`PodVmError`], naming the field.
+pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
+    let annotations = pod.annotations();
+    let uid = annotations.get(UID_ANNOTATION).filter(|u| !u.is_empty()).ok_or(PodVmError::NotAVmPod)?;
+    let name = pod.labels().get(VM_LABEL).cloned().unwrap_or_else(|| pod.name_any());
+    let limits = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.resources.as_ref())
+        .and_then(|r| r.limits.clone().or_else(|| r.requests.clone()))
+        .unwrap_or_default();
+    let cpu = limits
+        .get("cpu")
+        .ok_or(PodVmError::Invalid { field: "spec.containers[0].resources.limits.cpu", message: "missing".into() })?;
+    let millicores = quantity::parse_millicores(&cpu.0).map_err(|e| PodVmError::Invalid {
+        field: "spec.containers[0].resources.limits.cpu",
+        message: e.to_string(),
+    })?;
+    let memory = limits.get("memory").ok_or(PodVmError::Invalid {
+        field: "spec.containers[0].resources.limits.memory",
+        message: "missing".into(),
+    })?;
+    let memory_bytes = quantity::parse_bytes(&memory.0).map_err(|e| PodVmError::Invalid {
+        field: "spec.containers[0].resources.limits.memory",
+        message: e.to_string(),
+    })?;
+    let power_off_mode = match annotations.get(POWER_OFF_ANNOTATION).map(String::as_str) {
+        Some("Hard") => PowerOffMode::Hard,
+        Some("Soft") => PowerOffMode::Soft,
+        _ => PowerOffMode::TrySoft,
+    };
+    Ok(PodVm {
+        spec: VmSpec {
+            id: VmId(uid.clone()),
+            namespace: pod.namespace().unwrap_or_default(),
+            name,
+            cpus: millicores.div_ceil(1000).max(1) as u32,
+            memory_bytes,
+            image: annotations.get(IMAGE_ANNOTATION).cloned(),
+        },
+        power_off_mode,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::VmBuilder;
+
+    #[test]
+    fn pod_carries_the_vm_and_round_trips_to_the_same_spec() {
+        let vm = VmBuilder::new("web").cpu(2).memory("1Gi").image("/img/web.qcow2").build();
+        let pod = pod_for_vm(&vm, None).unwrap();
+        assert_eq!(pod.metadata.name.as_deref(), Some("web"));
+        assert_eq!(pod.labels().get(VM_LABEL).map(String::as_str), Some("web"));
+        let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!((owner.kind.as_str(), owner.controller), ("VirtualMachine", Some(true)));
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.node_selector.as_ref().unwrap().get("type").map(String::as_str), Some("virtual-kubelet"));
+        assert_eq!(spec.termination_grace_period_seconds, Some(30));
+        let requests = spec.containers[0].resources.as_ref().unwrap().requests.as_ref().unwrap();
+        assert_eq!(requests["cpu"].0, "2");
+        assert_eq!(requests["memory"].0, "1Gi");
+
+        let read = vm_from_pod(&pod).unwrap();
+        assert_eq!(read.spec.id, VmId(vm.uid().unwrap()));
+        assert_eq!((read.spec.namespace.as_str(), read.spec.name.as_str()), ("default", "web"));
+        assert_eq!(read.spec.cpus, 2);
+        assert_eq!(read.spec.memory_bytes, 1 << 30);
+        assert_eq!(read.spec.image.as_deref(), Some("/img/web.qcow2"));
+        assert_eq!(read.power_off_mode, PowerOffMode::TrySoft);
+    }
+
+    #[test]
+    fn pod_tolerates_the_virtual_node_taint_and_outages_forever() {
+        let pod = pod_for_vm(&VmBuilder::new("web").build(), None).unwrap();
+        let tolerations = pod.spec.unwrap().tolerations.unwrap();
+        let keys: Vec<_> = tolerations.iter().map(|t| (t.key.clone().unwrap(), t.toleration_seconds)).collect();
+        assert!(keys.contains(&("virtual-kubelet.io/provider".into(), None)));
+        assert!(keys.contains(&("node.kubernetes.io/unreachable".into(), None)));
+        assert!(keys.contains(&("node.kubernetes.io/not-ready".into(), None)));
+    }
+
+    #[test]
+    fn a_stopped_vm_starts_again_on_its_home_host() {
+        let pod = pod_for_vm(&VmBuilder::new("web").build(), Some("host-b")).unwrap();
+        let selector = pod.spec.unwrap().node_selector.unwrap();
+        assert_eq!(selector.get("kubernetes.io/hostname").map(String::as_str), Some("host-b"));
+    }
+
+    #[test]
+    fn a_plain_pod_is_not_a_vm_pod() {
+        let pod =
+            Pod { metadata: ObjectMeta { name: Some("nginx".into()), ..Default::default() }, ..Default::default() };
+        assert_eq!(vm_from_pod(&pod), Err(PodVmError::NotAVmPod));
+    }
+}
