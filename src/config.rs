@@ -4,6 +4,7 @@
 //! nodeIP: 127.0.0.1          # InternalIP of every node; the API server dials it for logs/exec
 //! kubeletPort: 10250         # daemonEndpoints.kubeletEndpoint.Port of every node
 //! controller: true           # also run the VirtualMachine controller
+//! namespace: team-a          # only this namespace's VirtualMachines (default: all)
 //! hosts:
 //!   - name: host-a           # becomes the Node name
 //!     provider: libvirt
@@ -72,6 +73,10 @@ pub struct Config {
     /// Whether this process also runs the VirtualMachine controller. Default true.
     #[serde(default = "default_true")]
     pub controller: bool,
+    /// Only VirtualMachines in this namespace are handled (controller and VM
+    /// cleanup); default: all namespaces. Pods are selected by node either way.
+    #[serde(default)]
+    pub namespace: Option<String>,
     /// Lease duration in seconds (kube-node-lease). Default 40, as the kubelet's.
     #[serde(default = "default_lease_seconds")]
     pub lease_duration_seconds: u32,

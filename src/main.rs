@@ -116,7 +116,7 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
         tasks.spawn(vmlet::node::run(client.clone(), config.clone(), host.clone(), provider, shutdown.child_token()));
     }
     if config.controller {
-        tasks.spawn(vmlet::controller::run(client.clone(), shutdown.child_token()));
+        tasks.spawn(vmlet::controller::run(client.clone(), config.namespace.clone(), shutdown.child_token()));
     }
     info!(hosts = config.hosts.len(), controller = config.controller, "vmlet running");
 

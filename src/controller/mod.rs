@@ -61,10 +61,13 @@ struct Context {
     events: EventSink,
 }
 
-/// Run the controller until `shutdown` is cancelled. Watches all namespaces.
-pub async fn run(client: Client, shutdown: CancellationToken) {
-    let vms: Api<VirtualMachine> = Api::all(client.clone());
-    let pods: Api<Pod> = Api::all(client.clone());
+/// Run the controller until `shutdown` is cancelled, over the VirtualMachines of
+/// `namespace` (all namespaces when `None`).
+pub async fn run(client: Client, namespace: Option<String>, shutdown: CancellationToken) {
+    let (vms, pods): (Api<VirtualMachine>, Api<Pod>) = match &namespace {
+        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
     let ctx = Arc::new(Context { events: EventSink::new(client.clone(), FIELD_MANAGER), client });
     info!("VirtualMachine controller starting");
     Controller::new(vms, watcher::Config::default())

@@ -84,7 +84,11 @@ pub async fn run(
     .graceful_shutdown_on(cancelled(shutdown.clone()))
     .run(pods::reconcile, pods::error_policy, agent.clone())
     .for_each(|_| async {});
-    let cleanup = Controller::new(Api::<VirtualMachine>::all(client.clone()), watcher::Config::default())
+    let vms: Api<VirtualMachine> = match &config.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let cleanup = Controller::new(vms, watcher::Config::default())
         .graceful_shutdown_on(cancelled(shutdown.clone()))
         .run(cleanup::reconcile, cleanup::error_policy, agent.clone())
         .for_each(|_| async {});

@@ -1,0 +1,232 @@
+//! The walking skeleton on the real control plane with libvirt's test driver:
+//! nodes, leases, scheduling, scale, delete and API validation.
+
+mod common;
+
+use common::{test_driver_uri, Host, TestEnv};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use kube::ResourceExt;
+use serde_json::json;
+
+fn two_hosts() -> [Host<'static>; 2] {
+    [Host { suffix: "a", uri: test_driver_uri("host-a.xml") }, Host { suffix: "b", uri: test_driver_uri("host-b.xml") }]
+}
+
+fn condition(pod: &Pod, type_: &str) -> Option<(String, String)> {
+    let c = pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == type_)?;
+    Some((c.status.clone(), c.message.clone().unwrap_or_default()))
+}
+
+#[tokio::test]
+async fn two_hosts_register_ready_with_probed_capacity_and_renewing_leases() {
+    let mut env = TestEnv::new("nodes").await;
+    env.start_vmlet(&two_hosts());
+    let nodes = env.nodes_api();
+    // host-a.xml: 8 cpus, 16 GiB; host-b.xml: 4 cpus, 8 GiB.
+    for (suffix, cpu, memory) in [("a", "8", "16Gi"), ("b", "4", "8Gi")] {
+        let name = env.node(suffix);
+        let node = env
+            .wait_for(&format!("node {name} Ready"), || {
+                let nodes = nodes.clone();
+                let name = name.clone();
+                async move {
+                    let node = nodes.get_opt(&name).await.ok()??;
+                    let ready = node
+                        .status
+                        .as_ref()?
+                        .conditions
+                        .as_ref()?
+                        .iter()
+                        .any(|c| c.type_ == "Ready" && c.status == "True");
+                    ready.then_some(node)
+                }
+            })
+            .await;
+        let status = node.status.clone().unwrap();
+        for field in [status.capacity.as_ref().unwrap(), status.allocatable.as_ref().unwrap()] {
+            assert_eq!(field["cpu"].0, cpu, "{name} cpu");
+            assert_eq!(field["memory"].0, memory, "{name} memory");
+            assert_eq!(field["pods"].0, "110", "{name} pods");
+        }
+        let labels = node.labels();
+        assert_eq!(labels["type"], "virtual-kubelet");
+        assert_eq!(labels["kubernetes.io/role"], "agent");
+        assert_eq!(labels["kubernetes.io/hostname"], name);
+        assert_eq!(labels["vmlet.io/provider"], "libvirt");
+        let taints = node.spec.as_ref().unwrap().taints.clone().unwrap();
+        assert!(
+            taints.iter().any(|t| t.key == "virtual-kubelet.io/provider" && t.effect == "NoSchedule"),
+            "{taints:?}"
+        );
+        let info = status.node_info.unwrap();
+        assert_eq!(info.kubelet_version, format!("vmlet/{}", env!("CARGO_PKG_VERSION")));
+        assert_eq!(status.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port, 10250);
+        let types: Vec<_> = status.conditions.unwrap().into_iter().map(|c| c.type_).collect();
+        for t in ["Ready", "MemoryPressure", "DiskPressure", "PIDPressure"] {
+            assert!(types.contains(&t.to_owned()), "{t} missing from {types:?}");
+        }
+    }
+
+    let leases: Api<Lease> = Api::namespaced(env.client.clone(), "kube-node-lease");
+    let name = env.node("a");
+    let first = leases.get(&name).await.unwrap().spec.unwrap();
+    assert_eq!(first.holder_identity.as_deref(), Some(name.as_str()));
+    assert_eq!(first.lease_duration_seconds, Some(40));
+    let first_renew = first.renew_time.unwrap().0;
+    env.wait_for("the lease to be renewed", || {
+        let leases = leases.clone();
+        let name = name.clone();
+        async move {
+            let renew = leases.get(&name).await.ok()?.spec?.renew_time?.0;
+            (renew > first_renew).then_some(())
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
+    let mut env = TestEnv::new("lifecycle").await;
+    env.start_vmlet(&two_hosts());
+    env.apply_vm("web", json!({"resources": {"cpu": 2, "memory": "1Gi"}}));
+
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let status = vm.status.unwrap();
+    let node = status.node_name.clone().unwrap();
+    assert!(node == env.node("a") || node == env.node("b"), "bound to {node}");
+    assert_eq!((status.replicas, status.ready_replicas), (1, 1));
+    assert_eq!(status.pod_name.as_deref(), Some("web"));
+    assert_eq!(status.selector.as_deref(), Some("vmlet.io/vm=web"));
+    let provider_id = status.provider_id.clone().unwrap();
+    assert!(provider_id.starts_with("libvirt://"), "{provider_id}");
+
+    let pod = env.pods().get("web").await.unwrap();
+    assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some(node.as_str()));
+    assert_eq!(pod.status.as_ref().unwrap().phase.as_deref(), Some("Running"));
+    assert_eq!(condition(&pod, "Ready").unwrap().0, "True");
+    assert_eq!(condition(&pod, "PodScheduled").unwrap().0, "True");
+    let container = &pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0];
+    assert!(container.ready && container.started == Some(true));
+    assert_eq!(container.container_id.as_deref(), Some(provider_id.as_str()));
+    assert_eq!(pod.status.as_ref().unwrap().host_ip.as_deref(), Some("127.0.0.1"));
+    let owner = &pod.owner_references()[0];
+    assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("VirtualMachine", "web"));
+
+    // The binding came from kube-scheduler, not from vmlet.
+    let scheduled = env.kubectl(&[
+        "get",
+        "events",
+        "--field-selector",
+        "reason=Scheduled,involvedObject.name=web",
+        "-o",
+        "jsonpath={.items[*].reportingComponent}",
+    ]);
+    assert!(scheduled.contains("default-scheduler"), "Scheduled event reported by {scheduled:?}");
+
+    let table = env.kubectl(&["get", "virtualmachines"]);
+    let row = table.lines().find(|l| l.starts_with("web ")).unwrap();
+    assert!(row.contains("Running") && row.contains(&node), "{table}");
+
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_pod_gone("web").await;
+    let stopped = env.wait_vm_phase("web", "Stopped").await.status.unwrap();
+    assert_eq!(stopped.node_name.as_deref(), Some(node.as_str()), "a stopped VM stays on its host");
+    assert_eq!((stopped.replicas, stopped.ready_replicas), (0, 0));
+
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
+    let restarted = env.wait_vm_phase("web", "Running").await.status.unwrap();
+    assert_eq!(restarted.node_name.as_deref(), Some(node.as_str()), "started again on the same host");
+    assert_eq!(restarted.provider_id.as_deref(), Some(provider_id.as_str()), "the same domain (UUID) runs again");
+
+    env.kubectl(&["delete", "virtualmachine/web", "--wait=true", "--timeout=120s"]);
+    assert!(env.vms().get_opt("web").await.unwrap().is_none());
+    assert!(env.pods().get_opt("web").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn oversized_vms_and_plain_pods_stay_off_virtual_nodes() {
+    let mut env = TestEnv::new("unsched").await;
+    env.start_vmlet(&two_hosts());
+    // Larger than both hosts (8 and 4 cpus).
+    env.apply_vm("huge", json!({"resources": {"cpu": 64, "memory": "1Gi"}}));
+    let vms = env.vms();
+    let message = env
+        .wait_for("the scheduler's message in the VM status", || {
+            let vms = vms.clone();
+            async move {
+                let vm = vms.get("huge").await.ok()?;
+                let c = vm.status?.conditions.into_iter().find(|c| c.type_ == "Scheduled" && c.status == "False")?;
+                c.message.contains("Insufficient cpu").then_some(c.message)
+            }
+        })
+        .await;
+    assert!(message.contains("nodes are available"), "{message}");
+    let vm = env.vms().get("huge").await.unwrap();
+    assert_eq!(serde_json::to_value(vm.status.unwrap().phase).unwrap(), "Scheduling");
+
+    let plain: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "plain"},
+        "spec": {"nodeSelector": {"vmlet.io/test": env.ns}, "containers": [{"name": "c", "image": "busybox"}]}
+    }))
+    .unwrap();
+    env.pods().create(&PostParams::default(), &plain).await.unwrap();
+    let pods = env.pods();
+    let why = env
+        .wait_for("the plain pod to be refused by the scheduler", || {
+            let pods = pods.clone();
+            async move {
+                let pod = pods.get("plain").await.ok()?;
+                let (status, message) = condition(&pod, "PodScheduled")?;
+                (status == "False").then_some(message)
+            }
+        })
+        .await;
+    assert!(why.contains("untolerated taint"), "{why}");
+    assert!(env.pods().get("plain").await.unwrap().spec.unwrap().node_name.is_none());
+}
+
+/// The shared cases: each bad object is refused by the API server with the
+/// field named; the good ones are accepted and behave.
+#[tokio::test]
+async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
+    let mut env = TestEnv::new("validate").await;
+    env.start_vmlet(&[Host { suffix: "a", uri: test_driver_uri("host-a.xml") }]);
+    let cases = common::repo().join("../shared/cases/vm-objects");
+    let refused = [
+        ("bad-replicas-2.yaml", "spec.replicas"),
+        ("bad-cpu-zero.yaml", "spec.resources.cpu"),
+        ("bad-memory-words.yaml", "spec.resources.memory"),
+        ("bad-unknown-field.yaml", "spec.resources.cpus"),
+        ("bad-negative-shutdown.yaml", "spec.shutdownTimeoutSeconds"),
+        ("bad-name.yaml", "metadata.name"),
+    ];
+    for (file, field) in refused {
+        let yaml = std::fs::read_to_string(cases.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let out = env.apply(&yaml);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{file} was accepted");
+        assert!(stderr.contains(field), "{file}: message does not name {field}: {stderr}");
+    }
+    assert!(env.kubectl(&["get", "virtualmachines", "-o", "name"]).trim().is_empty(), "a bad object was stored");
+
+    // good-minimal: accepted, defaults 1 cpu and 512Mi. It would run on any
+    // vmlet host, so pin it to this test's host before applying.
+    let minimal = std::fs::read_to_string(cases.join("good-minimal.yaml")).unwrap();
+    let mut minimal: serde_json::Value = serde_yaml::from_str(&minimal).unwrap();
+    minimal["spec"]["nodeSelector"] = json!({"vmlet.io/test": env.ns});
+    assert!(env.apply(&serde_yaml::to_string(&minimal).unwrap()).status.success());
+    let vm = env.wait_vm_phase("web-1", "Running").await;
+    assert_eq!((vm.spec.resources.cpu, vm.spec.resources.memory.as_str()), (1, "512Mi"));
+    let pod = env.pods().get("web-1").await.unwrap();
+    let requests = pod.spec.unwrap().containers[0].resources.clone().unwrap().requests.unwrap();
+    assert_eq!((requests["cpu"].0.as_str(), requests["memory"].0.as_str()), ("1", "512Mi"));
+
+    // good-stopped: accepted, Stopped, and no pod is ever created.
+    let stopped = std::fs::read_to_string(cases.join("good-stopped.yaml")).unwrap();
+    assert!(env.apply(&stopped).status.success());
+    let vm = env.wait_vm_phase("batch-7", "Stopped").await;
+    assert_eq!(vm.status.unwrap().observed_generation, vm.metadata.generation);
+    assert!(env.pods().get_opt("batch-7").await.unwrap().is_none());
+}
