@@ -12,6 +12,8 @@
 //!     labels: {zone: a}
 //!     taints: [{key: virtual-kubelet.io/provider, value: vmlet, effect: NoSchedule}]
 //!     maxPods: 110
+//!     cpuAllocationRatio: 4.0  # allocatable cpu = probed cpus x 4 (overcommit)
+//!     memoryAllocationRatio: 1.0
 //! ```
 //!
 //! [`Config::from_yaml`] resolves defaults and validates everything before any
@@ -104,6 +106,14 @@ pub struct HostConfig {
     /// Pod capacity of the node. Default 110, as the kubelet's.
     #[serde(default = "default_max_pods")]
     pub max_pods: u32,
+    /// Virtual CPUs offered per physical CPU: allocatable cpu = probed cpus ×
+    /// this ratio (Nova's `cpu_allocation_ratio`). Default 1.0, no overcommit.
+    #[serde(default = "default_ratio")]
+    pub cpu_allocation_ratio: f64,
+    /// Guest memory offered per byte of host memory: allocatable memory = probed
+    /// memory × this ratio (Nova's `ram_allocation_ratio`). Default 1.0.
+    #[serde(default = "default_ratio")]
+    pub memory_allocation_ratio: f64,
 }
 
 /// A Node taint.
@@ -133,6 +143,9 @@ fn default_lease_seconds() -> u32 {
 }
 fn default_max_pods() -> u32 {
     110
+}
+fn default_ratio() -> f64 {
+    1.0
 }
 
 impl HostConfig {
@@ -202,6 +215,17 @@ impl Config {
             if host.uri.trim().is_empty() {
                 return invalid(at("uri"), "is empty; give the backend's connection URI, e.g. qemu:///system".into());
             }
+            for (field, ratio) in [
+                ("cpuAllocationRatio", host.cpu_allocation_ratio),
+                ("memoryAllocationRatio", host.memory_allocation_ratio),
+            ] {
+                if !(ratio > 0.0 && ratio <= 64.0) {
+                    return invalid(
+                        at(field),
+                        format!("{ratio} is out of range; use a number above 0 and at most 64 (1.0 = no overcommit)"),
+                    );
+                }
+            }
             if host.max_pods == 0 {
                 return invalid(at("maxPods"), "is 0; a node needs room for at least one pod".into());
             }
@@ -251,6 +275,7 @@ mod tests {
         assert_eq!(config.kubelet_port, 10250);
         assert_eq!(config.lease_duration(), Duration::from_secs(40));
         assert_eq!(config.hosts[0].max_pods, 110);
+        assert_eq!((config.hosts[0].cpu_allocation_ratio, config.hosts[0].memory_allocation_ratio), (1.0, 1.0));
         let taints = config.hosts[0].effective_taints();
         assert_eq!(taints.len(), 1);
         assert_eq!(taints[0].key, "virtual-kubelet.io/provider");
@@ -269,6 +294,8 @@ mod tests {
         assert!(e.starts_with("hosts[1].name:") && e.contains("twice"), "{e}");
         let e = error_of("hosts: [{name: a, provider: xen, uri: x}]");
         assert!(e.starts_with("hosts[0].provider:") && e.contains("libvirt"), "{e}");
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x, cpuAllocationRatio: 0}]");
+        assert!(e.starts_with("hosts[0].cpuAllocationRatio:"), "{e}");
         let e = error_of("hosts: [{name: a, provider: libvirt, uri: ' '}]");
         assert!(e.starts_with("hosts[0].uri:"), "{e}");
         let e = error_of("hosts: [{name: a, provider: libvirt, uri: x, taints: [{key: k, effect: Sometimes}]}]");

@@ -77,6 +77,16 @@ pub fn format_bytes(bytes: u64) -> String {
     bytes.to_string()
 }
 
+/// The quantity text for millicores: whole cores when exact (`2000` → `2`),
+/// else millicores (`1500` → `1500m`).
+pub fn format_millicores(millicores: u64) -> String {
+    if millicores % 1000 == 0 {
+        (millicores / 1000).to_string()
+    } else {
+        format!("{millicores}m")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,6 +114,12 @@ mod tests {
         assert_eq!(parse_millicores("2").unwrap(), 2000);
         assert_eq!(parse_millicores("500m").unwrap(), 500);
         assert_eq!(parse_millicores("0.25").unwrap(), 250);
+    }
+
+    #[test]
+    fn millicores_format_as_cores_when_whole() {
+        assert_eq!(format_millicores(2000), "2");
+        assert_eq!(format_millicores(1500), "1500m");
     }
 
     #[test]

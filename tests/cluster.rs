@@ -11,7 +11,7 @@ use kube::ResourceExt;
 use serde_json::json;
 
 fn two_hosts() -> [Host<'static>; 2] {
-    [Host { suffix: "a", uri: test_driver_uri("host-a.xml") }, Host { suffix: "b", uri: test_driver_uri("host-b.xml") }]
+    [Host::new("a", test_driver_uri("host-a.xml")), Host::new("b", test_driver_uri("host-b.xml"))]
 }
 
 fn condition(pod: &Pod, type_: &str) -> Option<(String, String)> {
@@ -192,7 +192,7 @@ async fn oversized_vms_and_plain_pods_stay_off_virtual_nodes() {
 #[tokio::test]
 async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
     let mut env = TestEnv::new("validate").await;
-    env.start_vmlet(&[Host { suffix: "a", uri: test_driver_uri("host-a.xml") }]);
+    env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
     let cases = common::repo().join("../shared/cases/vm-objects");
     let refused = [
         ("bad-replicas-2.yaml", "spec.replicas"),

@@ -24,7 +24,7 @@ use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::{info, instrument, warn};
+use tracing::{debug, info, instrument, warn};
 use vmlet_provider::{PowerState, VmStatus};
 
 /// How often a running VM's state is read again (the polling adapter).
@@ -123,6 +123,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
 
     match result {
         Ok((status, restarted)) => {
+            debug!(domain = %status.backend_name, power = ?status.power, "pod in sync");
             let provider_kind = provider.kind();
             write_status(pod, agent, |p| {
                 pod_status(p, &agent.host_ip, &Observed::Vm { status: &status, provider: provider_kind }, restarted)

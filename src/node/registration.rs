@@ -64,14 +64,22 @@ pub enum Readiness {
     Stopping,
 }
 
-/// The Node status for `host`: capacity and allocatable from the probed host
-/// (cpu in cores, memory in bytes, pods = maxPods), addresses, the kubelet
-/// endpoint, node info and the four kubelet conditions.
+/// The Node status for `host`: capacity from the probed host (cpu in cores,
+/// memory in bytes, pods = maxPods), allocatable = capacity × the host's
+/// allocation ratios, addresses, the kubelet endpoint, node info and the four
+/// kubelet conditions.
 pub fn node_status(config: &Config, host: &HostConfig, info: &HostInfo, readiness: Readiness) -> NodeStatus {
     let now = Time(Timestamp::now());
     let capacity = BTreeMap::from([
         ("cpu".to_owned(), Quantity(info.cpus.to_string())),
         ("memory".to_owned(), Quantity(crate::quantity::format_bytes(info.memory_bytes))),
+        ("pods".to_owned(), Quantity(host.max_pods.to_string())),
+    ]);
+    let millicores = (f64::from(info.cpus) * 1000.0 * host.cpu_allocation_ratio).floor() as u64;
+    let memory = (info.memory_bytes as f64 * host.memory_allocation_ratio).floor() as u64;
+    let allocatable = BTreeMap::from([
+        ("cpu".to_owned(), Quantity(crate::quantity::format_millicores(millicores))),
+        ("memory".to_owned(), Quantity(crate::quantity::format_bytes(memory))),
         ("pods".to_owned(), Quantity(host.max_pods.to_string())),
     ]);
     let condition = |type_: &str, status: &str, reason: &str, message: &str| NodeCondition {
@@ -89,8 +97,8 @@ pub fn node_status(config: &Config, host: &HostConfig, info: &HostInfo, readines
         }
     };
     NodeStatus {
-        capacity: Some(capacity.clone()),
-        allocatable: Some(capacity),
+        capacity: Some(capacity),
+        allocatable: Some(allocatable),
         addresses: Some(vec![
             NodeAddress { type_: "InternalIP".into(), address: config.node_ip.to_string() },
             NodeAddress { type_: "Hostname".into(), address: host.name.clone() },
@@ -217,6 +225,18 @@ mod tests {
         );
         let address = &status.addresses.unwrap()[0];
         assert_eq!((address.type_.as_str(), address.address.as_str()), ("InternalIP", "127.0.0.1"));
+    }
+
+    #[test]
+    fn allocation_ratios_scale_allocatable_but_not_capacity() {
+        let (mut config, info) = host();
+        config.hosts[0].cpu_allocation_ratio = 4.0;
+        config.hosts[0].memory_allocation_ratio = 1.5;
+        let status = node_status(&config, &config.hosts[0], &info, Readiness::Ready);
+        assert_eq!(status.capacity.as_ref().unwrap()["cpu"].0, "8");
+        let allocatable = status.allocatable.unwrap();
+        assert_eq!(allocatable["cpu"].0, "32");
+        assert_eq!(allocatable["memory"].0, "24Gi");
     }
 
     #[test]

@@ -91,10 +91,19 @@ fn unique_suffix() -> String {
     format!("{:06x}", h.finish() & 0xff_ffff)
 }
 
-/// A host for the vmlet config: `(suffix, uri)`; the node is named `<ns>-<suffix>`.
+/// A host for the vmlet config; the node is named `<ns>-<suffix>`.
 pub struct Host<'a> {
     pub suffix: &'a str,
     pub uri: String,
+    /// `cpuAllocationRatio` (1.0: none).
+    pub cpu_allocation_ratio: f64,
+}
+
+impl<'a> Host<'a> {
+    /// A host without overcommit.
+    pub fn new(suffix: &'a str, uri: String) -> Self {
+        Host { suffix, uri, cpu_allocation_ratio: 1.0 }
+    }
 }
 
 /// One test's namespace, hosts and vmlet.
@@ -131,7 +140,7 @@ impl TestEnv {
             .iter()
             .map(|h| {
                 json!({"name": self.node(h.suffix), "provider": "libvirt", "uri": h.uri,
-                       "labels": {"vmlet.io/test": self.ns}})
+                       "labels": {"vmlet.io/test": self.ns}, "cpuAllocationRatio": h.cpu_allocation_ratio})
             })
             .collect();
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();

@@ -1,7 +1,7 @@
 //! The libvirt provider against a real libvirtd with QEMU (`qemu:///system`).
 //!
-//! Runs only when `VMLET_LIBVIRT_QEMU_URI` is set (CI sets it after
-//! `hack/libvirtd.sh up`); otherwise each test prints why it skipped and passes.
+//! Needs `VMLET_LIBVIRT_QEMU_URI` (`hack/test.sh` starts libvirtd and sets it);
+//! without it the test fails and says so, rather than passing unexercised.
 //! The guest has no disk: QEMU idles in the firmware, which is a real, cheap
 //! process for lifecycle checks. Names and uids are unique per run; VMs left by an
 //! earlier, failed run (namespace `vmlet-it`) are removed first.
@@ -14,12 +14,11 @@ use vmlet_provider::{PowerState, Provider, VmId, VmSpec};
 
 const NAMESPACE: &str = "vmlet-it";
 
-fn qemu_uri() -> Option<String> {
-    let uri = std::env::var("VMLET_LIBVIRT_QEMU_URI").ok().filter(|uri| !uri.is_empty());
-    if uri.is_none() {
-        println!("skipped: VMLET_LIBVIRT_QEMU_URI unset");
-    }
-    uri
+fn qemu_uri() -> String {
+    std::env::var("VMLET_LIBVIRT_QEMU_URI")
+        .ok()
+        .filter(|uri| !uri.is_empty())
+        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
 }
 
 /// A spec unique to this run: a UUID-shaped uid from the clock and the pid.
@@ -64,7 +63,7 @@ async fn remove_leftovers(provider: &LibvirtProvider) {
 
 #[tokio::test]
 async fn qemu_domain_lifecycle_survives_a_provider_restart() {
-    let Some(uri) = qemu_uri() else { return };
+    let uri = qemu_uri();
     let provider = LibvirtProvider::connect(&uri).await.expect("connect");
     provider.ping().await.expect("ping");
     remove_leftovers(&provider).await;

@@ -1,0 +1,172 @@
+//! What libvirt really did, and what survives a vmlet restart, on a real libvirtd
+//! (`qemu:///system`, started by `hack/test.sh`): checked with virsh.
+//!
+//! The guests have no disk: QEMU idles in the firmware, a real and cheap process.
+//! It ignores ACPI shutdown, so stops run the TrySoft path: ask, wait
+//! `shutdownTimeoutSeconds` (2 s here), destroy.
+
+mod common;
+
+use common::{Host, TestEnv};
+use serde_json::json;
+use std::process::Command;
+
+fn qemu_uri() -> String {
+    std::env::var("VMLET_LIBVIRT_QEMU_URI")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
+}
+
+/// `virsh -c <uri> <args>`: (success, trimmed stdout).
+fn virsh(args: &[&str]) -> (bool, String) {
+    let out = Command::new("virsh").arg("-c").arg(qemu_uri()).args(args).output().expect("run virsh");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+fn domain(env: &TestEnv, vm: &str) -> String {
+    format!("{}_{vm}", env.ns)
+}
+
+fn domstate(env: &TestEnv, vm: &str) -> String {
+    let (ok, state) = virsh(&["domstate", &domain(env, vm)]);
+    assert!(ok, "virsh domstate {} failed", domain(env, vm));
+    state
+}
+
+fn domuuid(env: &TestEnv, vm: &str) -> Option<String> {
+    let (ok, uuid) = virsh(&["domuuid", &domain(env, vm)]);
+    ok.then_some(uuid)
+}
+
+/// Domain names of this test's namespace defined on the daemon.
+fn namespace_domains(env: &TestEnv) -> Vec<String> {
+    let (ok, names) = virsh(&["list", "--all", "--name"]);
+    assert!(ok);
+    let prefix = format!("{}_", env.ns);
+    let mut names: Vec<String> = names.lines().filter(|n| n.starts_with(&prefix)).map(str::to_owned).collect();
+    names.sort();
+    names
+}
+
+/// The real daemon's host: as many cpus as this machine (2 in CI), overcommitted
+/// so that ten 1-cpu VMs fit, as a real VM host would be.
+fn qemu_host() -> [Host<'static>; 1] {
+    [Host { suffix: "q", uri: qemu_uri(), cpu_allocation_ratio: 8.0 }]
+}
+
+const SMALL: fn() -> serde_json::Value = || json!({"resources": {"cpu": 1, "memory": "64Mi"}});
+
+#[tokio::test]
+async fn stop_keeps_the_domain_start_runs_the_same_one_and_delete_undefines_it() {
+    let mut env = TestEnv::new("qlife").await;
+    env.start_vmlet(&qemu_host());
+    env.apply_vm("web", SMALL());
+    let mut retained = SMALL();
+    retained["deletionPolicy"] = json!("Retain");
+    env.apply_vm("keep", retained);
+
+    env.wait_vm_phase("web", "Running").await;
+    env.wait_vm_phase("keep", "Running").await;
+    assert_eq!(domstate(&env, "web"), "running");
+    let uuid = domuuid(&env, "web").unwrap();
+    let status = env.vms().get("web").await.unwrap().status.unwrap();
+    assert_eq!(status.provider_id, Some(format!("libvirt://{uuid}")));
+    let (_, xml) = virsh(&["dumpxml", &domain(&env, "web")]);
+    let uid = env.vms().get("web").await.unwrap().metadata.uid.unwrap();
+    assert!(xml.contains(&format!("uid=\"{uid}\"")), "domain metadata lacks the VM's UID:\n{xml}");
+    assert!(xml.contains("<memory unit='KiB'>65536</memory>"), "{xml}");
+
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    env.wait_pod_gone("web").await;
+    assert_eq!(domstate(&env, "web"), "shut off", "stopped, not undefined");
+    assert_eq!(domuuid(&env, "web").as_deref(), Some(uuid.as_str()));
+
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    assert_eq!(domstate(&env, "web"), "running");
+    assert_eq!(domuuid(&env, "web").as_deref(), Some(uuid.as_str()), "the same domain runs again");
+    assert_eq!(namespace_domains(&env).len(), 2, "no new domain was defined");
+
+    env.kubectl(&["delete", "virtualmachine/web", "--wait=true", "--timeout=120s"]);
+    assert_eq!(domuuid(&env, "web"), None, "deletionPolicy Delete undefines the domain");
+
+    env.kubectl(&["delete", "virtualmachine/keep", "--wait=true", "--timeout=120s"]);
+    assert_eq!(domstate(&env, "keep"), "shut off", "deletionPolicy Retain keeps the domain defined");
+    let (undefined, _) = virsh(&["undefine", &domain(&env, "keep")]);
+    assert!(undefined);
+}
+
+#[tokio::test]
+async fn a_killed_vmlet_restarts_and_adopts_running_domains_without_touching_them() {
+    const VMS: usize = 10;
+    let mut env = TestEnv::new("qrestart").await;
+    env.start_vmlet(&qemu_host());
+    let names: Vec<String> = (0..VMS).map(|i| format!("vm-{i}")).collect();
+    for name in &names {
+        env.apply_vm(name, SMALL());
+    }
+    for name in &names {
+        env.wait_vm_phase(name, "Running").await;
+    }
+    // (uuid, domain id): the id changes whenever a domain is started again.
+    let before: Vec<(String, String, String)> = names
+        .iter()
+        .map(|n| {
+            let (_, id) = virsh(&["domid", &domain(&env, n)]);
+            (n.clone(), domuuid(&env, n).unwrap(), id)
+        })
+        .collect();
+    assert_eq!(namespace_domains(&env).len(), VMS);
+
+    env.kill_vmlet();
+    for name in &names {
+        assert_eq!(domstate(&env, name), "running", "{name} must outlive vmlet");
+    }
+    let killed_at = k8s_openapi::jiff::Timestamp::now();
+    env.restart_vmlet();
+
+    // Converged: the new process heartbeats, and every pod status was re-read
+    // by it (each pod is reconciled on start) and still says Running and Ready.
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(env.client.clone(), "kube-node-lease");
+    let node = env.node("q");
+    env.wait_for("the restarted vmlet to renew its lease", || {
+        let leases = leases.clone();
+        let node = node.clone();
+        async move { (leases.get(&node).await.ok()?.spec?.renew_time?.0 > killed_at).then_some(()) }
+    })
+    .await;
+    let log = env.dir.join("vmlet.log");
+    env.wait_for("every pod to be reconciled by the new process", || {
+        let log = log.clone();
+        let names = names.clone();
+        async move {
+            let text = std::fs::read_to_string(&log).ok()?;
+            let after_restart = text.rsplit("vmlet running").next()?;
+            let synced = |n: &String| {
+                after_restart.lines().any(|l| l.contains(&format!("pod.name={n}}}")) && l.contains("pod in sync"))
+            };
+            names.iter().all(synced).then_some(())
+        }
+    })
+    .await;
+    for name in &names {
+        let vm = env.wait_vm_phase(name, "Running").await;
+        assert_eq!(vm.status.unwrap().ready_replicas, 1);
+    }
+
+    let after: Vec<(String, String, String)> = names
+        .iter()
+        .map(|n| {
+            let (_, id) = virsh(&["domid", &domain(&env, n)]);
+            (n.clone(), domuuid(&env, n).unwrap(), id)
+        })
+        .collect();
+    assert_eq!(before, after, "same domains, same UUIDs, never restarted");
+    assert_eq!(namespace_domains(&env).len(), VMS, "no new domains");
+    for name in &names {
+        assert_eq!(domstate(&env, name), "running");
+    }
+}
