@@ -43,6 +43,15 @@ impl VmBuilder {
         self.0.spec.image = Some(image.into());
         self
     }
+    /// `spec.kernelBoot`.
+    pub fn kernel_boot(mut self, kernel: &str, initrd: &str, cmdline: &str) -> Self {
+        self.0.spec.kernel_boot = Some(crate::v1alpha1::KernelBoot {
+            kernel: kernel.into(),
+            initrd: Some(initrd.into()),
+            cmdline: Some(cmdline.into()),
+        });
+        self
+    }
     /// `status.nodeName`: the VM's domain is defined on this host.
     pub fn on_host(mut self, host: &str) -> Self {
         self.0.status.get_or_insert_with(VirtualMachineStatus::default).node_name = Some(host.into());

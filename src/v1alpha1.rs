@@ -63,6 +63,11 @@ pub struct VirtualMachineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
 
+    /// Boot a kernel directly (paths on the host) instead of from the disk's boot
+    /// loader. Backends that cannot do this refuse the VM with a clear error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_boot: Option<KernelBoot>,
+
     /// Copied onto the VM's pod: only hosts whose node has these labels qualify.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<BTreeMap<String, String>>,
@@ -136,6 +141,23 @@ impl Default for VmResources {
     fn default() -> Self {
         VmResources { cpu: default_cpu(), memory: default_memory() }
     }
+}
+
+/// Direct kernel boot: host paths of the kernel and initramfs, and the command line.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KernelBoot {
+    /// Absolute path of the kernel image on the host, e.g. `/var/lib/vmlet/guest/vmlinuz`.
+    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/"))]
+    pub kernel: String,
+    /// Absolute path of the initramfs on the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/"))]
+    pub initrd: Option<String>,
+    /// Kernel command line, e.g. `console=ttyS0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub cmdline: Option<String>,
 }
 
 /// How a stop powers a VM off.

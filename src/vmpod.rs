@@ -7,7 +7,7 @@
 //! - `metadata.name` = the VM's name, label `vmlet.io/vm=<name>`, a controller
 //!   ownerReference to the VM;
 //! - annotation `vmlet.io/vm-uid` = the VM's UID, the provider identity;
-//! - annotations `vmlet.io/image`, `vmlet.io/power-off-mode`;
+//! - annotations `vmlet.io/image`, `vmlet.io/kernel-boot`, `vmlet.io/power-off-mode`;
 //! - one container `vm` whose requests and limits are the VM's cpu and memory;
 //! - `terminationGracePeriodSeconds` = `spec.shutdownTimeoutSeconds`.
 
@@ -24,6 +24,8 @@ use vmlet_provider::{VmId, VmSpec};
 pub const UID_ANNOTATION: &str = "vmlet.io/vm-uid";
 /// Annotation holding `spec.image`.
 pub const IMAGE_ANNOTATION: &str = "vmlet.io/image";
+/// Annotation holding `spec.kernelBoot` as JSON.
+pub const KERNEL_BOOT_ANNOTATION: &str = "vmlet.io/kernel-boot";
 /// Annotation holding `spec.powerOffMode`.
 pub const POWER_OFF_ANNOTATION: &str = "vmlet.io/power-off-mode";
 /// Name of the single container that stands for the VM.
@@ -57,6 +59,10 @@ pub fn pod_for_vm(vm: &VirtualMachine, home: Option<&str>) -> Result<Pod, quanti
     ]);
     if let Some(image) = &spec.image {
         annotations.insert(IMAGE_ANNOTATION.to_owned(), image.clone());
+    }
+    if let Some(boot) = &spec.kernel_boot {
+        annotations
+            .insert(KERNEL_BOOT_ANNOTATION.to_owned(), serde_json::to_string(boot).expect("KernelBoot serializes"));
     }
 
     let mut node_selector = spec.node_selector.clone().unwrap_or_default();
@@ -178,6 +184,16 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
         field: "spec.containers[0].resources.limits.memory",
         message: e.to_string(),
     })?;
+    let kernel_boot = match annotations.get(KERNEL_BOOT_ANNOTATION) {
+        None => None,
+        Some(json) => {
+            let boot: crate::v1alpha1::KernelBoot = serde_json::from_str(json).map_err(|e| PodVmError::Invalid {
+                field: "metadata.annotations[vmlet.io/kernel-boot]",
+                message: e.to_string(),
+            })?;
+            Some(vmlet_provider::KernelBoot { kernel: boot.kernel, initrd: boot.initrd, cmdline: boot.cmdline })
+        }
+    };
     let power_off_mode = match annotations.get(POWER_OFF_ANNOTATION).map(String::as_str) {
         Some("Hard") => PowerOffMode::Hard,
         Some("Soft") => PowerOffMode::Soft,
@@ -191,6 +207,7 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             cpus: millicores.div_ceil(1000).max(1) as u32,
             memory_bytes,
             image: annotations.get(IMAGE_ANNOTATION).cloned(),
+            kernel_boot,
         },
         power_off_mode,
     })
@@ -203,7 +220,12 @@ mod tests {
 
     #[test]
     fn pod_carries_the_vm_and_round_trips_to_the_same_spec() {
-        let vm = VmBuilder::new("web").cpu(2).memory("1Gi").image("/img/web.qcow2").build();
+        let vm = VmBuilder::new("web")
+            .cpu(2)
+            .memory("1Gi")
+            .image("/img/web.qcow2")
+            .kernel_boot("/boot/vmlinuz", "/boot/initrd.img", "console=ttyS0")
+            .build();
         let pod = pod_for_vm(&vm, None).unwrap();
         assert_eq!(pod.metadata.name.as_deref(), Some("web"));
         assert_eq!(pod.labels().get(VM_LABEL).map(String::as_str), Some("web"));
@@ -223,6 +245,9 @@ mod tests {
         assert_eq!(read.spec.memory_bytes, 1 << 30);
         assert_eq!(read.spec.image.as_deref(), Some("/img/web.qcow2"));
         assert_eq!(read.power_off_mode, PowerOffMode::TrySoft);
+        let boot = read.spec.kernel_boot.unwrap();
+        assert_eq!((boot.kernel.as_str(), boot.initrd.as_deref()), ("/boot/vmlinuz", Some("/boot/initrd.img")));
+        assert_eq!(boot.cmdline.as_deref(), Some("console=ttyS0"));
     }
 
     #[test]

@@ -14,7 +14,9 @@
 use std::fmt;
 use std::net::IpAddr;
 
+mod capabilities;
 mod error;
+pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
 
 /// The stable identity of a VM: the UID of its VirtualMachine object
@@ -44,6 +46,20 @@ pub struct VmSpec {
     pub memory_bytes: u64,
     /// Optional boot disk: a path or volume name the backend resolves on the host.
     pub image: Option<String>,
+    /// Optional direct kernel boot (backends that cannot boot a kernel directly
+    /// refuse it with `InvalidInput`).
+    pub kernel_boot: Option<KernelBoot>,
+}
+
+/// Boot a kernel directly instead of from a disk's boot loader.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelBoot {
+    /// Path of the kernel image on the host.
+    pub kernel: String,
+    /// Path of the initramfs on the host, if any.
+    pub initrd: Option<String>,
+    /// Kernel command line, e.g. `console=ttyS0`.
+    pub cmdline: Option<String>,
 }
 
 impl VmSpec {
@@ -157,6 +173,21 @@ pub trait Provider: Send + Sync + 'static {
     /// Power off at once, keeping the definition and disks; an inactive VM is
     /// left alone.
     async fn destroy(&self, id: &VmId) -> Result<()>;
+
+    /// The serial-console capability, if this backend (and host) has one.
+    fn console(&self) -> Option<&dyn Console> {
+        None
+    }
+
+    /// The guest-command capability, if this backend has one.
+    fn guest_exec(&self) -> Option<&dyn GuestExec> {
+        None
+    }
+
+    /// The resource-usage capability, if this backend has one.
+    fn stats(&self) -> Option<&dyn Stats> {
+        None
+    }
 
     /// Remove the definition (and the backend's own metadata) of an inactive VM;
     /// a VM that does not exist is success. Disks named by the user are kept.

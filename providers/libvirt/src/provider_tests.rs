@@ -37,6 +37,7 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
         cpus: 1,
         memory_bytes: 256 * MIB,
         image: None,
+        kernel_boot: None,
     }
 }
 

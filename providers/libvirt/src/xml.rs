@@ -219,6 +219,7 @@ mod tests {
             cpus: 2,
             memory_bytes: 512 * 1024 * 1024 + 1,
             image: None,
+            kernel_boot: None,
         }
     }
 

@@ -40,6 +40,7 @@ fn unique_spec() -> VmSpec {
         cpus: 1,
         memory_bytes: 64 * 1024 * 1024,
         image: None,
+        kernel_boot: None,
     }
 }
 
