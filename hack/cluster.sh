@@ -73,12 +73,14 @@ GO
 
 certs() {
   local c=$DIR/pki
-  [[ -f $c/done ]] && return 0
+  [[ -f $c/done && -f $c/kubelet-serving.crt ]] && return 0
   mkdir -p "$c"
   (
     cd "$c"
-    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout ca.key -out ca.crt -subj "/CN=vmlet-local-ca" 2>/dev/null
+    # Each file is made only when missing, so certs added later join an existing CA.
+    [[ -f ca.crt ]] || openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout ca.key -out ca.crt -subj "/CN=vmlet-local-ca" 2>/dev/null
     sign() { # name subject [san]: a v3 cert (rustls refuses v1), server+client use
+      [[ -f $1.crt ]] && return 0
       openssl req -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.csr" -subj "$2" 2>/dev/null
       {
         echo "basicConstraints=critical,CA:FALSE"
@@ -97,8 +99,11 @@ certs() {
     sign kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
     sign controller-manager "/CN=system:kube-controller-manager"
     sign scheduler "/CN=system:kube-scheduler"
-    openssl genrsa -out sa.key 2048 2>/dev/null
-    openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+    # vmlet's kubelet API serving cert: the API server verifies kubelets against
+    # this CA (--kubelet-certificate-authority).
+    sign kubelet-serving "/O=system:nodes/CN=vmlet-kubelet-serving" "IP:127.0.0.1,DNS:localhost"
+    [[ -f sa.key ]] || openssl genrsa -out sa.key 2048 2>/dev/null
+    [[ -f sa.pub ]] || openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
     touch done
   )
 }

@@ -5,6 +5,7 @@
 //! kubeletPort: 10250         # daemonEndpoints.kubeletEndpoint.Port of every node
 //! controller: true           # also run the VirtualMachine controller
 //! namespace: team-a          # only this namespace's VirtualMachines (default: all)
+//! stateDir: /var/lib/vmlet   # console history and other state
 //! hosts:
 //!   - name: host-a           # becomes the Node name
 //!     provider: libvirt
@@ -67,7 +68,7 @@ pub enum ConfigError {
 pub struct Config {
     /// InternalIP of every node vmlet registers: where the API server reaches the
     /// kubelet API. Default 127.0.0.1.
-    #[serde(default = "default_node_ip")]
+    #[serde(default = "default_node_ip", rename = "nodeIP", alias = "nodeIp")]
     pub node_ip: IpAddr,
     /// Port of the kubelet API (`daemonEndpoints.kubeletEndpoint.Port`). Default 10250.
     #[serde(default = "default_kubelet_port")]
@@ -82,6 +83,10 @@ pub struct Config {
     /// Lease duration in seconds (kube-node-lease). Default 40, as the kubelet's.
     #[serde(default = "default_lease_seconds")]
     pub lease_duration_seconds: u32,
+    /// Where vmlet keeps its state, e.g. VMs' console history
+    /// (`<stateDir>/vms/...`). Default `/var/lib/vmlet`.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: std::path::PathBuf,
     /// The hypervisor hosts this process serves, one virtual node each.
     pub hosts: Vec<HostConfig>,
 }
@@ -134,6 +139,9 @@ fn default_node_ip() -> IpAddr {
 }
 fn default_kubelet_port() -> u16 {
     10250
+}
+fn default_state_dir() -> std::path::PathBuf {
+    "/var/lib/vmlet".into()
 }
 fn default_true() -> bool {
     true
@@ -273,6 +281,8 @@ mod tests {
             Config::from_yaml("hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}]", PROVIDERS).unwrap();
         assert_eq!(config.node_ip, IpAddr::from([127, 0, 0, 1]));
         assert_eq!(config.kubelet_port, 10250);
+        let spelled = Config::from_yaml("nodeIP: 127.0.0.2\nhosts: [{name: a, provider: libvirt, uri: x}]", PROVIDERS);
+        assert_eq!(spelled.unwrap().node_ip, IpAddr::from([127, 0, 0, 2]));
         assert_eq!(config.lease_duration(), Duration::from_secs(40));
         assert_eq!(config.hosts[0].max_pods, 110);
         assert_eq!((config.hosts[0].cpu_allocation_ratio, config.hosts[0].memory_allocation_ratio), (1.0, 1.0));

@@ -111,9 +111,17 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
 
+    let hosts = vmlet::node::Hosts::default();
     for host in &config.hosts {
         let provider = connect(host).await?;
-        tasks.spawn(vmlet::node::run(client.clone(), config.clone(), host.clone(), provider, shutdown.child_token()));
+        tasks.spawn(vmlet::node::run(
+            client.clone(),
+            config.clone(),
+            host.clone(),
+            provider,
+            hosts.clone(),
+            shutdown.child_token(),
+        ));
     }
     if config.controller {
         tasks.spawn(vmlet::controller::run(client.clone(), config.namespace.clone(), shutdown.child_token()));

@@ -106,6 +106,14 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachine
         },
     };
     set_condition(&mut status.conditions, condition("Ready", ready, reason, &message, generation));
+    let provider_failed = waiting.filter(|w| w.reason.as_deref() == Some("ProviderFailed"));
+    set_condition(
+        &mut status.conditions,
+        match provider_failed {
+            Some(w) => condition("ProviderError", true, "ProviderFailed", w.message.as_deref().unwrap_or_default(), generation),
+            None => condition("ProviderError", false, "NoError", "the provider reports no error", generation),
+        },
+    );
     status
 }
 
@@ -163,6 +171,30 @@ mod tests {
         assert_eq!(status.provider_id.as_deref(), Some("libvirt://0b5c3b3e-0000-4000-8000-00000000000a"));
         assert_eq!(find(&status, "Ready").status, "True");
         assert_eq!(status.observed_generation, Some(1));
+    }
+
+    #[test]
+    fn a_provider_failure_becomes_the_provider_error_condition() {
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStateWaiting, ContainerStatus};
+        let vm = VmBuilder::new("web").build();
+        let mut pod = PodBuilder::for_vm(&vm).on_node("host-a").build();
+        pod.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+            name: "vm".into(),
+            state: Some(ContainerState {
+                waiting: Some(ContainerStateWaiting {
+                    reason: Some("ProviderFailed".into()),
+                    message: Some("define domain: no space left".into()),
+                }),
+                ..ContainerState::default()
+            }),
+            ..ContainerStatus::default()
+        }]);
+        let status = status_from_pod(&vm, Some(&pod));
+        let error = find(&status, "ProviderError");
+        assert_eq!((error.status.as_str(), error.message.as_str()), ("True", "define domain: no space left"));
+        assert_eq!(find(&status, "Ready").reason, "ProviderFailed");
+        let healthy = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.1").build();
+        assert_eq!(find(&status_from_pod(&vm, Some(&healthy)), "ProviderError").status, "False");
     }
 
     #[test]

@@ -55,6 +55,12 @@ pub async fn reconcile(vm: Arc<VirtualMachine>, agent: Arc<Agent>) -> Result<Act
         }
         agent.provider.undefine(&id).await?;
         info!(domain = %status.backend_name, "undefined");
+        let history = super::console::vm_log_dir(&agent.state_dir, &namespace, &vm.name_any(), &id.0);
+        if let Err(e) = tokio::fs::remove_dir_all(&history).await {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                warn!(path = %history.display(), error = %e, "console history not removed");
+            }
+        }
         agent
             .events
             .publish(

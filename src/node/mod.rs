@@ -7,6 +7,7 @@
 //! running) and stop.
 
 mod cleanup;
+pub mod console;
 pub mod lease;
 pub mod pod_status;
 mod pods;
@@ -18,14 +19,16 @@ use crate::v1alpha1::VirtualMachine;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::runtime::reflector::Store;
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client};
 use registration::Readiness;
 use std::collections::HashSet;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, instrument, warn};
+use tracing::{debug, info, instrument, warn};
 use vmlet_provider::{HostInfo, Provider};
 
 /// Shared state of one host's agent.
@@ -35,6 +38,8 @@ pub struct Agent {
     client: Client,
     provider: Arc<dyn Provider>,
     events: EventSink,
+    /// Root of vmlet's state (console history).
+    state_dir: PathBuf,
     /// Pods (by UID) whose guest was already asked to shut down.
     shutdown_sent: Mutex<HashSet<String>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
@@ -53,13 +58,42 @@ impl Agent {
     }
 }
 
-/// Run the agent of `host` until `shutdown` is cancelled.
+/// One host served by this process: what the kubelet API needs to find a pod's
+/// VM.
+#[derive(Clone)]
+pub struct HostHandle {
+    /// Node name.
+    pub name: String,
+    /// The host's provider.
+    pub provider: Arc<dyn Provider>,
+    /// The pods bound to the host's node (the agent's watch cache).
+    pub pods: Store<Pod>,
+}
+
+/// The hosts this process serves, filled in as their agents start.
+#[derive(Clone, Default)]
+pub struct Hosts(Arc<Mutex<Vec<HostHandle>>>);
+
+impl Hosts {
+    fn add(&self, host: HostHandle) {
+        self.0.lock().expect("hosts poisoned").push(host);
+    }
+
+    /// A snapshot of the hosts served so far.
+    pub fn list(&self) -> Vec<HostHandle> {
+        self.0.lock().expect("hosts poisoned").clone()
+    }
+}
+
+/// Run the agent of `host` until `shutdown` is cancelled; registers the host in
+/// `hosts` once its pod watch exists.
 #[instrument(skip_all, fields(node.name = %host.name, provider = provider.kind()))]
 pub async fn run(
     client: Client,
     config: Arc<Config>,
     host: HostConfig,
     provider: Arc<dyn Provider>,
+    hosts: Hosts,
     shutdown: CancellationToken,
 ) {
     let Some(info) = probe(&*provider, &shutdown).await else { return };
@@ -73,6 +107,7 @@ pub async fn run(
         client: client.clone(),
         provider: provider.clone(),
         host: host.clone(),
+        state_dir: config.state_dir.clone(),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
     });
@@ -80,10 +115,14 @@ pub async fn run(
     let pods = Controller::new(
         Api::<Pod>::all(client.clone()),
         watcher::Config::default().fields(&format!("spec.nodeName={}", host.name)),
-    )
-    .graceful_shutdown_on(cancelled(shutdown.clone()))
-    .run(pods::reconcile, pods::error_policy, agent.clone())
-    .for_each(|_| async {});
+    );
+    let store = pods.store();
+    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone(), pods: store.clone() });
+    let recorder = record_consoles(provider.clone(), store, config.state_dir.clone(), shutdown.clone());
+    let pods = pods
+        .graceful_shutdown_on(cancelled(shutdown.clone()))
+        .run(pods::reconcile, pods::error_policy, agent.clone())
+        .for_each(|_| async {});
     let vms: Api<VirtualMachine> = match &config.namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
@@ -92,11 +131,46 @@ pub async fn run(
         .graceful_shutdown_on(cancelled(shutdown.clone()))
         .run(cleanup::reconcile, cleanup::error_policy, agent.clone())
         .for_each(|_| async {});
-    let loops = tokio::spawn(async move { tokio::join!(pods, cleanup) });
+    let loops = tokio::spawn(async move { tokio::join!(pods, cleanup, recorder) });
 
     heartbeat(&client, &config, &host, &*provider, info, &shutdown).await;
     let _ = loops.await;
     info!("node agent stopped");
+}
+
+/// Every second, copy new console output of this host's VM pods into their
+/// history files (see [`console`]). Does nothing on a backend without a console.
+async fn record_consoles(
+    provider: Arc<dyn Provider>,
+    pods: Store<Pod>,
+    state_dir: PathBuf,
+    shutdown: CancellationToken,
+) {
+    if provider.console().is_none() {
+        return;
+    }
+    let mut failing = HashSet::new();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let Some(console) = provider.console() else { return };
+        for pod in pods.state() {
+            let Ok(vm) = crate::vmpod::vm_from_pod(&pod) else { continue };
+            let dir = console::vm_log_dir(&state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0);
+            match console::record(console, &vm.spec.id, &dir).await {
+                Ok(_) => {
+                    failing.remove(&vm.spec.id.0);
+                }
+                Err(e) => {
+                    if failing.insert(vm.spec.id.0.clone()) {
+                        debug!(vm.uid = %vm.spec.id, error = %e, "console not recorded");
+                    }
+                }
+            }
+        }
+    }
 }
 
 async fn cancelled(token: CancellationToken) {

@@ -125,6 +125,10 @@ pub fn node_status(config: &Config, host: &HostConfig, info: &HostInfo, readines
             condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "the hypervisor has no disk pressure"),
             condition("PIDPressure", "False", "KubeletHasSufficientPID", "the hypervisor has PIDs available"),
         ]),
+        // The kubelet API speaks WebSocket (v4/v5.channel.k8s.io): a 1.36+ API
+        // server then proxies kubectl's WebSocket straight through instead of
+        // translating it to SPDY.
+        declared_features: Some(vec!["ExtendWebSocketsToKubelet".to_owned()]),
         ..NodeStatus::default()
     }
 }
@@ -223,6 +227,7 @@ mod tests {
             types,
             [("Ready", "True"), ("MemoryPressure", "False"), ("DiskPressure", "False"), ("PIDPressure", "False")]
         );
+        assert_eq!(status.declared_features.unwrap(), ["ExtendWebSocketsToKubelet"]);
         let address = &status.addresses.unwrap()[0];
         assert_eq!((address.type_.as_str(), address.address.as_str()), ("InternalIP", "127.0.0.1"));
     }

@@ -144,7 +144,7 @@ impl TestEnv {
             })
             .collect();
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
-        let config = json!({"namespace": self.ns, "hosts": hosts_yaml});
+        let config = json!({"namespace": self.ns, "stateDir": self.dir.join("state"), "hosts": hosts_yaml});
         let path = self.dir.join("vmlet.yaml");
         std::fs::write(&path, serde_yaml::to_string(&config).unwrap()).unwrap();
         self.restart_vmlet();

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# THE test command: every test of the workspace against a real control plane and
+# a real libvirtd.
+#
+#   hack/test.sh [cargo test args...]     e.g. hack/test.sh --test cluster
+#
+# Starts (or reuses) the local control plane (hack/cluster.sh up; the first run
+# builds it, ~15 min on 2 cores) and libvirtd for qemu:///system
+# (hack/libvirtd.sh up; needs root), exports VMLET_LIBVIRT_QEMU_URI, then runs
+# `cargo test --workspace --no-fail-fast "$@"`. Both stay running afterwards so
+# the next run is fast, except with CI=true, where they are stopped on exit.
+# On failure it prints where the logs are and the last lines of each.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+REPO=$PWD
+
+log() { echo "test.sh: $*" >&2; }
+
+if [[ ${CI:-} == true ]]; then
+  # Stop what this run started, whatever happens.
+  trap 'log "CI=true: stopping the control plane and libvirtd"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true' EXIT
+fi
+
+if [[ $(id -u) != 0 ]] && ! virsh -c "$(hack/libvirtd.sh uri)" version >/dev/null 2>&1; then
+  log "libvirtd (qemu:///system) is not running and starting it needs root."
+  log "Run hack/test.sh as root (CI does), or start libvirtd first (as root: hack/libvirtd.sh up)."
+  exit 1
+fi
+
+hack/cluster.sh up
+eval "$(hack/cluster.sh env)" # KUBECONFIG, PATH (kubectl), VMLET_CLUSTER_LOGS
+hack/libvirtd.sh up
+VMLET_LIBVIRT_QEMU_URI=$(hack/libvirtd.sh uri)
+export VMLET_LIBVIRT_QEMU_URI
+
+status=0
+# --no-fail-fast: report every failing test binary, not just the first.
+cargo test --workspace --no-fail-fast "$@" || status=$?
+
+if ((status != 0)); then
+  {
+    echo
+    echo "=================== hack/test.sh: tests FAILED (exit $status) ==================="
+    echo "Logs:"
+    echo "  control plane components: $VMLET_CLUSTER_LOGS/"
+    echo "  each test's vmlet:        $REPO/target/it/<test namespace>/vmlet.log"
+    echo "  libvirtd / virtlogd:      /var/log/libvirt/libvirtd.log, /var/log/libvirt/virtlogd.log"
+    for f in "$VMLET_CLUSTER_LOGS"/*.log /var/log/libvirt/libvirtd.log; do
+      [[ -f $f ]] || continue
+      echo
+      echo "--- last 20 lines of $f"
+      tail -n 20 "$f"
+    done
+  } >&2
+fi
+exit "$status"
