@@ -110,7 +110,9 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachine
     set_condition(
         &mut status.conditions,
         match provider_failed {
-            Some(w) => condition("ProviderError", true, "ProviderFailed", w.message.as_deref().unwrap_or_default(), generation),
+            Some(w) => {
+                condition("ProviderError", true, "ProviderFailed", w.message.as_deref().unwrap_or_default(), generation)
+            }
             None => condition("ProviderError", false, "NoError", "the provider reports no error", generation),
         },
     );

@@ -189,7 +189,7 @@ mod tests {
         std::fs::read_to_string(dir.join(format!("{index}.log")))
             .unwrap_or_default()
             .lines()
-            .map(|l| l.splitn(2, ' ').nth(1).unwrap().to_owned())
+            .map(|l| l.split_once(' ').unwrap().1.to_owned())
             .collect()
     }
 

@@ -17,15 +17,28 @@
 //! emulation) and libvirt's test driver (`test:///<absolute path>.xml`, used by
 //! the tests and by development clusters; see `test-vms/hosts/`).
 //!
+//! QEMU domains are defined for real guests: direct kernel boot when asked, a
+//! serial console that virtlogd records from boot in
+//! `/var/log/vmlet/console/<domain uuid>.log`, a virtio-serial channel for
+//! qemu-guest-agent (`org.qemu.guest_agent.0`), user-mode networking and a
+//! balloon that reports guest memory. On them the provider offers the
+//! [`Console`](vmlet_provider::Console) (history and live attach),
+//! [`GuestExec`](vmlet_provider::GuestExec) (through the agent) and
+//! [`Stats`](vmlet_provider::Stats) capabilities; on the test driver only
+//! `Stats`. `test-vms/guest/build.sh` builds a small guest that has all of this.
+//!
 //! How vmlet finds its domains, how the connection survives a libvirtd restart
 //! and what that means for the test driver: see [`LibvirtProvider`].
 
 #![warn(missing_docs)]
 
 mod connection;
+mod console;
 mod domains;
 mod error;
+mod exec;
 mod provider;
+mod stats;
 mod xml;
 
 pub use provider::LibvirtProvider;

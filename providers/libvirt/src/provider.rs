@@ -1,16 +1,17 @@
 //! [`LibvirtProvider`]: the [`Provider`] operations on one libvirt connection.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
-use vmlet_provider::{Error, ErrorKind, HostInfo, Provider, Result, VmId, VmSpec, VmStatus};
+use vmlet_provider::{Console, Error, ErrorKind, GuestExec, HostInfo, Provider, Result, Stats, VmId, VmSpec, VmStatus};
 
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_operation_invalid, is_unsupported_flags};
-use crate::xml::{domain_xml, DomainKind};
+use crate::xml::{console_log_path, domain_xml, DomainKind, CONSOLE_LOG_DIR};
 
 /// The VMs of one libvirt host, reached through one libvirt connection URI
 /// (`qemu:///system`, `qemu+ssh://host/system`, `test:///<abs path>.xml`).
@@ -26,6 +27,11 @@ use crate::xml::{domain_xml, DomainKind};
 /// again from the inventory file, so a reconnect would lose all VMs defined
 /// since: state that must outlive the process needs a daemon-held host.
 ///
+/// Capabilities: on QEMU the serial console ([`Console`]: history from virtlogd's
+/// log, live attach through `virDomainOpenConsole`), commands in the guest
+/// ([`GuestExec`], through qemu-guest-agent) and [`Stats`]; on the test driver,
+/// which has neither consoles nor agents, only [`Stats`].
+///
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct LibvirtProvider {
@@ -33,9 +39,14 @@ pub struct LibvirtProvider {
 }
 
 /// The shared state behind a [`LibvirtProvider`].
-struct Host {
-    connection: Connection,
+pub(crate) struct Host {
+    pub(crate) connection: Connection,
     uuids: UuidCache,
+    /// The driver behind the URI, probed at connect time.
+    pub(crate) kind: DomainKind,
+    /// The boot (domain id) whose console output each VM last served while
+    /// running, so that a stopped VM's log keeps its boot (see `console.rs`).
+    pub(crate) boots: Mutex<HashMap<VmId, String>>,
 }
 
 impl LibvirtProvider {
@@ -50,13 +61,17 @@ impl LibvirtProvider {
     /// connection, with libvirt's error as source.
     pub async fn connect(uri: &str) -> Result<LibvirtProvider> {
         let uri = uri.to_owned();
-        let connection = tokio::task::spawn_blocking(move || {
+        let (connection, kind) = tokio::task::spawn_blocking(move || {
             virt::error::clear_error_callback();
-            Connection::open(&uri)
+            let connection = Connection::open(&uri)?;
+            let kind = connection.with(domain_kind)?;
+            Ok::<_, Error>((connection, kind))
         })
         .await
         .map_err(|e| not_completed("connect to libvirt", e))??;
-        Ok(LibvirtProvider { host: Arc::new(Host { connection, uuids: UuidCache::default() }) })
+        Ok(LibvirtProvider {
+            host: Arc::new(Host { connection, uuids: UuidCache::default(), kind, boots: Mutex::default() }),
+        })
     }
 
     /// The libvirt connection URI this provider was opened with.
@@ -65,7 +80,7 @@ impl LibvirtProvider {
     }
 
     /// Run `f` with the host and a live connection on the blocking pool.
-    async fn blocking<T, F>(&self, operation: &'static str, f: F) -> Result<T>
+    pub(crate) async fn blocking<T, F>(&self, operation: &'static str, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
@@ -78,13 +93,13 @@ impl LibvirtProvider {
 }
 
 /// The error for a blocking task that panicked or was cancelled.
-fn not_completed(operation: &'static str, err: tokio::task::JoinError) -> Error {
+pub(crate) fn not_completed(operation: &'static str, err: tokio::task::JoinError) -> Error {
     Error::new(operation, ErrorKind::Permanent, format!("libvirt call did not complete: {err}"))
 }
 
 impl Host {
     /// The domain with identity `id`, or a `NotFound` error naming it.
-    fn require(&self, conn: &Connect, operation: &'static str, id: &VmId) -> Result<Domain> {
+    pub(crate) fn require(&self, conn: &Connect, operation: &'static str, id: &VmId) -> Result<Domain> {
         find(conn, &self.uuids, id)?
             .ok_or_else(|| Error::new(operation, ErrorKind::NotFound, format!("no domain carries vmlet uid {id}")))
     }
@@ -107,7 +122,7 @@ impl Host {
         if let Some(status) = self.get(conn, &spec.id)? {
             return Ok(status);
         }
-        let kind = domain_kind(conn)?;
+        let kind = self.kind;
         validate(spec, kind)?;
         let name = spec.backend_name();
         match conn.lookup_domain_by_name(&name) {
@@ -115,7 +130,8 @@ impl Host {
             Err(err) if is_no_domain(&err) => {}
             Err(err) => return Err(from_libvirt(OP, err)),
         }
-        let domain = conn.define_domain_xml(&domain_xml(spec, kind)).map_err(|e| from_libvirt(OP, e))?;
+        let uuid = uuid::Uuid::new_v4().to_string();
+        let domain = conn.define_domain_xml(&domain_xml(spec, kind, &uuid)).map_err(|e| from_libvirt(OP, e))?;
         let identity = identity_of(&domain).map_err(|e| from_libvirt(OP, e))?.ok_or_else(|| {
             Error::new(
                 OP,
@@ -136,6 +152,9 @@ impl Host {
         let domain = self.require(conn, OP, id)?;
         if is_active(&domain, OP)? {
             return Ok(());
+        }
+        if self.kind == DomainKind::Qemu {
+            prepare_console_log_dir(self.connection.uri());
         }
         match domain.create() {
             Ok(()) => Ok(()),
@@ -177,6 +196,7 @@ impl Host {
                 format!("domain for vmlet uid {id} is still active; destroy it first"),
             ));
         }
+        let uuid = domain.uuid_string().ok();
         // Also remove what libvirt keeps beside the definition; drivers that do
         // not know a flag (the test driver rejects NVRAM) get fewer.
         let all = virt::sys::VIR_DOMAIN_UNDEFINE_MANAGED_SAVE | virt::sys::VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA;
@@ -194,6 +214,10 @@ impl Host {
             Err(err) => return Err(from_libvirt(OP, err)),
         }
         self.uuids.remove(id);
+        self.boots.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
+        if let (DomainKind::Qemu, Some(uuid)) = (self.kind, uuid) {
+            remove_console_log(self.connection.uri(), &uuid);
+        }
         Ok(())
     }
 
@@ -227,14 +251,45 @@ impl Stop {
     }
 }
 
+/// Create [`CONSOLE_LOG_DIR`] for virtlogd when libvirtd runs on this machine
+/// (the URI names no host); a failure is logged, and the domain's start then
+/// reports what virtlogd could not open.
+fn prepare_console_log_dir(uri: &str) {
+    if !is_local_uri(uri) {
+        return;
+    }
+    if let Err(err) = std::fs::create_dir_all(CONSOLE_LOG_DIR) {
+        tracing::warn!(path = CONSOLE_LOG_DIR, error = %err, "cannot create the console log directory");
+    }
+}
+
+/// Remove the console log of the undefined domain `uuid` (vmlet's file, not the
+/// user's); failures are logged.
+fn remove_console_log(uri: &str, uuid: &str) {
+    if !is_local_uri(uri) {
+        return;
+    }
+    let path = console_log_path(uuid);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(err) => tracing::warn!(path = %path, error = %err, "cannot remove the console log"),
+    }
+}
+
+/// True when `uri` names no remote host (`qemu:///system`, `qemu+unix:///system`).
+pub(crate) fn is_local_uri(uri: &str) -> bool {
+    uri.split_once("://").is_some_and(|(_, rest)| rest.starts_with('/'))
+}
+
 /// Whether `domain` is active (running, paused or shutting down).
-fn is_active(domain: &Domain, operation: &'static str) -> Result<bool> {
+pub(crate) fn is_active(domain: &Domain, operation: &'static str) -> Result<bool> {
     domain.is_active().map_err(|e| from_libvirt(operation, e))
 }
 
 /// The domain flavour this connection's driver takes.
 fn domain_kind(conn: &Connect) -> Result<DomainKind> {
-    const OP: &str = "define domain";
+    const OP: &str = "connect to libvirt";
     let driver = conn.driver_type().map_err(|e| from_libvirt(OP, e))?;
     match driver.as_str() {
         "TEST" => Ok(DomainKind::Test),
@@ -260,9 +315,16 @@ fn validate(spec: &VmSpec, kind: DomainKind) -> Result<()> {
     if spec.backend_name().contains('/') {
         return invalid(format!("domain name {} must not contain '/'", spec.backend_name()));
     }
-    if let (Some(image), DomainKind::Qemu) = (&spec.image, kind) {
-        if !image.starts_with('/') {
+    if kind == DomainKind::Qemu {
+        if let Some(image) = spec.image.as_ref().filter(|image| !image.starts_with('/')) {
             return invalid(format!("image {image} must be an absolute path to a disk file on the libvirt host"));
+        }
+        if let Some(boot) = &spec.kernel_boot {
+            for path in std::iter::once(&boot.kernel).chain(&boot.initrd) {
+                if !path.starts_with('/') {
+                    return invalid(format!("kernel boot file {path} must be an absolute path on the libvirt host"));
+                }
+            }
         }
     }
     Ok(())
@@ -367,10 +429,13 @@ impl Provider for LibvirtProvider {
 
     /// Defines a persistent domain named [`VmSpec::backend_name`]: `<domain
     /// type='test'>` on the test driver, `<domain type='qemu'>` (software
-    /// emulation, machine `pc`, ACPI, a serial console on a pty, and a virtio
-    /// disk from `spec.image` when set) on QEMU. The test driver ignores
-    /// `spec.image`. Errors: `InvalidInput` for zero CPUs, less than 1 MiB or a
-    /// relative image path; `Unsupported` for drivers other than test and QEMU;
+    /// emulation, machine `pc`, ACPI, direct kernel boot from
+    /// `spec.kernel_boot`, a virtio disk from `spec.image`, a serial console
+    /// recorded by virtlogd, a qemu-guest-agent channel and user-mode networking)
+    /// on QEMU. The test driver ignores `spec.image` and `spec.kernel_boot`. The
+    /// domain UUID is random, so a redefined VM gets a new backend id. Errors:
+    /// `InvalidInput` for zero CPUs, less than 1 MiB or a relative image or
+    /// kernel path; `Unsupported` for drivers other than test and QEMU;
     /// `Permanent` when the name is taken by a domain without this identity.
     #[instrument(skip(self, spec), fields(provider = "libvirt", vm.uid = %spec.id, vm.name = %spec.name))]
     async fn ensure_defined(&self, spec: &VmSpec) -> Result<VmStatus> {
@@ -401,8 +466,25 @@ impl Provider for LibvirtProvider {
         self.blocking(Stop::Destroy.operation(), move |host, conn| host.stop(conn, &id, Stop::Destroy)).await
     }
 
+    /// The serial console on QEMU; `None` on the test driver, which has none.
+    fn console(&self) -> Option<&dyn Console> {
+        (self.host.kind == DomainKind::Qemu).then_some(self as &dyn Console)
+    }
+
+    /// Commands through qemu-guest-agent on QEMU; `None` on the test driver,
+    /// which has no guest agent.
+    fn guest_exec(&self) -> Option<&dyn GuestExec> {
+        (self.host.kind == DomainKind::Qemu).then_some(self as &dyn GuestExec)
+    }
+
+    /// CPU time and memory on every driver (see [`Stats`] for what is measured).
+    fn stats(&self) -> Option<&dyn Stats> {
+        Some(self)
+    }
+
     /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,
-    /// fewer flags where the driver rejects them. Disk files are never deleted.
+    /// fewer flags where the driver rejects them. Disk files are never deleted;
+    /// vmlet's console log of a QEMU domain is.
     /// Errors: `InvalidInput` while the domain is active.
     #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
     async fn undefine(&self, id: &VmId) -> Result<()> {

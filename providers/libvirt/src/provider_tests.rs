@@ -277,3 +277,27 @@ async fn specs_libvirt_cannot_express_are_invalid_input() {
     }
     assert!(provider.list().await.expect("list").is_empty());
 }
+
+#[tokio::test]
+async fn test_driver_has_no_console_and_no_guest_exec() {
+    let provider = host("host-a").await;
+    assert!(provider.console().is_none(), "the test driver has no console");
+    assert!(provider.guest_exec().is_none(), "the test driver has no guest agent");
+}
+
+#[tokio::test]
+async fn test_driver_reports_stats_of_running_vms() {
+    let provider = host("host-a").await;
+    let spec = vm("ns", "measured");
+    provider.ensure_defined(&spec).await.expect("define");
+    let stats = provider.stats().expect("stats on the test driver");
+    let err = stats.stats(&spec.id).await.expect_err("stats of a stopped VM");
+    assert_eq!(err.kind, ErrorKind::Transient);
+
+    provider.start(&spec.id).await.expect("start");
+    let usage = stats.stats(&spec.id).await.expect("stats");
+    assert!(usage.memory_working_set_bytes > 0 && usage.memory_working_set_bytes <= 256 * MIB, "{usage:?}");
+
+    let err = stats.stats(&VmId("00000000-0000-4000-8000-ffffffffffff".into())).await.expect_err("unknown VM");
+    assert_eq!(err.kind, ErrorKind::NotFound);
+}

@@ -149,12 +149,31 @@ fn attributes(xml: &str) -> Option<Vec<(String, String)>> {
     }
 }
 
-/// The persistent domain definition for `spec` on a driver of `kind`: name
-/// [`VmSpec::backend_name`], memory in KiB rounded up, `spec.cpus` vCPUs, vmlet's
-/// identity in `<metadata>`, and for QEMU a serial console and, when
-/// `spec.image` is set, a virtio disk from that file (qcow2 when the name ends in
-/// `.qcow2`, raw otherwise).
-pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind) -> String {
+/// Directory virtlogd writes QEMU domains' serial-console logs into, one file per
+/// domain named after its UUID ([`console_log_path`]).
+pub(crate) const CONSOLE_LOG_DIR: &str = "/var/log/vmlet/console";
+
+/// The serial-console log of the domain with UUID `uuid`: virtlogd truncates it at
+/// every start (`append='off'`), so it holds the output of the current or last boot.
+pub(crate) fn console_log_path(uuid: &str) -> String {
+    format!("{CONSOLE_LOG_DIR}/{uuid}.log")
+}
+
+/// Name of the virtio-serial port qemu-guest-agent listens on in the guest.
+pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
+
+/// The persistent domain definition for `spec` on a driver of `kind`, with UUID
+/// `uuid`: name [`VmSpec::backend_name`], memory in KiB rounded up, `spec.cpus`
+/// vCPUs, vmlet's identity in `<metadata>`. The test driver gets nothing more.
+///
+/// QEMU domains also get: direct kernel boot when `spec.kernel_boot` is set
+/// (`<kernel>`, `<initrd>`, `<cmdline>`); a virtio disk from `spec.image` when set
+/// (qcow2 when the name ends in `.qcow2`, raw otherwise); a serial console on a
+/// pty whose output virtlogd records from boot in [`console_log_path`]; a
+/// virtio-serial channel for qemu-guest-agent ([`AGENT_CHANNEL`], libvirt adds
+/// the controller and picks the host socket); user-mode networking on a virtio
+/// NIC; a virtio balloon that reports guest memory statistics every 5 s.
+pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str) -> String {
     let memory_kib = spec.memory_bytes.div_ceil(1024);
     let mut xml = String::new();
     let domain_type = match kind {
@@ -164,6 +183,7 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind) -> String {
     // Writing into a String cannot fail.
     let _ = writeln!(xml, "<domain type='{domain_type}'>");
     let _ = writeln!(xml, "  <name>{}</name>", escape(&spec.backend_name()));
+    let _ = writeln!(xml, "  <uuid>{}</uuid>", escape(uuid));
     let _ = writeln!(xml, "  <metadata>{}</metadata>", identity_element(spec));
     let _ = writeln!(xml, "  <memory unit='KiB'>{memory_kib}</memory>");
     let _ = writeln!(xml, "  <currentMemory unit='KiB'>{memory_kib}</currentMemory>");
@@ -173,10 +193,19 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind) -> String {
             xml.push_str("  <os>\n    <type>hvm</type>\n  </os>\n");
         }
         DomainKind::Qemu => {
+            xml.push_str("  <os>\n    <type arch='x86_64' machine='pc'>hvm</type>\n");
+            if let Some(boot) = &spec.kernel_boot {
+                let _ = writeln!(xml, "    <kernel>{}</kernel>", escape(&boot.kernel));
+                if let Some(initrd) = &boot.initrd {
+                    let _ = writeln!(xml, "    <initrd>{}</initrd>", escape(initrd));
+                }
+                if let Some(cmdline) = &boot.cmdline {
+                    let _ = writeln!(xml, "    <cmdline>{}</cmdline>", escape(cmdline));
+                }
+            } else {
+                xml.push_str("    <boot dev='hd'/>\n");
+            }
             xml.push_str(concat!(
-                "  <os>\n",
-                "    <type arch='x86_64' machine='pc'>hvm</type>\n",
-                "    <boot dev='hd'/>\n",
                 "  </os>\n",
                 "  <features>\n    <acpi/>\n    <apic/>\n  </features>\n",
                 "  <clock offset='utc'/>\n",
@@ -200,7 +229,27 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind) -> String {
                     source = escape(image),
                 );
             }
-            xml.push_str(concat!("    <serial type='pty'/>\n", "    <console type='pty'/>\n", "  </devices>\n",));
+            let _ = write!(
+                xml,
+                concat!(
+                    "    <serial type='pty'>\n",
+                    "      <log file='{log}' append='off'/>\n",
+                    "    </serial>\n",
+                    "    <console type='pty'/>\n",
+                    "    <channel type='unix'>\n",
+                    "      <target type='virtio' name='{agent}'/>\n",
+                    "    </channel>\n",
+                    "    <interface type='user'>\n",
+                    "      <model type='virtio'/>\n",
+                    "    </interface>\n",
+                    "    <memballoon model='virtio'>\n",
+                    "      <stats period='5'/>\n",
+                    "    </memballoon>\n",
+                    "  </devices>\n",
+                ),
+                log = escape(&console_log_path(uuid)),
+                agent = AGENT_CHANNEL,
+            );
         }
     }
     xml.push_str("</domain>\n");
@@ -210,6 +259,9 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vmlet_provider::KernelBoot;
+
+    const UUID: &str = "0b7a4c1e-3f7d-4d8e-9a51-2c6e8f0d1a2b";
 
     fn spec() -> VmSpec {
         VmSpec {
@@ -260,7 +312,7 @@ mod tests {
 
     #[test]
     fn memory_is_rounded_up_to_whole_kib() {
-        let xml = domain_xml(&spec(), DomainKind::Test);
+        let xml = domain_xml(&spec(), DomainKind::Test, UUID);
         assert!(xml.contains("<memory unit='KiB'>524289</memory>"), "{xml}");
         assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
         assert!(xml.contains("<name>team-a_web.1</name>"), "{xml}");
@@ -269,19 +321,60 @@ mod tests {
 
     #[test]
     fn qemu_domain_gets_a_disk_only_when_an_image_is_given() {
-        let without = domain_xml(&spec(), DomainKind::Qemu);
+        let without = domain_xml(&spec(), DomainKind::Qemu, UUID);
         assert!(without.starts_with("<domain type='qemu'>"), "{without}");
         assert!(without.contains("machine='pc'"), "{without}");
-        assert!(without.contains("<serial type='pty'/>"), "{without}");
+        assert!(without.contains("<boot dev='hd'/>"), "{without}");
         assert!(!without.contains("<disk"), "{without}");
 
         let mut with = spec();
         with.image = Some("/var/lib/vmlet/images/it's.qcow2".into());
-        let xml = domain_xml(&with, DomainKind::Qemu);
+        let xml = domain_xml(&with, DomainKind::Qemu, UUID);
         assert!(xml.contains("<driver name='qemu' type='qcow2'/>"), "{xml}");
         assert!(xml.contains("<source file='/var/lib/vmlet/images/it&apos;s.qcow2'/>"), "{xml}");
 
         with.image = Some("/images/disk.img".into());
-        assert!(domain_xml(&with, DomainKind::Qemu).contains("type='raw'"));
+        assert!(domain_xml(&with, DomainKind::Qemu, UUID).contains("type='raw'"));
+    }
+
+    #[test]
+    fn test_domain_stays_minimal() {
+        let mut spec = spec();
+        spec.kernel_boot = Some(KernelBoot { kernel: "/k".into(), initrd: None, cmdline: None });
+        let xml = domain_xml(&spec, DomainKind::Test, UUID);
+        assert!(xml.contains(&format!("<uuid>{UUID}</uuid>")), "{xml}");
+        for absent in ["<devices>", "<kernel>", "<serial", "<channel"] {
+            assert!(!xml.contains(absent), "{absent} in {xml}");
+        }
+    }
+
+    #[test]
+    fn qemu_domain_records_its_console_and_has_an_agent_channel_and_user_networking() {
+        let xml = domain_xml(&spec(), DomainKind::Qemu, UUID);
+        assert!(xml.contains(&format!("<uuid>{UUID}</uuid>")), "{xml}");
+        assert!(xml.contains(&format!("<log file='/var/log/vmlet/console/{UUID}.log' append='off'/>")), "{xml}");
+        assert!(xml.contains("<console type='pty'/>"), "{xml}");
+        assert!(xml.contains("<target type='virtio' name='org.qemu.guest_agent.0'/>"), "{xml}");
+        assert!(xml.contains("<interface type='user'>\n      <model type='virtio'/>"), "{xml}");
+        assert!(xml.contains("<stats period='5'/>"), "{xml}");
+    }
+
+    #[test]
+    fn qemu_domain_boots_the_given_kernel_directly() {
+        let mut spec = spec();
+        spec.kernel_boot = Some(KernelBoot {
+            kernel: "/guest/vmlinuz".into(),
+            initrd: Some("/guest/initrd.img".into()),
+            cmdline: Some("console=ttyS0 a<b".into()),
+        });
+        let xml = domain_xml(&spec, DomainKind::Qemu, UUID);
+        assert!(xml.contains("<kernel>/guest/vmlinuz</kernel>"), "{xml}");
+        assert!(xml.contains("<initrd>/guest/initrd.img</initrd>"), "{xml}");
+        assert!(xml.contains("<cmdline>console=ttyS0 a&lt;b</cmdline>"), "{xml}");
+        assert!(!xml.contains("<boot dev="), "{xml}");
+
+        spec.kernel_boot = Some(KernelBoot { kernel: "/guest/vmlinuz".into(), initrd: None, cmdline: None });
+        let xml = domain_xml(&spec, DomainKind::Qemu, UUID);
+        assert!(!xml.contains("<initrd>") && !xml.contains("<cmdline>"), "{xml}");
     }
 }

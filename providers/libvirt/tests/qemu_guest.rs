@@ -1,0 +1,365 @@
+//! The libvirt provider's console, exec and stats capabilities against a real
+//! guest on a real libvirtd with QEMU (`qemu:///system`, software emulation).
+//!
+//! Needs `VMLET_LIBVIRT_QEMU_URI` (`hack/test.sh` sets it) and root. The guest is
+//! `test-vms/guest/build.sh`'s (cached; `VMLET_GUEST_DIR` names a built one
+//! instead). Its files are copied into a per-run directory under
+//! `/var/lib/vmlet/test-guests/`, which QEMU (running as `libvirt-qemu`) can
+//! read and whose disk no other run shares. One test boots one guest and checks
+//! everything in order, since the boot is the expensive part.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::mpsc;
+use vmlet_libvirt::LibvirtProvider;
+use vmlet_provider::{ErrorKind, KernelBoot, Provider, StreamIo, VmId, VmSpec};
+
+const NAMESPACE: &str = "vmlet-guest-it";
+/// Where each run's copy of the guest lives (readable by QEMU's user).
+const RUN_DIRS: &str = "/var/lib/vmlet/test-guests";
+const BOOTED: &str = "vmlet-guest: booted";
+/// Generous: the guest boots in ~12 s under emulation on an idle 2-core host,
+/// and these hosts are shared with builders.
+const BOOT_DEADLINE: Duration = Duration::from_secs(180);
+
+fn qemu_uri() -> String {
+    std::env::var("VMLET_LIBVIRT_QEMU_URI")
+        .ok()
+        .filter(|uri| !uri.is_empty())
+        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
+}
+
+/// The built guest: `VMLET_GUEST_DIR`, or what `test-vms/guest/build.sh` prints.
+fn guest_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("VMLET_GUEST_DIR").filter(|dir| !dir.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../test-vms/guest/build.sh");
+    let out = Command::new(&script).output().unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    PathBuf::from(stdout.lines().last().expect("build.sh printed the guest directory").trim())
+}
+
+/// A unique uid and name for this run.
+fn unique() -> (VmId, String) {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_nanos();
+    let pid = std::process::id();
+    let uid = format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        (nanos >> 64) as u32 ^ pid,
+        (nanos >> 48) as u16,
+        (nanos >> 36) as u16 & 0xfff,
+        (nanos >> 24) as u16 & 0xfff,
+        nanos as u64 & 0xffff_ffff_ffff,
+    );
+    (VmId(uid), format!("guest-{pid}-{}", nanos % 1_000_000_000))
+}
+
+/// The guest's files copied where QEMU can read them, removed on drop.
+struct RunDir(PathBuf);
+
+impl RunDir {
+    fn new(guest: &Path, name: &str) -> RunDir {
+        let dir = Path::new(RUN_DIRS).join(name);
+        std::fs::create_dir_all(&dir).expect("create run dir");
+        for file in ["vmlinuz", "initrd.img", "disk.qcow2"] {
+            std::fs::copy(guest.join(file), dir.join(file))
+                .unwrap_or_else(|e| panic!("copy {} from {}: {e}", file, guest.display()));
+        }
+        RunDir(dir)
+    }
+
+    fn path(&self, file: &str) -> String {
+        self.0.join(file).display().to_string()
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn remove_leftovers(provider: &LibvirtProvider) {
+    for vm in provider.list().await.expect("list") {
+        if vm.backend_name.starts_with(&format!("{NAMESPACE}_")) {
+            println!("removing leftover {} (uid {})", vm.backend_name, vm.id);
+            provider.destroy(&vm.id).await.expect("destroy leftover");
+            provider.undefine(&vm.id).await.expect("undefine leftover");
+            if let Some((_, name)) = vm.backend_name.split_once('_') {
+                let _ = std::fs::remove_dir_all(Path::new(RUN_DIRS).join(name));
+            }
+        }
+    }
+}
+
+/// Poll the console history from offset 0 until it contains `needle`; returns
+/// the boot and the text so far.
+async fn wait_for_console(provider: &LibvirtProvider, id: &VmId, needle: &str, deadline: Duration) -> (String, String) {
+    let console = provider.console().expect("QEMU has a console");
+    let start = Instant::now();
+    let (mut boot, mut text, mut offset) = (String::new(), Vec::new(), 0);
+    loop {
+        let chunk = console.console_output(id, offset, 1 << 20).await.expect("console output");
+        if chunk.boot != boot {
+            (boot, text, offset) = (chunk.boot.clone(), Vec::new(), 0);
+            continue;
+        }
+        text.extend_from_slice(&chunk.data);
+        offset = chunk.next_offset;
+        let so_far = String::from_utf8_lossy(&text).into_owned();
+        if so_far.contains(needle) {
+            return (boot, so_far);
+        }
+        assert!(start.elapsed() < deadline, "no {needle:?} on the console after {deadline:?}:\n{so_far}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What a command printed and returned.
+#[derive(Debug)]
+struct Output {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+/// Run `argv` in the guest with optional stdin, collecting its output.
+async fn exec(
+    provider: &LibvirtProvider,
+    id: &VmId,
+    argv: &[&str],
+    stdin: Option<&[u8]>,
+) -> vmlet_provider::Result<Output> {
+    let (stdout_tx, mut stdout_rx) = mpsc::channel(16);
+    let (stderr_tx, mut stderr_rx) = mpsc::channel(16);
+    let stdin_rx = stdin.map(|data| {
+        let (tx, rx) = mpsc::channel(4);
+        tx.try_send(data.to_vec()).expect("queue stdin");
+        rx // tx dropped: stdin closes after the data
+    });
+    let io = StreamIo { stdin: stdin_rx, stdout: Some(stdout_tx), stderr: Some(stderr_tx), tty: false, resize: None };
+    let argv: Vec<String> = argv.iter().map(|s| (*s).to_owned()).collect();
+    let exec = provider.guest_exec().expect("QEMU has guest exec");
+    let code = exec.exec(id, &argv, io).await?;
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    while let Some(data) = stdout_rx.recv().await {
+        stdout.extend(data);
+    }
+    while let Some(data) = stderr_rx.recv().await {
+        stderr.extend(data);
+    }
+    Ok(Output {
+        code,
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+    })
+}
+
+/// A live attach session driven by the test.
+struct Session {
+    stdin: mpsc::Sender<Vec<u8>>,
+    stdout: mpsc::Receiver<Vec<u8>>,
+    task: tokio::task::JoinHandle<vmlet_provider::Result<()>>,
+}
+
+impl Session {
+    fn open(provider: &LibvirtProvider, id: &VmId) -> Session {
+        let (stdin, stdin_rx) = mpsc::channel(16);
+        let (stdout_tx, stdout) = mpsc::channel(64);
+        let (_resize_tx, resize_rx) = mpsc::channel(1);
+        let io = StreamIo {
+            stdin: Some(stdin_rx),
+            stdout: Some(stdout_tx),
+            stderr: None,
+            tty: true,
+            resize: Some(resize_rx),
+        };
+        let (provider, id) = (provider.clone(), id.clone());
+        let task = tokio::spawn(async move { provider.console().expect("console").attach(&id, io).await });
+        Session { stdin, stdout, task }
+    }
+
+    /// Type `line` and wait until the console shows `expect`.
+    async fn type_and_expect(&mut self, line: &str, expect: &str) {
+        self.stdin.send(line.as_bytes().to_vec()).await.expect("attach takes stdin");
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.stdout.recv()).await {
+                Ok(Some(data)) => seen.extend(data),
+                Ok(None) => panic!("console closed before {expect:?}: {}", String::from_utf8_lossy(&seen)),
+                Err(_) => panic!("no {expect:?} on the console: {}", String::from_utf8_lossy(&seen)),
+            }
+            if String::from_utf8_lossy(&seen).contains(expect) {
+                return;
+            }
+        }
+    }
+
+    /// Close stdin and wait for the session to end.
+    async fn close(self) {
+        let Session { stdin, stdout, task } = self;
+        drop(stdin);
+        let result = tokio::time::timeout(Duration::from_secs(15), task).await.expect("attach ends when stdin closes");
+        result.expect("attach task").expect("attach");
+        drop(stdout);
+    }
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count()
+}
+
+fn threads() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("Threads: in /proc/self/status")
+}
+
+/// Wait (a little) until fds and threads are back within `slack` of `before`.
+async fn settle(before: (usize, usize), fd_slack: usize, thread_slack: usize) -> (usize, usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = (open_fds(), threads());
+        if (now.0 <= before.0 + fd_slack && now.1 <= before.1 + thread_slack) || Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_guest_serves_logs_exec_attach_and_stats() {
+    let uri = qemu_uri();
+    let guest = guest_dir();
+    let release = std::fs::read_to_string(guest.join("kernel-release")).expect("kernel-release").trim().to_owned();
+    let cmdline = std::fs::read_to_string(guest.join("cmdline")).expect("cmdline").trim().to_owned();
+
+    let provider = LibvirtProvider::connect(&uri).await.expect("connect");
+    remove_leftovers(&provider).await;
+    let (id, name) = unique();
+    let run = RunDir::new(&guest, &name);
+    let spec = VmSpec {
+        id: id.clone(),
+        namespace: NAMESPACE.into(),
+        name,
+        cpus: 1,
+        memory_bytes: 256 * 1024 * 1024,
+        image: Some(run.path("disk.qcow2")),
+        kernel_boot: Some(KernelBoot {
+            kernel: run.path("vmlinuz"),
+            initrd: Some(run.path("initrd.img")),
+            cmdline: Some(cmdline),
+        }),
+    };
+    provider.ensure_defined(&spec).await.expect("define");
+
+    // Before the first start there is no output yet, and no boot.
+    let before = provider.console().expect("console").console_output(&id, 0, 4096).await.expect("console output");
+    assert_eq!((before.boot.as_str(), before.data.len(), before.next_offset), ("off", 0, 0));
+
+    let started = Instant::now();
+    provider.start(&id).await.expect("start");
+
+    // Logs: the console history from boot, including the kernel's first lines.
+    let (boot, text) = wait_for_console(&provider, &id, BOOTED, BOOT_DEADLINE).await;
+    let booted_after = started.elapsed();
+    assert!(text.contains("Linux version"), "kernel messages from boot are in the history:\n{text}");
+    assert!(boot.parse::<u32>().is_ok(), "boot is the domain id: {boot}");
+
+    // Exec: wait for the agent (it answers a few seconds after boot).
+    let agent_deadline = Instant::now() + BOOT_DEADLINE;
+    let uname = loop {
+        match exec(&provider, &id, &["uname", "-r"], None).await {
+            Ok(output) => break output,
+            Err(err) if err.kind == ErrorKind::Unsupported && Instant::now() < agent_deadline => {
+                assert!(err.message.contains("qemu-guest-agent"), "{err}");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(err) => panic!("uname -r: {err}"),
+        }
+    };
+    println!("guest booted after {booted_after:?}, agent answered after {:?}", started.elapsed());
+    assert_eq!((uname.code, uname.stdout.trim()), (0, release.as_str()), "{uname:?}");
+
+    let exit3 = exec(&provider, &id, &["sh", "-c", "exit 3"], None).await.expect("exit 3");
+    assert_eq!(exit3.code, 3, "{exit3:?}");
+    let both = exec(&provider, &id, &["sh", "-c", "echo out; echo err >&2"], None).await.expect("stderr");
+    assert_eq!((both.code, both.stdout.as_str(), both.stderr.as_str()), (0, "out\n", "err\n"));
+    let cat = exec(&provider, &id, &["cat"], Some(b"line one\nline two\n")).await.expect("cat");
+    assert_eq!((cat.code, cat.stdout.as_str()), (0, "line one\nline two\n"), "{cat:?}");
+    let missing = exec(&provider, &id, &["/no/such/command"], None).await.expect_err("missing command");
+    assert_eq!(missing.kind, ErrorKind::InvalidInput, "{missing}");
+
+    // Stats.
+    let stats = provider.stats().expect("stats").stats(&id).await.expect("stats");
+    assert!(stats.cpu_usage_ns > 0, "{stats:?}");
+    assert!(stats.memory_working_set_bytes > 0 && stats.memory_working_set_bytes <= spec.memory_bytes, "{stats:?}");
+
+    // Attach: type into the shell and read its answer; a second session is refused.
+    let marker = format!("{}", std::process::id());
+    let mut session = Session::open(&provider, &id);
+    session
+        .type_and_expect(&format!("\necho vmlet-attach-$((40+2))-{marker}\n"), &format!("vmlet-attach-42-{marker}"))
+        .await;
+    let refused_at = Instant::now();
+    let (_stdin, stdin_rx) = mpsc::channel(1);
+    let (stdout_tx, _stdout) = mpsc::channel(1);
+    let second = StreamIo { stdin: Some(stdin_rx), stdout: Some(stdout_tx), stderr: None, tty: true, resize: None };
+    let busy = tokio::time::timeout(Duration::from_secs(10), provider.console().unwrap().attach(&id, second))
+        .await
+        .expect("a second attach answers promptly")
+        .expect_err("a second attach is refused");
+    assert_eq!(busy.kind, ErrorKind::Transient, "{busy}");
+    assert!(busy.message.contains("console busy"), "{busy}");
+    assert!(refused_at.elapsed() < Duration::from_secs(5), "refused after {:?}", refused_at.elapsed());
+    session.close().await;
+
+    // 100 exec + attach cycles leave no fd, thread or console lock behind.
+    let cycle = |n: usize| {
+        let (provider, id) = (provider.clone(), id.clone());
+        async move {
+            let out = exec(&provider, &id, &["echo", &format!("cycle-{n}")], None).await.expect("exec in cycle");
+            assert_eq!(out.stdout, format!("cycle-{n}\n"));
+            let session = Session::open(&provider, &id);
+            session.stdin.send(b"\n".to_vec()).await.expect("stdin");
+            session.close().await;
+        }
+    };
+    cycle(0).await;
+    let baseline = settle((open_fds(), threads()), 0, 0).await;
+    let cycles_started = Instant::now();
+    for n in 1..=100 {
+        cycle(n).await;
+    }
+    let after = settle(baseline, 0, 4).await;
+    println!("100 cycles in {:?}; fds/threads before {baseline:?}, after {after:?}", cycles_started.elapsed());
+    assert_eq!(after.0, baseline.0, "file descriptors leaked: before {baseline:?}, after {after:?}");
+    assert!(after.1 <= baseline.1 + 4, "threads leaked: before {baseline:?}, after {after:?}");
+    let mut session = Session::open(&provider, &id);
+    session.type_and_expect("echo still-$((6*7))\n", "still-42").await;
+
+    // Stopping the VM ends the session it had open (stdin still open).
+    provider.destroy(&id).await.expect("destroy");
+    let ended = tokio::time::timeout(Duration::from_secs(15), session.task).await.expect("attach ends with the VM");
+    ended.expect("attach task").expect("attach ends without error when the console ends");
+    drop(session.stdin);
+
+    // A stopped VM keeps its last boot's history under the same boot.
+    let (after_stop, text_after_stop) = wait_for_console(&provider, &id, BOOTED, Duration::from_secs(5)).await;
+    assert_eq!(after_stop, boot);
+    assert!(text_after_stop.contains("vmlet-attach-42"), "{text_after_stop}");
+    let err = exec(&provider, &id, &["true"], None).await.expect_err("exec in a stopped VM");
+    assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+
+    provider.undefine(&id).await.expect("undefine");
+    drop(run);
+}
