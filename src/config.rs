@@ -6,6 +6,10 @@
 //! controller: true           # also run the VirtualMachine controller
 //! namespace: team-a          # only this namespace's VirtualMachines (default: all)
 //! stateDir: /var/lib/vmlet   # console history and other state
+//! kubeletApi:                # the kubelet HTTPS API on kubeletPort
+//!   tlsCertFile: /etc/vmlet/serving.crt
+//!   tlsKeyFile: /etc/vmlet/serving.key
+//!   clientCaFile: /etc/vmlet/kubelet-client-ca.crt
 //! hosts:
 //!   - name: host-a           # becomes the Node name
 //!     provider: libvirt
@@ -87,6 +91,9 @@ pub struct Config {
     /// (`<stateDir>/vms/...`). Default `/var/lib/vmlet`.
     #[serde(default = "default_state_dir")]
     pub state_dir: std::path::PathBuf,
+    /// The kubelet HTTPS API (logs, exec, attach, stats) serving all hosts.
+    #[serde(default)]
+    pub kubelet_api: crate::api::ApiConfig,
     /// The hypervisor hosts this process serves, one virtual node each.
     pub hosts: Vec<HostConfig>,
 }
@@ -204,6 +211,9 @@ impl Config {
                 "leaseDurationSeconds".into(),
                 format!("{} is too short; use at least 10 (default 40)", self.lease_duration_seconds),
             );
+        }
+        if let Err((field, message)) = self.kubelet_api.validate() {
+            return invalid(format!("kubeletApi.{field}"), message);
         }
         let mut names = BTreeSet::new();
         for (i, host) in self.hosts.iter().enumerate() {

@@ -5,12 +5,14 @@
 //! ([`controller`]) from the [`v1alpha1::VirtualMachine`] resource. Backends are
 //! reached only through [`vmlet_provider::Provider`]; this crate names none.
 
+pub mod api;
 pub mod conditions;
 pub mod config;
 pub mod controller;
 pub mod events;
 pub mod node;
 pub mod quantity;
+pub mod streams;
 pub mod v1alpha1;
 pub mod vmpod;
 

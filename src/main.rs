@@ -123,6 +123,15 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
             shutdown.child_token(),
         ));
     }
+    let api = config.kubelet_api.clone().resolve(
+        config.node_ip,
+        config.kubelet_port,
+        &config.hosts.iter().map(|h| h.name.clone()).collect::<Vec<_>>(),
+    );
+    let directory = Arc::new(vmlet::node::directory::Directory::new(hosts.clone(), config.state_dir.clone()));
+    let server = vmlet::api::Server::bind(api, directory, client.clone()).await.context("starting the kubelet API")?;
+    info!(listen = %server.local_addr(), "kubelet API listening");
+    tasks.spawn(server.run(shutdown.child_token()));
     if config.controller {
         tasks.spawn(vmlet::controller::run(client.clone(), config.namespace.clone(), shutdown.child_token()));
     }

@@ -62,7 +62,7 @@ async fn two_hosts_register_ready_with_probed_capacity_and_renewing_leases() {
         );
         let info = status.node_info.unwrap();
         assert_eq!(info.kubelet_version, format!("vmlet/{}", env!("CARGO_PKG_VERSION")));
-        assert_eq!(status.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port, 10250);
+        assert_eq!(status.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port, i32::from(env.kubelet_port));
         let types: Vec<_> = status.conditions.unwrap().into_iter().map(|c| c.type_).collect();
         for t in ["Ready", "MemoryPressure", "DiskPressure", "PIDPressure"] {
             assert!(types.contains(&t.to_owned()), "{t} missing from {types:?}");

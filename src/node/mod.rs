@@ -8,6 +8,7 @@
 
 mod cleanup;
 pub mod console;
+pub mod directory;
 pub mod lease;
 pub mod pod_status;
 mod pods;

@@ -99,10 +99,9 @@ pub fn node_status(config: &Config, host: &HostConfig, info: &HostInfo, readines
     NodeStatus {
         capacity: Some(capacity),
         allocatable: Some(allocatable),
-        addresses: Some(vec![
-            NodeAddress { type_: "InternalIP".into(), address: config.node_ip.to_string() },
-            NodeAddress { type_: "Hostname".into(), address: host.name.clone() },
-        ]),
+        // Only the InternalIP: a virtual node's name is no resolvable host name,
+        // and the API server tries a Hostname address first by default.
+        addresses: Some(vec![NodeAddress { type_: "InternalIP".into(), address: config.node_ip.to_string() }]),
         daemon_endpoints: Some(NodeDaemonEndpoints {
             kubelet_endpoint: Some(DaemonEndpoint { port: config.kubelet_port.into() }),
         }),
@@ -228,8 +227,9 @@ mod tests {
             [("Ready", "True"), ("MemoryPressure", "False"), ("DiskPressure", "False"), ("PIDPressure", "False")]
         );
         assert_eq!(status.declared_features.unwrap(), ["ExtendWebSocketsToKubelet"]);
-        let address = &status.addresses.unwrap()[0];
-        assert_eq!((address.type_.as_str(), address.address.as_str()), ("InternalIP", "127.0.0.1"));
+        let addresses = status.addresses.unwrap();
+        assert_eq!(addresses.len(), 1, "{addresses:?}");
+        assert_eq!((addresses[0].type_.as_str(), addresses[0].address.as_str()), ("InternalIP", "127.0.0.1"));
     }
 
     #[test]

@@ -113,6 +113,8 @@ pub struct TestEnv {
     pub dir: PathBuf,
     vmlet: Option<Child>,
     nodes: Vec<String>,
+    /// Port of this vmlet's kubelet API on 127.0.0.1.
+    pub kubelet_port: u16,
 }
 
 impl TestEnv {
@@ -125,7 +127,7 @@ impl TestEnv {
         namespaces.create(&PostParams::default(), &namespace).await.expect("create namespace");
         let dir = repo().join("target/it").join(&ns);
         std::fs::create_dir_all(&dir).unwrap();
-        TestEnv { ns, client, dir, vmlet: None, nodes: vec![] }
+        TestEnv { ns, client, dir, vmlet: None, nodes: vec![], kubelet_port: 0 }
     }
 
     /// The node name of a host suffix.
@@ -144,7 +146,24 @@ impl TestEnv {
             })
             .collect();
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
-        let config = json!({"namespace": self.ns, "stateDir": self.dir.join("state"), "hosts": hosts_yaml});
+        // Each test's vmlet has a kubelet API port of its own; the API server
+        // reaches it through the Node's daemonEndpoints and checks its serving
+        // certificate against the cluster CA.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        self.kubelet_port = port;
+        let pki = cluster().kubeconfig.parent().unwrap().join("pki");
+        let config = json!({
+            "namespace": self.ns,
+            "stateDir": self.dir.join("state"),
+            "kubeletPort": port,
+            "kubeletApi": {
+                "listen": format!("127.0.0.1:{port}"),
+                "tlsCertFile": pki.join("kubelet-serving.crt"),
+                "tlsKeyFile": pki.join("kubelet-serving.key"),
+                "clientCaFile": pki.join("ca.crt"),
+            },
+            "hosts": hosts_yaml,
+        });
         let path = self.dir.join("vmlet.yaml");
         std::fs::write(&path, serde_yaml::to_string(&config).unwrap()).unwrap();
         self.restart_vmlet();

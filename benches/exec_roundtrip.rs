@@ -1,0 +1,147 @@
+//! Exec latency and throughput on a real qemu guest: `cargo bench --bench
+//! exec_roundtrip` (run it through hack/test.sh's environment: the control plane
+//! and libvirtd must be up and VMLET_LIBVIRT_QEMU_URI set).
+//!
+//! Prints p50/p95 of
+//! - an exec round trip through the API server (kube-rs client → kube-apiserver →
+//!   vmlet's kubelet API → guest agent), `true` in the guest, and
+//! - the same command as a direct guest-agent call through the libvirt provider,
+//!
+//! and the stdout throughput of one exec writing VMLET_BENCH_MB (default 1) MiB.
+//! Figures only; nothing is asserted about speed.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::{Host, TestEnv};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, AttachParams};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
+use vmlet_provider::{Provider, StreamIo, VmId};
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn report(what: &str, mut samples: Vec<Duration>) {
+    samples.sort();
+    println!(
+        "{what:<40} n={:<4} p50={:>8.1} ms  p95={:>8.1} ms  max={:>8.1} ms",
+        samples.len(),
+        percentile(&samples, 0.5).as_secs_f64() * 1e3,
+        percentile(&samples, 0.95).as_secs_f64() * 1e3,
+        samples.last().unwrap().as_secs_f64() * 1e3
+    );
+}
+
+async fn exec_via_api(pods: &Api<Pod>, command: &[&str]) -> Vec<u8> {
+    let params = AttachParams::default().stdin(false).stdout(true).stderr(false);
+    let mut process = pods.exec("web", command.to_vec(), &params).await.expect("exec through the API server");
+    let mut stdout = process.stdout().expect("stdout");
+    let status = process.take_status().expect("status");
+    let mut out = Vec::new();
+    stdout.read_to_end(&mut out).await.unwrap();
+    if let Some(status) = status.await {
+        if status.status.as_deref() != Some("Success") {
+            panic!("exec {command:?} failed: {:?}", status.message);
+        }
+    }
+    process.join().await.unwrap();
+    out
+}
+
+async fn exec_direct(provider: &dyn Provider, id: &VmId, command: &[String]) -> Vec<u8> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(64);
+    let collector = tokio::spawn(async move {
+        let mut out = Vec::new();
+        while let Some(chunk) = rx.recv().await {
+            out.extend(chunk);
+        }
+        out
+    });
+    let io = StreamIo { stdin: None, stdout: Some(tx), stderr: None, tty: false, resize: None };
+    let exec = provider.guest_exec().expect("the qemu provider execs");
+    let code = exec.exec(id, command, io).await.expect("direct guest exec");
+    assert_eq!(code, 0);
+    collector.await.unwrap()
+}
+
+#[tokio::main]
+async fn main() {
+    let runs: usize = std::env::var("VMLET_BENCH_EXECS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+    let mib: usize = std::env::var("VMLET_BENCH_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let uri = std::env::var("VMLET_LIBVIRT_QEMU_URI").expect("VMLET_LIBVIRT_QEMU_URI (see hack/test.sh)");
+
+    let mut env = TestEnv::new("bench-exec").await;
+    let built = Command::new(common::repo().join("test-vms/guest/build.sh")).stderr(Stdio::inherit()).output().unwrap();
+    let built = PathBuf::from(String::from_utf8(built.stdout).unwrap().lines().last().unwrap().trim());
+    let guest = PathBuf::from("/var/lib/vmlet/test-guests").join(&env.ns);
+    std::fs::create_dir_all(&guest).unwrap();
+    for file in ["vmlinuz", "initrd.img", "disk.qcow2", "cmdline"] {
+        std::fs::copy(built.join(file), guest.join(file)).unwrap();
+    }
+    Command::new("chmod").args(["-R", "a+rX", "/var/lib/vmlet/test-guests"]).status().unwrap();
+    let path = |f: &str| guest.join(f).display().to_string();
+    let cmdline = std::fs::read_to_string(guest.join("cmdline")).unwrap().trim().to_owned();
+
+    env.start_vmlet(&[Host { suffix: "q", uri: uri.clone(), cpu_allocation_ratio: 8.0 }]);
+    env.apply_vm(
+        "web",
+        json!({"resources": {"cpu": 1, "memory": "256Mi"}, "image": path("disk.qcow2"),
+               "kernelBoot": {"kernel": path("vmlinuz"), "initrd": path("initrd.img"), "cmdline": cmdline}}),
+    );
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let id = VmId(vm.metadata.uid.unwrap());
+    let pods: Api<Pod> = env.pods();
+    env.wait_for("the guest agent", || {
+        let pods = pods.clone();
+        async move {
+            let params = AttachParams::default().stdin(false).stdout(true).stderr(false);
+            let mut process = pods.exec("web", ["true"], &params).await.ok()?;
+            let status = process.take_status()?.await?;
+            (status.status.as_deref() == Some("Success")).then_some(())
+        }
+    })
+    .await;
+
+    let provider = vmlet_libvirt::LibvirtProvider::connect(&uri).await.unwrap();
+    let mut via_api = Vec::with_capacity(runs);
+    let mut direct = Vec::with_capacity(runs);
+    let t = vec!["true".to_owned()];
+    for _ in 0..runs {
+        let start = Instant::now();
+        exec_via_api(&pods, &["true"]).await;
+        via_api.push(start.elapsed());
+        let start = Instant::now();
+        exec_direct(&provider, &id, &t).await;
+        direct.push(start.elapsed());
+    }
+    println!("exec round trip, `true` in the guest ({runs} runs each):");
+    report("  kubectl-style exec via the API server", via_api);
+    report("  direct guest-agent call (provider)", direct);
+
+    let bytes = mib * 1024 * 1024;
+    let command = format!("head -c {bytes} /dev/zero");
+    let start = Instant::now();
+    let out = exec_via_api(&pods, &["sh", "-c", &command]).await;
+    let elapsed = start.elapsed();
+    assert_eq!(out.len(), bytes, "stdout came back whole");
+    println!(
+        "stdout throughput via the API server: {:.2} MB/s ({mib} MiB in {:.2} s)",
+        bytes as f64 / 1e6 / elapsed.as_secs_f64(),
+        elapsed.as_secs_f64()
+    );
+    let start = Instant::now();
+    let out = exec_direct(&provider, &id, &["sh".into(), "-c".into(), command]).await;
+    let elapsed = start.elapsed();
+    println!(
+        "stdout throughput, direct guest agent:  {:.2} MB/s ({} bytes in {:.2} s)",
+        out.len() as f64 / 1e6 / elapsed.as_secs_f64(),
+        out.len(),
+        elapsed.as_secs_f64()
+    );
+}

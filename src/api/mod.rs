@@ -1,0 +1,290 @@
+//! The kubelet HTTPS API: one listener for all of this process's nodes (each
+//! Node's `daemonEndpoints.kubeletEndpoint.port` points at it).
+//!
+//! - TLS ([`tls`]): a serving certificate from files, else a self-signed one
+//!   (logged at WARN as such); client certificates verified against a client CA.
+//! - Authentication and authorization ([`auth`]) as the kubelet's webhook mode:
+//!   client certificate or bearer token (TokenReview), then a
+//!   SubjectAccessReview on `nodes/{proxy,log,stats,metrics}`.
+//! - Routes ([`routes`]): `/containerLogs` ([`logs`]), `/exec` and `/attach`
+//!   ([`exec`], over [`crate::streams`]), `/stats/summary` and
+//!   `/metrics/resource` ([`stats`]), `/pods`, `/healthz`.
+//!
+//! The core implements [`PodDirectory`] from its node agents and calls [`serve`].
+
+pub mod auth;
+pub mod exec;
+pub mod logs;
+pub mod routes;
+pub mod stats;
+pub mod tls;
+
+use k8s_openapi::api::core::v1::Pod;
+use serde::Deserialize;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+use vmlet_provider::{ErrorKind, Provider, VmId};
+
+/// What the kubelet API needs from vmlet's node agents.
+pub trait PodDirectory: Send + Sync + 'static {
+    /// The pod `namespace/name` if it is bound to one of this process's nodes.
+    fn lookup(&self, namespace: &str, name: &str) -> Option<PodEntry>;
+    /// All pods bound to this process's nodes (for /pods and /stats/summary).
+    fn pods(&self) -> Vec<PodEntry>;
+}
+
+/// One pod on one of this process's nodes.
+#[derive(Clone)]
+pub struct PodEntry {
+    /// The pod as last seen.
+    pub pod: Arc<Pod>,
+    /// Node (host) name.
+    pub node: String,
+    /// The host's provider.
+    pub provider: Arc<dyn Provider>,
+    /// The VM's identity; `None` for pods that are not VMs.
+    pub vm: Option<VmId>,
+    /// Console history: `0.log`, `1.log`, … one per boot, CRI log format.
+    pub log_dir: PathBuf,
+}
+
+/// How requests are authorized.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub enum AuthorizationMode {
+    /// SubjectAccessReview against the API server (the kubelet's default).
+    #[default]
+    Webhook,
+    /// Every authenticated request is allowed (tests, trusted networks).
+    AlwaysAllow,
+}
+
+/// Configuration of the kubelet API; embedded as `kubeletApi:` in vmlet's file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiConfig {
+    /// Where to listen; default `0.0.0.0:<kubeletPort>` (see [`ApiConfig::resolve`]).
+    #[serde(default)]
+    pub listen: Option<SocketAddr>,
+    /// PEM serving certificate (chain). With `tlsKeyFile`; when both are
+    /// absent a self-signed certificate is made at start (logged at WARN).
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tlsCertFile`.
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
+    /// PEM CA bundle that signs accepted client certificates (the API server's
+    /// kubelet-client certificate). Absent: client certificates are not accepted.
+    #[serde(default)]
+    pub client_ca_file: Option<PathBuf>,
+    /// Let requests without credentials through as `system:anonymous` (still
+    /// authorized). Default false: they get 401.
+    #[serde(default)]
+    pub anonymous_auth: bool,
+    /// `Webhook` (default) or `AlwaysAllow`.
+    #[serde(default)]
+    pub authorization_mode: AuthorizationMode,
+    /// Subject alternative names of the self-signed certificate (IPs or DNS
+    /// names); default: the node IP and the node names (see [`ApiConfig::resolve`]).
+    #[serde(default)]
+    pub serving_cert_sans: Vec<String>,
+}
+
+impl ApiConfig {
+    /// Fill the defaults that depend on the rest of vmlet's config: listen on
+    /// `0.0.0.0:<kubelet_port>`, and self-signed SANs = the node IP and names.
+    #[must_use]
+    pub fn resolve(mut self, node_ip: IpAddr, kubelet_port: u16, node_names: &[String]) -> ApiConfig {
+        self.listen.get_or_insert(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), kubelet_port));
+        if self.serving_cert_sans.is_empty() {
+            self.serving_cert_sans.push(node_ip.to_string());
+            self.serving_cert_sans.extend(node_names.iter().cloned());
+        }
+        self
+    }
+
+    /// Check the fields; the error names the field (`kubeletApi.` prefix is the caller's).
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(_), None) => Err(("tlsKeyFile".into(), "is missing; give it with tlsCertFile, or neither".into())),
+            (None, Some(_)) => Err(("tlsCertFile".into(), "is missing; give it with tlsKeyFile, or neither".into())),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The kubelet API could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Reading a certificate, key or CA file.
+    #[error("reading {path}: {source}")]
+    ReadFile {
+        /// The file.
+        path: PathBuf,
+        /// The I/O or PEM error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The certificates or key are unusable.
+    #[error("TLS configuration: {0}")]
+    Tls(String),
+    /// Binding the listener.
+    #[error("listening on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Bind the listener, then serve until `shutdown`. See [`Server`].
+pub async fn serve(
+    config: ApiConfig,
+    directory: Arc<dyn PodDirectory>,
+    client: kube::Client,
+    shutdown: CancellationToken,
+) -> Result<(), ApiError> {
+    Server::bind(config, directory, client).await?.run(shutdown).await;
+    Ok(())
+}
+
+/// A bound kubelet API server.
+pub struct Server {
+    listener: tokio::net::TcpListener,
+    tls: tokio_rustls::TlsAcceptor,
+    router: axum::Router,
+}
+
+impl Server {
+    /// Build the TLS configuration and bind the listener (port 0 picks a free one).
+    pub async fn bind(
+        config: ApiConfig,
+        directory: Arc<dyn PodDirectory>,
+        client: kube::Client,
+    ) -> Result<Server, ApiError> {
+        let tls = tls::server_config(&config)?;
+        let addr = config.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 10250)));
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ApiError::Bind { addr, source })?;
+        let auth = auth::Auth::new(client, config.anonymous_auth, config.authorization_mode);
+        let router = routes::router(routes::ApiState::new(directory, Arc::new(auth)));
+        Ok(Server { listener, tls: tokio_rustls::TlsAcceptor::from(Arc::new(tls)), router })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("a bound listener has an address")
+    }
+
+    /// Serve connections until `shutdown`; connections in flight are left to
+    /// finish on their own tasks.
+    pub async fn run(self, shutdown: CancellationToken) {
+        tracing::info!(addr = %self.local_addr(), "kubelet API listening");
+        loop {
+            let (tcp, peer) = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accepting a kubelet API connection");
+                        continue;
+                    }
+                },
+            };
+            let tls = self.tls.clone();
+            let router = self.router.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let handshake = tokio::time::timeout(std::time::Duration::from_secs(10), tls.accept(tcp));
+                let stream = match handshake.await {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => return,
+                };
+                let identity =
+                    stream.get_ref().1.peer_certificates().and_then(|certs| certs.first()).and_then(|leaf| {
+                        match tls::identity_from_certificate(leaf) {
+                            Ok(user) => Some(user),
+                            Err(e) => {
+                                tracing::debug!(%peer, error = %e, "client certificate without a usable subject");
+                                None
+                            }
+                        }
+                    });
+                let peer_identity = auth::PeerCertificate(identity);
+                let service = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                    req.extensions_mut().insert(peer_identity.clone());
+                    let router = router.clone();
+                    async move {
+                        use tower::ServiceExt;
+                        router.oneshot(req.map(axum::body::Body::new)).await
+                    }
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .with_upgrades();
+                let mut conn = std::pin::pin!(conn);
+                tokio::select! {
+                    result = conn.as_mut() => {
+                        if let Err(e) = result {
+                            tracing::debug!(%peer, error = %e, "kubelet API connection ended");
+                        }
+                    }
+                    _ = shutdown.cancelled() => {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.await;
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// The HTTP status for a provider error kind (the API's one mapping).
+pub fn http_status(kind: ErrorKind) -> axum::http::StatusCode {
+    use axum::http::StatusCode;
+    match kind {
+        ErrorKind::NotFound => StatusCode::NOT_FOUND,
+        ErrorKind::InvalidInput => StatusCode::BAD_REQUEST,
+        ErrorKind::Unsupported => StatusCode::NOT_IMPLEMENTED,
+        ErrorKind::Transient => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorKind::Permanent => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_parses_camel_case_and_refuses_unknown_fields() {
+        let config: ApiConfig = serde_yaml::from_str(
+            "listen: 127.0.0.1:10250\ntlsCertFile: /c\ntlsKeyFile: /k\nclientCaFile: /ca\nanonymousAuth: true\nauthorizationMode: AlwaysAllow",
+        )
+        .unwrap();
+        assert_eq!(config.listen, Some("127.0.0.1:10250".parse().unwrap()));
+        assert!(config.anonymous_auth);
+        assert_eq!(config.authorization_mode, AuthorizationMode::AlwaysAllow);
+        assert!(serde_yaml::from_str::<ApiConfig>("tlsCert: /c").is_err());
+    }
+
+    #[test]
+    fn defaults_listen_on_the_kubelet_port_with_node_sans() {
+        let config = ApiConfig::default().resolve("10.0.0.5".parse().unwrap(), 10251, &["host-a".into()]);
+        assert_eq!(config.listen, Some("0.0.0.0:10251".parse().unwrap()));
+        assert_eq!(config.serving_cert_sans, ["10.0.0.5", "host-a"]);
+        assert!(!config.anonymous_auth);
+        assert_eq!(config.authorization_mode, AuthorizationMode::Webhook);
+    }
+
+    #[test]
+    fn a_certificate_without_its_key_is_refused() {
+        let config = ApiConfig { tls_cert_file: Some("/c".into()), ..ApiConfig::default() };
+        assert_eq!(config.validate().unwrap_err().0, "tlsKeyFile");
+    }
+}

@@ -1,0 +1,171 @@
+//! The router: every route behind authentication and authorization, and the
+//! small handlers (`/healthz`, `/pods`, `/containerLogs`).
+
+use super::auth::{self, Attributes, Auth, PeerCertificate};
+use super::logs::{self, FollowStep};
+use super::{exec, stats, PodDirectory};
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use axum::Router;
+use k8s_openapi::jiff::Timestamp;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Shared state of the handlers.
+#[derive(Clone)]
+pub struct ApiState {
+    /// Pods of this process's nodes.
+    pub directory: Arc<dyn PodDirectory>,
+    /// Authentication and authorization.
+    pub auth: Arc<Auth>,
+    /// CPU counters for rates.
+    pub rates: Arc<stats::RateCache>,
+}
+
+impl ApiState {
+    /// State over `directory` and `auth`.
+    pub fn new(directory: Arc<dyn PodDirectory>, auth: Arc<Auth>) -> ApiState {
+        ApiState { directory, auth, rates: Arc::default() }
+    }
+}
+
+/// A plain-text response.
+pub fn text(status: StatusCode, message: impl Into<String>) -> Response {
+    let mut message = message.into();
+    message.push('\n');
+    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
+}
+
+/// 404 for a pod not on this process's nodes.
+pub fn not_found(namespace: &str, pod: &str) -> Response {
+    text(StatusCode::NOT_FOUND, format!("pod {namespace}/{pod} does not exist on any node of this vmlet"))
+}
+
+/// The kubelet API's routes.
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/pods", get(pods))
+        .route("/containerLogs/{namespace}/{pod}/{container}", get(container_logs))
+        .route("/exec/{namespace}/{pod}/{container}", any(exec::exec))
+        .route("/exec/{namespace}/{pod}/{uid}/{container}", any(exec::exec))
+        .route("/attach/{namespace}/{pod}/{container}", any(exec::attach))
+        .route("/attach/{namespace}/{pod}/{uid}/{container}", any(exec::attach))
+        .route("/stats/summary", get(stats::get_summary))
+        .route("/metrics/resource", get(stats::get_resource_metrics))
+        .fallback(|| async { text(StatusCode::NOT_FOUND, "not found: this vmlet serves /containerLogs, /exec, /attach, /stats/summary, /metrics/resource, /pods, /healthz") })
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate_and_authorize))
+        .with_state(state)
+}
+
+async fn authenticate_and_authorize(State(state): State<ApiState>, req: Request, next: Next) -> Response {
+    let peer = req.extensions().get::<PeerCertificate>().cloned().unwrap_or_default();
+    let authorization = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let user = match state.auth.authenticate(&peer, authorization).await {
+        Ok(user) => user,
+        Err(refusal) => return text(refusal.status, refusal.message),
+    };
+    let path = req.uri().path();
+    let node = auth::pod_of_path(path).and_then(|(ns, pod)| state.directory.lookup(ns, pod)).map(|e| e.node);
+    let attributes = Attributes {
+        verb: auth::verb_for_method(req.method()).to_owned(),
+        subresources: auth::subresources_for_path(path),
+        node,
+    };
+    if let Err(refusal) = state.auth.authorize(&user, &attributes).await {
+        tracing::debug!(user = %user.name, path, status = %refusal.status, "kubelet API request refused");
+        return text(refusal.status, refusal.message);
+    }
+    next.run(req).await
+}
+
+async fn pods(State(state): State<ApiState>) -> Response {
+    let items: Vec<_> = state.directory.pods().into_iter().map(|e| (*e.pod).clone()).collect();
+    axum::Json(serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}))
+        .into_response()
+}
+
+/// How often a follower looks for appended console output.
+const FOLLOW_POLL: Duration = Duration::from_millis(250);
+
+async fn container_logs(
+    State(state): State<ApiState>,
+    Path((namespace, pod, container)): Path<(String, String, String)>,
+    Query(query): Query<Vec<(String, String)>>,
+) -> Response {
+    let opts = match logs::options_from_query(&query, Timestamp::now()) {
+        Ok(opts) => opts,
+        Err(message) => return text(StatusCode::UNPROCESSABLE_ENTITY, format!("invalid log options: {message}")),
+    };
+    let Some(entry) = state.directory.lookup(&namespace, &pod) else { return not_found(&namespace, &pod) };
+    if container != crate::vmpod::CONTAINER_NAME {
+        return text(
+            StatusCode::NOT_FOUND,
+            format!("container {container:?} not found in pod {pod:?}; a VM pod has one container, \"vm\""),
+        );
+    }
+    if entry.vm.is_some() && entry.provider.console().is_none() {
+        return text(
+            StatusCode::NOT_IMPLEMENTED,
+            format!(
+                "the {} provider of host {} has no serial console for this VM, so it keeps no console log                  (libvirt's test driver has none; a qemu host has one)",
+                entry.provider.kind(),
+                entry.node
+            ),
+        );
+    }
+    let boots = logs::boot_files(&entry.log_dir);
+    let file = if opts.previous {
+        if boots.len() < 2 {
+            return text(
+                StatusCode::BAD_REQUEST,
+                format!("previous terminated container \"vm\" in pod {pod:?} not found: the VM has no earlier boot"),
+            );
+        }
+        Some(boots[boots.len() - 2].clone())
+    } else {
+        boots.last().cloned()
+    };
+    let Some((boot, path)) = file else {
+        // No history yet: an empty log, as for a container that wrote nothing.
+        return (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain")], "").into_response();
+    };
+
+    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(8);
+    let directory = state.directory.clone();
+    let pod_uid = entry.pod.metadata.uid.clone();
+    let log_dir = entry.log_dir.clone();
+    let follow = opts.follow && !opts.previous;
+    tokio::task::spawn_blocking(move || {
+        let mut sink = |chunk: Vec<u8>| tx.blocking_send(chunk).is_ok();
+        let mut at_end = || {
+            if !follow {
+                return FollowStep::Stop;
+            }
+            std::thread::sleep(FOLLOW_POLL);
+            let pod_still_here = directory.lookup(&namespace, &pod).is_some_and(|e| e.pod.metadata.uid == pod_uid);
+            let newer_boot = logs::boot_files(&log_dir).last().is_some_and(|(b, _)| *b > boot);
+            if tx.is_closed() || !pod_still_here || newer_boot {
+                FollowStep::Stop
+            } else {
+                FollowStep::Continue
+            }
+        };
+        let opts = logs::LogOptions { follow, ..opts };
+        if let Err(e) = logs::read_log(&path, &opts, &mut sink, &mut at_end) {
+            tracing::debug!(path = %path.display(), error = %e, "reading console history");
+        }
+    });
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (Ok::<_, std::convert::Infallible>(Bytes::from(chunk)), rx))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/plain")
+        .body(Body::from_stream(body))
+        .expect("a log response builds")
+}
