@@ -16,9 +16,6 @@ mod common;
 use common::{Host, TestEnv};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams};
-use serde_json::json;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use vmlet_provider::{Provider, StreamIo, VmId};
@@ -74,26 +71,12 @@ async fn exec_direct(provider: &dyn Provider, id: &VmId, command: &[String]) -> 
 async fn main() {
     let runs: usize = std::env::var("VMLET_BENCH_EXECS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
     let mib: usize = std::env::var("VMLET_BENCH_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    let uri = std::env::var("VMLET_LIBVIRT_QEMU_URI").expect("VMLET_LIBVIRT_QEMU_URI (see hack/test.sh)");
+    let uri = common::qemu_uri();
 
     let mut env = TestEnv::new("bench-exec").await;
-    let built = Command::new(common::repo().join("test-vms/guest/build.sh")).stderr(Stdio::inherit()).output().unwrap();
-    let built = PathBuf::from(String::from_utf8(built.stdout).unwrap().lines().last().unwrap().trim());
-    let guest = PathBuf::from("/var/lib/vmlet/test-guests").join(&env.ns);
-    std::fs::create_dir_all(&guest).unwrap();
-    for file in ["vmlinuz", "initrd.img", "disk.qcow2", "cmdline"] {
-        std::fs::copy(built.join(file), guest.join(file)).unwrap();
-    }
-    Command::new("chmod").args(["-R", "a+rX", "/var/lib/vmlet/test-guests"]).status().unwrap();
-    let path = |f: &str| guest.join(f).display().to_string();
-    let cmdline = std::fs::read_to_string(guest.join("cmdline")).unwrap().trim().to_owned();
-
+    let guest = common::guest_for(&env);
     env.start_vmlet(&[Host { suffix: "q", uri: uri.clone(), cpu_allocation_ratio: 8.0 }]);
-    env.apply_vm(
-        "web",
-        json!({"resources": {"cpu": 1, "memory": "256Mi"}, "image": path("disk.qcow2"),
-               "kernelBoot": {"kernel": path("vmlinuz"), "initrd": path("initrd.img"), "cmdline": cmdline}}),
-    );
+    env.apply_vm("web", common::guest_vm_spec(&guest));
     let vm = env.wait_vm_phase("web", "Running").await;
     let id = VmId(vm.metadata.uid.unwrap());
     let pods: Api<Pod> = env.pods();

@@ -188,12 +188,18 @@ up() {
 }
 
 down() {
+  # Only what this cluster directory started (pid files): other clusters built
+  # from the same cache keep running.
+  local pids=()
   for n in kube-scheduler kube-controller-manager kube-apiserver etcd; do
-    if running "$n"; then kill "$(cat "$DIR/run/$n.pid")" 2>/dev/null || true; fi
+    if running "$n"; then
+      pids+=("$(cat "$DIR/run/$n.pid")")
+      kill "${pids[-1]}" 2>/dev/null || true
+    fi
     rm -f "$DIR/run/$n.pid"
   done
-  for n in kube-scheduler kube-controller-manager kube-apiserver etcd; do
-    pkill -f "^$BIN/$n " 2>/dev/null || true
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
   done
   if [[ ${1:-} == --wipe ]]; then rm -rf "$DIR"; fi
 }

@@ -60,9 +60,16 @@ stop_vmlet
 kubectl apply --server-side --force-conflicts -f crds/ >/dev/null
 kubectl wait --for=condition=established --timeout=60s crd/virtualmachines.vmlet.io >/dev/null
 
+PKI=$(dirname "$KUBECONFIG")/pki
 cat >"$DEMO/vmlet.yaml" <<YAML
 # Written by hack/demo.sh: three libvirt test-driver hosts.
 namespace: $NS
+stateDir: $DEMO/state
+kubeletApi:                 # the API server verifies it against the cluster CA
+  listen: 127.0.0.1:10250
+  tlsCertFile: $PKI/kubelet-serving.crt
+  tlsKeyFile: $PKI/kubelet-serving.key
+  clientCaFile: $PKI/ca.crt
 hosts:
   - name: host-a
     provider: libvirt
@@ -104,6 +111,8 @@ Then try:
   kubectl scale virtualmachine/web --replicas=1       # start it again, on the same host
   kubectl describe virtualmachine/web                 # status, conditions, events
   kubectl get events --sort-by=.lastTimestamp         # what vmlet did
+  kubectl exec web -- uname -r                        # test-driver hosts have no guest agent: a clear refusal
+                                                      # (hack/test.sh boots a real qemu guest for logs/exec/attach)
   kubectl delete virtualmachine/web                   # power off and undefine
   kubectl apply -f examples/vm.yaml                   # back again (edit name/cpu/memory for more)
 vmlet's log:   $LOG

@@ -4,33 +4,10 @@
 
 mod common;
 
-use common::{test_driver_uri, Host, TestEnv};
+use common::{guest_for, guest_vm_spec, qemu_uri, test_driver_uri, Host, TestEnv};
 use serde_json::json;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
-
-fn qemu_uri() -> String {
-    std::env::var("VMLET_LIBVIRT_QEMU_URI")
-        .ok()
-        .filter(|u| !u.is_empty())
-        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
-}
-
-/// The built guest (cached by test-vms/guest/build.sh), copied where QEMU (user
-/// libvirt-qemu) can read it, with a disk of this test's own.
-fn guest_for(env: &TestEnv) -> PathBuf {
-    let script = common::repo().join("test-vms/guest/build.sh");
-    let out = Command::new(&script).stderr(Stdio::inherit()).output().expect("run test-vms/guest/build.sh");
-    assert!(out.status.success(), "test-vms/guest/build.sh failed");
-    let built = PathBuf::from(String::from_utf8(out.stdout).unwrap().lines().last().unwrap().trim());
-    let dir = PathBuf::from("/var/lib/vmlet/test-guests").join(&env.ns);
-    std::fs::create_dir_all(&dir).unwrap();
-    for file in ["vmlinuz", "initrd.img", "disk.qcow2", "cmdline", "kernel-release"] {
-        std::fs::copy(built.join(file), dir.join(file)).unwrap_or_else(|e| panic!("copy {file}: {e}"));
-    }
-    Command::new("chmod").args(["-R", "a+rX", "/var/lib/vmlet/test-guests"]).status().unwrap();
-    dir
-}
 
 fn read(dir: &Path, file: &str) -> String {
     std::fs::read_to_string(dir.join(file)).unwrap().trim().to_owned()
@@ -74,15 +51,7 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     let mut env = TestEnv::new("console").await;
     let guest = guest_for(&env);
     env.start_vmlet(&[Host { suffix: "q", uri: qemu_uri(), cpu_allocation_ratio: 8.0 }]);
-    let path = |f: &str| guest.join(f).display().to_string();
-    env.apply_vm(
-        "web",
-        json!({
-            "resources": {"cpu": 1, "memory": "256Mi"},
-            "image": path("disk.qcow2"),
-            "kernelBoot": {"kernel": path("vmlinuz"), "initrd": path("initrd.img"), "cmdline": read(&guest, "cmdline")},
-        }),
-    );
+    env.apply_vm("web", guest_vm_spec(&guest));
     env.wait_vm_phase("web", "Running").await;
 
     // logs: the boot lines, from the serial console history.

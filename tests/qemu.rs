@@ -7,16 +7,9 @@
 
 mod common;
 
-use common::{Host, TestEnv};
+use common::{qemu_uri, Host, TestEnv};
 use serde_json::json;
 use std::process::Command;
-
-fn qemu_uri() -> String {
-    std::env::var("VMLET_LIBVIRT_QEMU_URI")
-        .ok()
-        .filter(|u| !u.is_empty())
-        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
-}
 
 /// `virsh -c <uri> <args>`: (success, trimmed stdout).
 fn virsh(args: &[&str]) -> (bool, String) {

@@ -6,7 +6,7 @@
 //! status and a message (404 unknown pod or container, 501 capability missing);
 //! failures after it are reported on the error stream.
 
-use super::routes::{not_found, text, ApiState};
+use super::routes::{lacks, not_found, text, ApiState};
 use super::{http_status, PodEntry};
 use crate::streams::{self, Outcome, StreamOptions};
 use axum::body::Body;
@@ -63,14 +63,7 @@ pub async fn exec(
         Err(response) => return *response,
     };
     if entry.provider.guest_exec().is_none() {
-        return text(
-            StatusCode::NOT_IMPLEMENTED,
-            format!(
-                "the {} provider of host {} cannot run commands in guests: it has no guest-exec capability",
-                entry.provider.kind(),
-                entry.node
-            ),
-        );
+        return lacks(&entry, "guest agent to run commands in the guest (guest exec)");
     }
     let command: Vec<String> = query.iter().filter(|(k, _)| k == "command").map(|(_, v)| v.clone()).collect();
     if command.is_empty() {
@@ -109,14 +102,7 @@ pub async fn attach(
         Err(response) => return *response,
     };
     if entry.provider.console().is_none() {
-        return text(
-            StatusCode::NOT_IMPLEMENTED,
-            format!(
-                "the {} provider of host {} has no serial console to attach to: it has no console capability",
-                entry.provider.kind(),
-                entry.node
-            ),
-        );
+        return lacks(&entry, "serial console to attach to");
     }
     let opts = match StreamOptions::from_query(&query) {
         Ok(opts) => opts,

@@ -40,6 +40,20 @@ pub fn text(status: StatusCode, message: impl Into<String>) -> Response {
     (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
 }
 
+/// 501 for a pod whose provider lacks a capability; `what` completes "has no …",
+/// e.g. `"serial console to attach to"`.
+pub fn lacks(entry: &crate::api::PodEntry, what: &str) -> Response {
+    text(
+        StatusCode::NOT_IMPLEMENTED,
+        format!(
+            "the {} provider of host {} has no {what} (libvirt's test driver has neither a console nor a guest \
+             agent; a qemu host with qemu-guest-agent in the guest has both)",
+            entry.provider.kind(),
+            entry.node
+        ),
+    )
+}
+
 /// 404 for a pod not on this process's nodes.
 pub fn not_found(namespace: &str, pod: &str) -> Response {
     text(StatusCode::NOT_FOUND, format!("pod {namespace}/{pod} does not exist on any node of this vmlet"))
@@ -109,14 +123,7 @@ async fn container_logs(
         );
     }
     if entry.vm.is_some() && entry.provider.console().is_none() {
-        return text(
-            StatusCode::NOT_IMPLEMENTED,
-            format!(
-                "the {} provider of host {} has no serial console for this VM, so it keeps no console log                  (libvirt's test driver has none; a qemu host has one)",
-                entry.provider.kind(),
-                entry.node
-            ),
-        );
+        return lacks(&entry, "serial console, so it keeps no console log");
     }
     let boots = logs::boot_files(&entry.log_dir);
     let file = if opts.previous {

@@ -28,6 +28,43 @@ pub fn test_driver_uri(host_file: &str) -> String {
     format!("test://{}", repo().join("test-vms/hosts").join(host_file).display())
 }
 
+/// The real libvirtd's URI (`hack/test.sh` starts it and sets the variable).
+pub fn qemu_uri() -> String {
+    std::env::var("VMLET_LIBVIRT_QEMU_URI")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
+}
+
+/// The built test guest (cached by test-vms/guest/build.sh), copied where QEMU
+/// (user libvirt-qemu, which cannot enter /root) can read it, with a disk of the
+/// test's own: `/var/lib/vmlet/test-guests/<ns>/`.
+pub fn guest_for(env: &TestEnv) -> PathBuf {
+    let script = repo().join("test-vms/guest/build.sh");
+    let out = Command::new(&script).stderr(Stdio::inherit()).output().expect("run test-vms/guest/build.sh");
+    assert!(out.status.success(), "test-vms/guest/build.sh failed");
+    let built = PathBuf::from(String::from_utf8(out.stdout).unwrap().lines().last().unwrap().trim());
+    let dir = PathBuf::from("/var/lib/vmlet/test-guests").join(&env.ns);
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["vmlinuz", "initrd.img", "disk.qcow2", "cmdline", "kernel-release"] {
+        std::fs::copy(built.join(file), dir.join(file)).unwrap_or_else(|e| panic!("copy {file}: {e}"));
+    }
+    let readable = Command::new("chmod").args(["-R", "a+rX", "/var/lib/vmlet/test-guests"]).status().unwrap();
+    assert!(readable.success());
+    dir
+}
+
+/// The spec of a VM that boots the test guest in `guest` (see [`guest_for`]).
+pub fn guest_vm_spec(guest: &Path) -> serde_json::Value {
+    let path = |f: &str| guest.join(f).display().to_string();
+    let cmdline = std::fs::read_to_string(guest.join("cmdline")).unwrap().trim().to_owned();
+    json!({
+        "resources": {"cpu": 1, "memory": "256Mi"},
+        "image": path("disk.qcow2"),
+        "kernelBoot": {"kernel": path("vmlinuz"), "initrd": path("initrd.img"), "cmdline": cmdline},
+    })
+}
+
 /// Where the control plane's kubeconfig, kubectl and logs are.
 pub struct ClusterEnv {
     pub kubeconfig: PathBuf,
