@@ -230,3 +230,52 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
     assert_eq!(vm.status.unwrap().observed_generation, vm.metadata.generation);
     assert!(env.pods().get_opt("batch-7").await.unwrap().is_none());
 }
+
+/// A hand-made pod that names a running VM's UID (and even claims its owner)
+/// is refused, and deleting it leaves the VM running.
+#[tokio::test]
+async fn a_forged_pod_naming_a_vm_cannot_start_stop_or_adopt_it() {
+    let mut env = TestEnv::new("forged").await;
+    env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
+    env.apply_vm("web", json!({}));
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let uid = vm.metadata.uid.clone().unwrap();
+    let provider_id = vm.status.unwrap().provider_id.unwrap();
+
+    let forged: Pod = serde_json::from_value(json!({
+        "metadata": {
+            "name": "evil",
+            "labels": {"vmlet.io/vm": "web"},
+            "annotations": {"vmlet.io/vm-uid": uid, "vmlet.io/power-off-mode": "Hard"},
+            "ownerReferences": [{"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine", "name": "web",
+                                  "uid": uid, "controller": true}],
+        },
+        "spec": {
+            "nodeName": env.node("a"),
+            "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+            "containers": [{"name": "vm", "image": "x",
+                            "resources": {"limits": {"cpu": "1", "memory": "512Mi"}}}],
+        }
+    }))
+    .unwrap();
+    env.pods().create(&PostParams::default(), &forged).await.unwrap();
+    let pods = env.pods();
+    let reason = env
+        .wait_for("the forged pod to be refused", || {
+            let pods = pods.clone();
+            async move {
+                let status = pods.get("evil").await.ok()?.status?;
+                (status.phase.as_deref() == Some("Failed")).then_some(status.reason)
+            }
+        })
+        .await;
+    assert_eq!(reason.as_deref(), Some("NotAVirtualMachine"));
+
+    env.kubectl(&["delete", "pod", "evil", "--wait=true", "--timeout=60s"]);
+    let pod = env.pods().get("web").await.unwrap();
+    let container = &pod.status.unwrap().container_statuses.unwrap()[0];
+    assert_eq!(container.restart_count, 0, "the VM was not powered off");
+    assert!(container.state.as_ref().unwrap().running.is_some());
+    let vm = env.vms().get("web").await.unwrap().status.unwrap();
+    assert_eq!(vm.provider_id.as_deref(), Some(provider_id.as_str()));
+}

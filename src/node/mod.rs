@@ -24,7 +24,7 @@ use kube::runtime::reflector::Store;
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client};
 use registration::Readiness;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,8 +41,10 @@ pub struct Agent {
     events: EventSink,
     /// Root of vmlet's state (console history).
     state_dir: PathBuf,
-    /// Pods (by UID) whose guest was already asked to shut down.
-    shutdown_sent: Mutex<HashSet<String>>,
+    /// Pods (by UID) whose guest was asked to shut down, and when.
+    shutdown_sent: Mutex<HashMap<String, Instant>>,
+    /// Pods (by UID) checked to be the pod of the VirtualMachine they name.
+    verified: Mutex<HashSet<String>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
     held: Mutex<HashSet<String>>,
 }
@@ -55,6 +57,7 @@ impl Agent {
 
     fn forget(&self, uid: &str) {
         self.shutdown_sent.lock().expect("agent set poisoned").remove(uid);
+        self.verified.lock().expect("agent set poisoned").remove(uid);
         self.held.lock().expect("agent set poisoned").remove(uid);
     }
 }
@@ -110,6 +113,7 @@ pub async fn run(
         host: host.clone(),
         state_dir: config.state_dir.clone(),
         shutdown_sent: Mutex::default(),
+        verified: Mutex::default(),
         held: Mutex::default(),
     });
 

@@ -18,12 +18,11 @@ use crate::events::Reason;
 use crate::v1alpha1::{PowerOffMode, VirtualMachine};
 use crate::vmpod::{vm_from_pod, PodVm, PodVmError};
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
-use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tracing::{debug, info, instrument, warn};
 use vmlet_provider::{PowerState, VmStatus};
 
@@ -79,6 +78,13 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
             return Ok(Action::requeue(Duration::from_secs(300)));
         }
     };
+    if !owned_by_its_vm(&pod, &vm, &agent).await? {
+        // A hand-made pod naming a VM's UID must not start, stop or adopt it.
+        if deleting {
+            return finish_deletion(&pod, &agent).await;
+        }
+        return refuse_plain_pod(&pod, &agent).await;
+    }
     if deleting {
         return stop(&pod, &vm, &agent).await;
     }
@@ -177,22 +183,60 @@ async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
         return Ok(Action::requeue(Duration::from_secs(10)));
     }
 
-    let deadline_passed = pod.metadata.deletion_timestamp.as_ref().is_some_and(|t| t.0 <= Timestamp::now());
-    let hard = match vm.power_off_mode {
-        PowerOffMode::Hard => true,
-        PowerOffMode::TrySoft => deadline_passed,
-        PowerOffMode::Soft => false,
+    // The grace period runs from the first shutdown request, not from the
+    // deletion: a pod held after an eviction may have been deleted long ago.
+    let grace = Duration::from_secs(
+        pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds).unwrap_or(30).max(0) as u64,
+    );
+    let asked_at = agent.shutdown_sent.lock().expect("agent set poisoned").get(&uid).copied();
+    let hard = match (vm.power_off_mode, asked_at) {
+        (PowerOffMode::Hard, _) => true,
+        (PowerOffMode::TrySoft, Some(at)) => at.elapsed() >= grace,
+        _ => false,
     };
     if hard {
         provider.destroy(&vm.spec.id).await?;
         info!(domain = %status.backend_name, "destroyed");
         agent.events.publish(pod, Reason::Destroyed, &format!("powered {} off", status.backend_name)).await;
-    } else if agent.remember(&agent.shutdown_sent, &uid) {
+    } else if asked_at.is_none() {
         provider.shutdown(&vm.spec.id).await?;
-        info!(domain = %status.backend_name, "asked the guest to shut down");
+        agent.shutdown_sent.lock().expect("agent set poisoned").insert(uid.clone(), Instant::now());
+        info!(domain = %status.backend_name, grace_seconds = grace.as_secs(), "asked the guest to shut down");
         agent.events.publish(pod, Reason::ShuttingDown, &format!("asked {} to shut down", status.backend_name)).await;
     }
     Ok(Action::requeue(TRANSITION))
+}
+
+/// Whether `pod` is the pod of the VirtualMachine it names: its controlling
+/// owner is a VirtualMachine of the pod's name whose UID is the pod's
+/// `vmlet.io/vm-uid`, and that object exists. Checked once per pod (cached by
+/// pod UID). Errors: the VirtualMachine could not be read (retried).
+async fn owned_by_its_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<bool, Error> {
+    let uid = pod.uid().unwrap_or_default();
+    if agent.verified.lock().expect("agent set poisoned").contains(&uid) {
+        return Ok(true);
+    }
+    let claimed = pod.owner_references().iter().any(|o| {
+        o.controller == Some(true)
+            && o.kind == "VirtualMachine"
+            && o.api_version.starts_with("vmlet.io/")
+            && o.uid == vm.spec.id.0
+            && o.name == pod.name_any()
+    });
+    if !claimed {
+        return Ok(false);
+    }
+    let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &pod.namespace().unwrap_or_default());
+    let found = vms.get_opt(&pod.name_any()).await.map_err(|source| Error::Kube {
+        action: "read the VirtualMachine of",
+        pod: pod.name_any(),
+        source,
+    })?;
+    let owned = found.is_some_and(|v| v.uid().as_deref() == Some(vm.spec.id.0.as_str()));
+    if owned {
+        agent.verified.lock().expect("agent set poisoned").insert(uid);
+    }
+    Ok(owned)
 }
 
 /// The pod carries the DisruptionTarget condition set by an eviction or the
