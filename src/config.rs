@@ -34,6 +34,12 @@ use std::time::Duration;
 pub const DEFAULT_TAINT_KEY: &str = "virtual-kubelet.io/provider";
 /// Value of the default taint.
 pub const DEFAULT_TAINT_VALUE: &str = "vmlet";
+/// Node label naming which VirtualMachines a node serves: a namespace, or
+/// [`ALL_NAMESPACES_SCOPE`].
+pub const SCOPE_LABEL: &str = "vmlet.io/scope";
+/// [`SCOPE_LABEL`] value of a vmlet that serves all namespaces; uppercase, so no
+/// namespace can be called that.
+pub const ALL_NAMESPACES_SCOPE: &str = "AllNamespaces";
 
 /// A configuration that cannot be used, naming the field and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -194,6 +200,14 @@ impl Config {
             serde_yaml::from_str(text).map_err(|source| ConfigError::Parse { path: "<config>".to_owned(), source })?;
         config.validate(known_providers)?;
         Ok(config)
+    }
+
+    /// The scope of this process's VirtualMachines, as the `vmlet.io/scope`
+    /// label value its nodes carry and its VM pods select: the namespace, or
+    /// [`ALL_NAMESPACES_SCOPE`]. VMs of one scope never land on another's nodes,
+    /// where no agent would clean them up.
+    pub fn scope(&self) -> &str {
+        self.namespace.as_deref().unwrap_or(ALL_NAMESPACES_SCOPE)
     }
 
     /// How long a Lease lives without renewal.

@@ -12,6 +12,8 @@ pub enum Reason {
     CreatedPod,
     /// The controller deleted a VM's pod (stop, delete or replacement).
     DeletedPod,
+    /// The VM's spec cannot become a pod, or its pod's name is taken.
+    InvalidSpec,
     /// The controller released a deleted VM without touching its IaaS VM.
     ReleasedVm,
     /// The agent defined the VM on its host.
@@ -40,6 +42,7 @@ impl Reason {
         match self {
             Reason::CreatedPod => "CreatedPod",
             Reason::DeletedPod => "DeletedPod",
+            Reason::InvalidSpec => "InvalidSpec",
             Reason::ReleasedVm => "ReleasedVm",
             Reason::Defined => "Defined",
             Reason::Started => "Started",
@@ -54,7 +57,7 @@ impl Reason {
     }
 
     fn is_warning(self) -> bool {
-        matches!(self, Reason::ProviderFailed | Reason::NotAVirtualMachine | Reason::EvictionHeld)
+        matches!(self, Reason::ProviderFailed | Reason::NotAVirtualMachine | Reason::EvictionHeld | Reason::InvalidSpec)
     }
 }
 

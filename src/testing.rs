@@ -70,7 +70,7 @@ pub struct PodBuilder(Pod);
 impl PodBuilder {
     /// A pending, unscheduled pod for `vm`.
     pub fn for_vm(vm: &VirtualMachine) -> Self {
-        let mut pod = crate::vmpod::pod_for_vm(vm, None).unwrap();
+        let mut pod = crate::vmpod::pod_for_vm(vm, "AllNamespaces", None).unwrap();
         pod.metadata.uid = Some("pod-uid-1".into());
         pod.status = Some(PodStatus { phase: Some("Pending".into()), ..PodStatus::default() });
         PodBuilder(pod)

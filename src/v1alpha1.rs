@@ -53,8 +53,12 @@ pub struct VirtualMachineSpec {
     pub replicas: i32,
 
     /// CPU and memory of the VM; they become the pod's requests and limits, so the
-    /// scheduler places the VM on a host with room for it.
+    /// scheduler places the VM on a host with room for it. Fixed once created:
+    /// resizing is not supported yet.
     #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf").message(
+        "spec.resources cannot change: resizing a VM is not supported yet; create a new VirtualMachine with the new size"
+    ))]
     pub resources: VmResources,
 
     /// Boot disk: a path (or volume name) that the backend resolves on the host,
@@ -120,11 +124,11 @@ pub struct VmResources {
     pub cpu: i32,
 
     /// Guest memory as a Kubernetes binary or decimal quantity, e.g. `512Mi`,
-    /// `2Gi`, `1G`; at least 1Mi. Default `512Mi`.
+    /// `2Gi`, `1G`; from 1Mi to 64Ti. Default `512Mi`.
     #[serde(default = "default_memory")]
     #[schemars(length(max = 32), regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"))]
-    #[x_kube(validation = Rule::new("!isQuantity(self) || quantity(self).compareTo(quantity('1Mi')) >= 0").message(
-        "spec.resources.memory must be at least 1Mi, e.g. 512Mi"
+    #[x_kube(validation = Rule::new("!isQuantity(self) || (quantity(self).compareTo(quantity('1Mi')) >= 0 && quantity(self).compareTo(quantity('64Ti')) <= 0)").message(
+        "spec.resources.memory must be from 1Mi to 64Ti, e.g. 512Mi"
     ))]
     pub memory: String,
 }

@@ -37,13 +37,15 @@ pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
 /// Taint key of virtual nodes that VM pods tolerate (any value, effect NoSchedule).
 pub const VIRTUAL_NODE_TAINT_KEY: &str = crate::config::DEFAULT_TAINT_KEY;
 
-/// The pod a VirtualMachine runs through. `home` is the host where its domain is
-/// already defined (`status.nodeName` of a stopped VM): the pod is pinned there so
-/// that a start powers on the same domain instead of defining a new one elsewhere.
+/// The pod a VirtualMachine runs through. `scope` is the controller's
+/// [`crate::config::Config::scope`]: the pod selects nodes of that scope only.
+/// `home` is the host where its domain is already defined (`status.nodeName` of
+/// a stopped VM): the pod is pinned there so that a start powers on the same
+/// domain instead of defining a new one elsewhere.
 ///
 /// Errors: `spec.resources.memory` does not parse (the API server's pattern should
 /// have refused it already).
-pub fn pod_for_vm(vm: &VirtualMachine, home: Option<&str>) -> Result<Pod, quantity::QuantityError> {
+pub fn pod_for_vm(vm: &VirtualMachine, scope: &str, home: Option<&str>) -> Result<Pod, quantity::QuantityError> {
     let spec = &vm.spec;
     quantity::parse_bytes(&spec.resources.memory)?;
     let name = vm.name_any();
@@ -67,14 +69,17 @@ pub fn pod_for_vm(vm: &VirtualMachine, home: Option<&str>) -> Result<Pod, quanti
 
     let mut node_selector = spec.node_selector.clone().unwrap_or_default();
     node_selector.insert(VIRTUAL_NODE_LABEL.0.to_owned(), VIRTUAL_NODE_LABEL.1.to_owned());
+    node_selector.insert(crate::config::SCOPE_LABEL.to_owned(), scope.to_owned());
     if let Some(home) = home {
         node_selector.insert("kubernetes.io/hostname".to_owned(), home.to_owned());
     }
 
     let mut tolerations = spec.tolerations.clone().unwrap_or_default();
+    // vmlet's own taint only: other virtual-kubelet providers use the same key.
     tolerations.push(Toleration {
         key: Some(VIRTUAL_NODE_TAINT_KEY.to_owned()),
-        operator: Some("Exists".to_owned()),
+        operator: Some("Equal".to_owned()),
+        value: Some(crate::config::DEFAULT_TAINT_VALUE.to_owned()),
         effect: Some("NoSchedule".to_owned()),
         ..Toleration::default()
     });
@@ -103,6 +108,10 @@ pub fn pod_for_vm(vm: &VirtualMachine, home: Option<&str>) -> Result<Pod, quanti
             containers: vec![Container {
                 name: CONTAINER_NAME.to_owned(),
                 image: Some(CONTAINER_IMAGE.to_owned()),
+                // The serial console is a terminal: `kubectl attach -it` then puts
+                // the local terminal in raw mode, so Ctrl-C and editors reach the guest.
+                stdin: Some(true),
+                tty: Some(true),
                 resources: Some(ResourceRequirements {
                     requests: Some(amounts.clone()),
                     limits: Some(amounts),
@@ -226,13 +235,14 @@ mod tests {
             .image("/img/web.qcow2")
             .kernel_boot("/boot/vmlinuz", "/boot/initrd.img", "console=ttyS0")
             .build();
-        let pod = pod_for_vm(&vm, None).unwrap();
+        let pod = pod_for_vm(&vm, "team-a", None).unwrap();
         assert_eq!(pod.metadata.name.as_deref(), Some("web"));
         assert_eq!(pod.labels().get(VM_LABEL).map(String::as_str), Some("web"));
         let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!((owner.kind.as_str(), owner.controller), ("VirtualMachine", Some(true)));
         let spec = pod.spec.as_ref().unwrap();
         assert_eq!(spec.node_selector.as_ref().unwrap().get("type").map(String::as_str), Some("virtual-kubelet"));
+        assert_eq!(spec.node_selector.as_ref().unwrap().get("vmlet.io/scope").map(String::as_str), Some("team-a"));
         assert_eq!(spec.termination_grace_period_seconds, Some(30));
         let requests = spec.containers[0].resources.as_ref().unwrap().requests.as_ref().unwrap();
         assert_eq!(requests["cpu"].0, "2");
@@ -252,7 +262,7 @@ mod tests {
 
     #[test]
     fn pod_tolerates_the_virtual_node_taint_and_outages_forever() {
-        let pod = pod_for_vm(&VmBuilder::new("web").build(), None).unwrap();
+        let pod = pod_for_vm(&VmBuilder::new("web").build(), "AllNamespaces", None).unwrap();
         let tolerations = pod.spec.unwrap().tolerations.unwrap();
         let keys: Vec<_> = tolerations.iter().map(|t| (t.key.clone().unwrap(), t.toleration_seconds)).collect();
         assert!(keys.contains(&("virtual-kubelet.io/provider".into(), None)));
@@ -262,7 +272,7 @@ mod tests {
 
     #[test]
     fn a_stopped_vm_starts_again_on_its_home_host() {
-        let pod = pod_for_vm(&VmBuilder::new("web").build(), Some("host-b")).unwrap();
+        let pod = pod_for_vm(&VmBuilder::new("web").build(), "AllNamespaces", Some("host-b")).unwrap();
         let selector = pod.spec.unwrap().node_selector.unwrap();
         assert_eq!(selector.get("kubernetes.io/hostname").map(String::as_str), Some("host-b"));
     }

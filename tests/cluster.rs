@@ -223,6 +223,27 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
     let requests = pod.spec.unwrap().containers[0].resources.clone().unwrap().requests.unwrap();
     assert_eq!((requests["cpu"].0.as_str(), requests["memory"].0.as_str()), ("1", "512Mi"));
 
+    // Beyond the shared cases: a size no host could hold, and resizing, which
+    // is not supported yet, are refused with the field named.
+    let mut huge = minimal.clone();
+    huge["metadata"]["name"] = json!("huge");
+    huge["spec"]["resources"] = json!({"cpu": 1, "memory": "99999999Ei"});
+    let out = env.apply(&serde_yaml::to_string(&huge).unwrap());
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("spec.resources.memory"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out =
+        env.kubectl_output(&["patch", "vm", "web-1", "--type=merge", "-p", r#"{"spec":{"resources":{"cpu":4}}}"#]);
+    assert!(!out.status.success(), "a resize was accepted");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("spec.resources"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // good-stopped: accepted, Stopped, and no pod is ever created.
     let stopped = std::fs::read_to_string(cases.join("good-stopped.yaml")).unwrap();
     assert!(env.apply(&stopped).status.success());

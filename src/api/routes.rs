@@ -123,7 +123,11 @@ async fn container_logs(
         );
     }
     if entry.vm.is_some() && entry.provider.console().is_none() {
-        return lacks(&entry, "serial console, so it keeps no console log");
+        // 400, as the kubelet answers logs it cannot serve: `kubectl logs -f`
+        // retries a 5xx for a while, where this is final.
+        let mut refusal = lacks(&entry, "serial console, so it keeps no console log");
+        *refusal.status_mut() = StatusCode::BAD_REQUEST;
+        return refusal;
     }
     let boots = logs::boot_files(&entry.log_dir);
     let file = if opts.previous {

@@ -59,6 +59,8 @@ pub enum Error {
 struct Context {
     client: Client,
     events: EventSink,
+    /// The scope label value VM pods select (see `Config::scope`).
+    scope: String,
 }
 
 /// Run the controller until `shutdown` is cancelled, over the VirtualMachines of
@@ -68,7 +70,8 @@ pub async fn run(client: Client, namespace: Option<String>, shutdown: Cancellati
         Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    let ctx = Arc::new(Context { events: EventSink::new(client.clone(), FIELD_MANAGER), client });
+    let scope = namespace.clone().unwrap_or_else(|| crate::config::ALL_NAMESPACES_SCOPE.to_owned());
+    let ctx = Arc::new(Context { events: EventSink::new(client.clone(), FIELD_MANAGER), client, scope });
     info!("VirtualMachine controller starting");
     Controller::new(vms, watcher::Config::default())
         .owns(pods, watcher::Config::default().labels(VM_LABEL))
@@ -100,7 +103,9 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
     if let Some(p) = &pod {
         let owned = p.owner_references().iter().any(|o| Some(&o.uid) == vm.uid().as_ref());
         if !owned {
-            return Err(Error::PodNameTaken(format!("{namespace}/{name}")));
+            let error = Error::PodNameTaken(format!("{namespace}/{name}"));
+            ctx.events.publish(&*vm, Reason::InvalidSpec, &error.to_string()).await;
+            return Err(error);
         }
     }
 
@@ -127,6 +132,9 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         _ => pod,
     };
     write_status(&vm, pod.as_ref(), &vms).await?;
+    if let Err(Error::InvalidSpec(_, message)) = &sync {
+        ctx.events.publish(&*vm, Reason::InvalidSpec, message).await;
+    }
     sync?;
     Ok(Action::requeue(Duration::from_secs(300)))
 }
@@ -144,7 +152,7 @@ async fn sync_pod(vm: &VirtualMachine, pod: Option<&Pod>, pods: &Api<Pod>, ctx: 
     match (vm.spec.replicas, pod) {
         (1, None) => {
             let home = vm.status.as_ref().and_then(|s| s.node_name.as_deref());
-            let new_pod = pod_for_vm(vm, home).map_err(|e| Error::InvalidSpec(object(), e.to_string()))?;
+            let new_pod = pod_for_vm(vm, &ctx.scope, home).map_err(|e| Error::InvalidSpec(object(), e.to_string()))?;
             match pods.create(&PostParams::default(), &new_pod).await {
                 Ok(_) => {
                     info!(vm.home = home, "created pod");

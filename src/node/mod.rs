@@ -208,7 +208,7 @@ async fn heartbeat(
 ) {
     let nodes: Api<Node> = Api::all(client.clone());
     let leases: Api<Lease> = Api::namespaced(client.clone(), lease::NAMESPACE);
-    let desired = registration::node_for_host(host, provider.kind(), &info);
+    let desired = registration::node_for_host(host, provider.kind(), &info, config.scope());
     let lease_seconds = config.lease_duration_seconds as i32;
     let tick = config.lease_duration() / 4;
     let status_every = Duration::from_secs(60);

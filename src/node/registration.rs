@@ -16,8 +16,9 @@ use vmlet_provider::HostInfo;
 /// Value of `nodeInfo.kubeletVersion`: `vmlet/<version>`.
 pub const KUBELET_VERSION: &str = concat!("vmlet/", env!("CARGO_PKG_VERSION"));
 
-/// Labels of a host's Node: the virtual-kubelet set plus the host's own.
-pub fn node_labels(host: &HostConfig, provider: &str, info: &HostInfo) -> BTreeMap<String, String> {
+/// Labels of a host's Node: the virtual-kubelet set, the scope of the
+/// VirtualMachines it serves, plus the host's own.
+pub fn node_labels(host: &HostConfig, provider: &str, info: &HostInfo, scope: &str) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::from([
         ("kubernetes.io/hostname".to_owned(), host.name.clone()),
         ("kubernetes.io/role".to_owned(), "agent".to_owned()),
@@ -25,6 +26,7 @@ pub fn node_labels(host: &HostConfig, provider: &str, info: &HostInfo) -> BTreeM
         ("kubernetes.io/arch".to_owned(), info.architecture.clone()),
         ("type".to_owned(), "virtual-kubelet".to_owned()),
         ("vmlet.io/provider".to_owned(), provider.to_owned()),
+        (crate::config::SCOPE_LABEL.to_owned(), scope.to_owned()),
     ]);
     labels.extend(host.labels.clone());
     labels
@@ -39,11 +41,11 @@ pub fn node_taints(host: &HostConfig) -> Vec<Taint> {
 }
 
 /// A new Node for `host` (metadata and spec; status is written separately).
-pub fn node_for_host(host: &HostConfig, provider: &str, info: &HostInfo) -> Node {
+pub fn node_for_host(host: &HostConfig, provider: &str, info: &HostInfo, scope: &str) -> Node {
     Node {
         metadata: ObjectMeta {
             name: Some(host.name.clone()),
-            labels: Some(node_labels(host, provider, info)),
+            labels: Some(node_labels(host, provider, info, scope)),
             ..ObjectMeta::default()
         },
         spec: Some(NodeSpec {
@@ -191,7 +193,7 @@ mod tests {
     #[test]
     fn node_has_virtual_kubelet_labels_and_the_default_taint() {
         let (config, info) = host();
-        let node = node_for_host(&config.hosts[0], "libvirt", &info);
+        let node = node_for_host(&config.hosts[0], "libvirt", &info, config.scope());
         let labels = node.metadata.labels.unwrap();
         for (k, v) in [
             ("kubernetes.io/hostname", "host-a"),
@@ -199,6 +201,7 @@ mod tests {
             ("type", "virtual-kubelet"),
             ("vmlet.io/provider", "libvirt"),
             ("zone", "z1"),
+            ("vmlet.io/scope", "AllNamespaces"),
         ] {
             assert_eq!(labels.get(k).map(String::as_str), Some(v), "{k}");
         }
