@@ -110,7 +110,7 @@ Then try:
   kubectl scale virtualmachine/web --replicas=0       # stop the VM (its definition stays on its host)
   kubectl scale virtualmachine/web --replicas=1       # start it again, on the same host
   kubectl describe virtualmachine/web                 # status, conditions, events
-  kubectl get events --sort-by=.lastTimestamp         # what vmlet did
+  kubectl events                                      # what vmlet did, in order
   kubectl exec web -- uname -r                        # test-driver hosts have no guest agent: a clear refusal
                                                       # (hack/test.sh boots a real qemu guest for logs/exec/attach)
   kubectl delete virtualmachine/web                   # power off and undefine

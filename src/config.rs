@@ -229,6 +229,17 @@ impl Config {
         if let Err((field, message)) = self.kubelet_api.validate() {
             return invalid(format!("kubeletApi.{field}"), message);
         }
+        if let Some(ns) = &self.namespace {
+            if ns.is_empty() || ns.len() > 63 || ns.contains('.') || check_subdomain(ns).is_err() {
+                return invalid(
+                    "namespace".into(),
+                    format!("{ns:?} is not a namespace name: use lowercase letters, digits and '-', at most 63"),
+                );
+            }
+        }
+        if self.kubelet_port == 0 {
+            return invalid("kubeletPort".into(), "is 0; give the port the kubelet API listens on, e.g. 10250".into());
+        }
         let mut names = BTreeSet::new();
         for (i, host) in self.hosts.iter().enumerate() {
             let at = |f: &str| format!("hosts[{i}].{f}");
@@ -244,8 +255,13 @@ impl Config {
                     format!("{:?} is not a provider of this build; use one of {known_providers:?}", host.provider),
                 );
             }
-            if host.uri.trim().is_empty() {
-                return invalid(at("uri"), "is empty; give the backend's connection URI, e.g. qemu:///system".into());
+            if let Err(why) = check_uri(&host.uri) {
+                return invalid(at("uri"), format!("{:?} {why}", host.uri));
+            }
+            for (key, value) in &host.labels {
+                if let Err(why) = check_label(key, value) {
+                    return invalid(at(&format!("labels[{key:?}]")), why);
+                }
             }
             for (field, ratio) in [
                 ("cpuAllocationRatio", host.cpu_allocation_ratio),
@@ -277,6 +293,47 @@ impl Config {
     }
 }
 
+/// Check a backend URI's shape: `scheme:` followed by `//`; a `test:` URI must
+/// name an absolute inventory path (`test:///abs/path.xml`).
+fn check_uri(uri: &str) -> Result<(), String> {
+    let Some((scheme, rest)) = uri.split_once(':') else {
+        return Err("has no scheme; write e.g. qemu:///system or test:///abs/path/host.xml".into());
+    };
+    let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme.chars().all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+    if !scheme_ok || !rest.starts_with("//") {
+        return Err("is not a URI; write e.g. qemu:///system or qemu+ssh://root@host/system".into());
+    }
+    if scheme == "test" && !rest.starts_with("///") {
+        return Err("names a relative path; the test driver needs an absolute one: test:///abs/path/host.xml".into());
+    }
+    Ok(())
+}
+
+/// Check a Node label (qualified-name key, label value), as the API server will.
+fn check_label(key: &str, value: &str) -> Result<(), String> {
+    let name_ok = |s: &str, max: usize| {
+        !s.is_empty()
+            && s.len() <= max
+            && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && s.ends_with(|c: char| c.is_ascii_alphanumeric())
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    if prefix.is_some_and(|p| check_subdomain(p).is_err()) || !name_ok(name, 63) {
+        return Err(format!(
+            "{key:?} is not a label key: [prefix/]name, name up to 63 of letters, digits, '-', '_', '.', starting and ending alphanumeric"
+        ));
+    }
+    if !value.is_empty() && !name_ok(value, 63) {
+        return Err(format!("{value:?} is not a label value: up to 63 of letters, digits, '-', '_', '.'"));
+    }
+    Ok(())
+}
+
 /// Check a DNS-1123 subdomain (what Kubernetes requires of node names).
 fn check_subdomain(name: &str) -> Result<(), &'static str> {
     if name.is_empty() || name.len() > 253 {
@@ -305,7 +362,7 @@ mod tests {
             Config::from_yaml("hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}]", PROVIDERS).unwrap();
         assert_eq!(config.node_ip, IpAddr::from([127, 0, 0, 1]));
         assert_eq!(config.kubelet_port, 10250);
-        let spelled = Config::from_yaml("nodeIP: 127.0.0.2\nhosts: [{name: a, provider: libvirt, uri: x}]", PROVIDERS);
+        let spelled = Config::from_yaml("nodeIP: 127.0.0.2\nhosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]", PROVIDERS);
         assert_eq!(spelled.unwrap().node_ip, IpAddr::from([127, 0, 0, 2]));
         assert_eq!(config.lease_duration(), Duration::from_secs(40));
         assert_eq!(config.hosts[0].max_pods, 110);
@@ -322,30 +379,43 @@ mod tests {
 
     #[test]
     fn bad_host_fields_are_named() {
-        let e = error_of("hosts: [{name: Host_A, provider: libvirt, uri: x}]");
+        let e = error_of("hosts: [{name: Host_A, provider: libvirt, uri: 'qemu:///system'}]");
         assert!(e.starts_with("hosts[0].name:"), "{e}");
-        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x}, {name: a, provider: libvirt, uri: y}]");
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}, {name: a, provider: libvirt, uri: 'qemu:///system'}]");
         assert!(e.starts_with("hosts[1].name:") && e.contains("twice"), "{e}");
-        let e = error_of("hosts: [{name: a, provider: xen, uri: x}]");
+        let e = error_of("hosts: [{name: a, provider: xen, uri: 'qemu:///system'}]");
         assert!(e.starts_with("hosts[0].provider:") && e.contains("libvirt"), "{e}");
-        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x, cpuAllocationRatio: 0}]");
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', cpuAllocationRatio: 0}]");
         assert!(e.starts_with("hosts[0].cpuAllocationRatio:"), "{e}");
-        let e = error_of("hosts: [{name: a, provider: libvirt, uri: ' '}]");
-        assert!(e.starts_with("hosts[0].uri:"), "{e}");
-        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x, taints: [{key: k, effect: Sometimes}]}]");
+        for uri in ["' '", "'not a uri'", "test://relative/host.xml", "'http:example'"] {
+            let e = error_of(&format!("hosts: [{{name: a, provider: libvirt, uri: {uri}}}]"));
+            assert!(e.starts_with("hosts[0].uri:"), "{uri}: {e}");
+        }
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', labels: {'bad key!': v}}]");
+        assert!(e.starts_with("hosts[0].labels[\"bad key!\"]:"), "{e}");
+        let e = error_of("namespace: Bad_NS\nhosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]");
+        assert!(e.starts_with("namespace:"), "{e}");
+        let e = error_of("kubeletPort: 0\nhosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]");
+        assert!(e.starts_with("kubeletPort:"), "{e}");
+        assert!(Config::from_yaml(
+            "hosts: [{name: a, provider: libvirt, uri: 'qemu+ssh://root@kvm-1/system', labels: {topology.kubernetes.io/zone: a-1}}]",
+            PROVIDERS
+        )
+        .is_ok());
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', taints: [{key: k, effect: Sometimes}]}]");
         assert!(e.starts_with("hosts[0].taints[0].effect:"), "{e}");
         assert!(error_of("hosts: []").starts_with("hosts:"));
     }
 
     #[test]
     fn unknown_fields_are_refused_with_their_name() {
-        let e = error_of("hosts: [{name: a, provider: libvirt, uri: x, maxpods: 3}]");
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', maxpods: 3}]");
         assert!(e.contains("maxpods"), "{e}");
     }
 
     #[test]
     fn an_empty_taint_list_means_untainted() {
-        let config = Config::from_yaml("hosts: [{name: a, provider: libvirt, uri: x, taints: []}]", PROVIDERS).unwrap();
+        let config = Config::from_yaml("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', taints: []}]", PROVIDERS).unwrap();
         assert!(config.hosts[0].effective_taints().is_empty());
     }
 }
