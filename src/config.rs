@@ -362,7 +362,10 @@ mod tests {
             Config::from_yaml("hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}]", PROVIDERS).unwrap();
         assert_eq!(config.node_ip, IpAddr::from([127, 0, 0, 1]));
         assert_eq!(config.kubelet_port, 10250);
-        let spelled = Config::from_yaml("nodeIP: 127.0.0.2\nhosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]", PROVIDERS);
+        let spelled = Config::from_yaml(
+            "nodeIP: 127.0.0.2\nhosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]",
+            PROVIDERS,
+        );
         assert_eq!(spelled.unwrap().node_ip, IpAddr::from([127, 0, 0, 2]));
         assert_eq!(config.lease_duration(), Duration::from_secs(40));
         assert_eq!(config.hosts[0].max_pods, 110);
@@ -402,7 +405,9 @@ mod tests {
             PROVIDERS
         )
         .is_ok());
-        let e = error_of("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', taints: [{key: k, effect: Sometimes}]}]");
+        let e = error_of(
+            "hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', taints: [{key: k, effect: Sometimes}]}]",
+        );
         assert!(e.starts_with("hosts[0].taints[0].effect:"), "{e}");
         assert!(error_of("hosts: []").starts_with("hosts:"));
     }
@@ -415,7 +420,9 @@ mod tests {
 
     #[test]
     fn an_empty_taint_list_means_untainted() {
-        let config = Config::from_yaml("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', taints: []}]", PROVIDERS).unwrap();
+        let config =
+            Config::from_yaml("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', taints: []}]", PROVIDERS)
+                .unwrap();
         assert!(config.hosts[0].effective_taints().is_empty());
     }
 }

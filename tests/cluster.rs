@@ -300,3 +300,49 @@ async fn a_forged_pod_naming_a_vm_cannot_start_stop_or_adopt_it() {
     let vm = env.vms().get("web").await.unwrap().status.unwrap();
     assert_eq!(vm.provider_id.as_deref(), Some(provider_id.as_str()));
 }
+
+/// `kubectl drain` evicts the VM's pod; with no migration yet, the VM keeps
+/// running (held), says so in its status, and a later stop still asks the
+/// guest to shut down before cutting power.
+#[tokio::test]
+async fn a_drained_vm_is_held_running_until_it_is_stopped() {
+    let mut env = TestEnv::new("drain").await;
+    env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
+    env.apply_vm("web", json!({}));
+    env.wait_vm_phase("web", "Running").await;
+
+    // Drain cannot finish while the VM is held: it gives up after its timeout.
+    let drained = env.kubectl_output(&["drain", &env.node("a"), "--ignore-daemonsets", "--timeout=5s"]);
+    assert!(!drained.status.success(), "drain finished although the VM must keep running");
+    let vms = env.vms();
+    let held = env
+        .wait_for("the VM to report EvictionHeld", || {
+            let vms = vms.clone();
+            async move {
+                let status = vms.get("web").await.ok()?.status?;
+                let held = status.conditions.iter().any(|c| c.type_ == "EvictionHeld" && c.status == "True");
+                held.then_some(status)
+            }
+        })
+        .await;
+    assert_eq!(serde_json::to_value(held.phase).unwrap(), "Running");
+    let pod = env.pods().get("web").await.unwrap();
+    assert!(pod.metadata.deletion_timestamp.is_some(), "the evicted pod is terminating");
+    let container = &pod.status.unwrap().container_statuses.unwrap()[0];
+    assert!(container.state.as_ref().unwrap().running.is_some(), "the VM was not powered off");
+
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    let reasons = env.kubectl(&[
+        "get",
+        "events",
+        "--field-selector",
+        "involvedObject.kind=Pod",
+        "-o",
+        "jsonpath={range .items[*]}{.reason}{\"\\n\"}{end}",
+    ]);
+    let reasons: Vec<&str> = reasons.lines().collect();
+    for expected in ["EvictionHeld", "ShuttingDown", "Stopped"] {
+        assert!(reasons.contains(&expected), "no {expected} event: {reasons:?}");
+    }
+}

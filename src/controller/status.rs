@@ -52,7 +52,26 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachine
 
     let scheduled = pod_condition(&pod_conditions, "PodScheduled");
     let waiting = container.and_then(|c| c.state.as_ref()).and_then(|s| s.waiting.as_ref());
-    let phase = if pod.metadata.deletion_timestamp.is_some() {
+    // An evicted pod of a VM that should still run is held by its agent: the VM
+    // keeps running, so say so rather than "Stopping".
+    let evicted = pod_condition(&pod_conditions, "DisruptionTarget").is_some_and(|c| c.status == "True");
+    let held = evicted && vm.spec.replicas == 1 && vm.metadata.deletion_timestamp.is_none();
+    if held {
+        set_condition(
+            &mut status.conditions,
+            condition(
+                "EvictionHeld",
+                true,
+                "EvictionHeld",
+                "the VM's pod was evicted (e.g. kubectl drain) but the VM still has replicas 1: it keeps running on \
+                 its host, because migration is not supported yet; scale it to 0 to stop it",
+                generation,
+            ),
+        );
+    } else {
+        status.conditions.retain(|c| c.type_ != "EvictionHeld");
+    }
+    let phase = if pod.metadata.deletion_timestamp.is_some() && !held {
         VmPhase::Stopping
     } else if node.is_none() {
         VmPhase::Scheduling
@@ -197,6 +216,25 @@ mod tests {
         assert_eq!(find(&status, "Ready").reason, "ProviderFailed");
         let healthy = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.1").build();
         assert_eq!(find(&status_from_pod(&vm, Some(&healthy)), "ProviderError").status, "False");
+    }
+
+    #[test]
+    fn an_evicted_pod_of_a_vm_that_should_run_is_held_not_stopping() {
+        let vm = VmBuilder::new("web").build();
+        let mut pod = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.10").deleting().build();
+        pod.status.as_mut().unwrap().conditions.as_mut().unwrap().push(PodCondition {
+            type_: "DisruptionTarget".into(),
+            status: "True".into(),
+            reason: Some("EvictionByEvictionAPI".into()),
+            ..PodCondition::default()
+        });
+        let status = status_from_pod(&vm, Some(&pod));
+        assert_eq!(status.phase, Some(VmPhase::Running));
+        assert_eq!(find(&status, "EvictionHeld").status, "True");
+        let stopped = VmBuilder::new("web").stopped().build();
+        let status = status_from_pod(&stopped, Some(&pod));
+        assert_eq!(status.phase, Some(VmPhase::Stopping));
+        assert!(!status.conditions.iter().any(|c| c.type_ == "EvictionHeld"));
     }
 
     #[test]

@@ -20,9 +20,9 @@ use crate::v1alpha1::VirtualMachine;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{watcher, Controller};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use registration::Readiness;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -121,6 +121,15 @@ pub async fn run(
         Api::<Pod>::all(client.clone()),
         watcher::Config::default().fields(&format!("spec.nodeName={}", host.name)),
     );
+    // A VirtualMachine change (scale to 0 while its evicted pod is held)
+    // reaches its pod at once rather than at the next requeue.
+    let vm_changes: Api<VirtualMachine> = match &config.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let pods = pods.watches(vm_changes, watcher::Config::default(), |vm: VirtualMachine| {
+        Some(ObjectRef::<Pod>::new(&vm.name_any()).within(&vm.namespace().unwrap_or_default()))
+    });
     let store = pods.store();
     hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone(), pods: store.clone() });
     let recorder = record_consoles(provider.clone(), store, config.state_dir.clone(), shutdown.clone());
