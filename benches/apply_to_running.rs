@@ -241,8 +241,16 @@ async fn main() {
         })
         .collect();
     let config_path = dir.join("vmlet.yaml");
-    std::fs::write(&config_path, serde_yaml::to_string(&json!({"namespace": ns, "hosts": hosts})).unwrap())
-        .expect("write config");
+    // A kubelet API port of its own (self-signed: the bench uses no logs or exec).
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let config = json!({
+        "namespace": ns,
+        "stateDir": dir.join("state"),
+        "kubeletPort": port,
+        "kubeletApi": {"listen": format!("127.0.0.1:{port}")},
+        "hosts": hosts,
+    });
+    std::fs::write(&config_path, serde_yaml::to_string(&config).unwrap()).expect("write config");
     let log_path = dir.join("vmlet.log");
     let log = std::fs::File::create(&log_path).expect("create vmlet log");
     let child = Command::new(env!("CARGO_BIN_EXE_vmlet"))
