@@ -59,9 +59,18 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     let full = env.kubectl(&["logs", "web"]);
     assert!(full.contains("Linux version"), "kernel boot lines missing:\n{full}");
 
-    // exec, over WebSocket (kubectl's default) and over SPDY end to end.
+    // exec, over WebSocket (kubectl's default, passed through by the API server
+    // because the Node declares ExtendWebSocketsToKubelet) and over SPDY end to
+    // end; vmlet's log names the transport that reached it.
     let release = read(&guest, "kernel-release");
-    for vars in [&[][..], &[("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", "false")][..]] {
+    let sessions = |transport: &str| {
+        let log = std::fs::read_to_string(env.dir.join("vmlet.log")).unwrap_or_default();
+        log.lines()
+            .filter(|l| l.contains("stream session") && l.contains(&format!("stream.transport=\"{transport}\"")))
+            .count()
+    };
+    for (vars, transport) in [(&[][..], "websocket"), (&[("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", "false")][..], "spdy")] {
+        let before = sessions(transport);
         let out = env
             .wait_for("the guest agent to answer exec", || {
                 let out = kubectl_env(&env, vars, &["exec", "web", "--", "uname", "-r"]);
@@ -72,6 +81,7 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
         let out = kubectl_env(&env, vars, &["exec", "web", "--", "sh", "-c", "echo to-stderr >&2; exit 3"]);
         assert_eq!(out.status.code(), Some(3), "exit code with {vars:?}: {}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stderr).contains("to-stderr"), "{vars:?}");
+        assert!(sessions(transport) >= before + 2, "the execs with {vars:?} did not arrive over {transport}");
     }
 
     // logs --tail, --timestamps, --limit-bytes.

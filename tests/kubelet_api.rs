@@ -411,7 +411,7 @@ async fn a_provider_without_capabilities_answers_501_with_a_message() {
     let kubelet = start_kubelet().await;
     let (status, body) = kubelet.get(Credentials::ApiServerCert, "/exec/ns/plain/vm?command=ls&stdout=1").await;
     assert_eq!(status, 501);
-    assert!(body.contains("fake provider of host host-a") && body.contains("guest-exec"), "{body}");
+    assert!(body.contains("fake provider of host host-a") && body.contains("guest exec"), "{body}");
     let (status, body) = kubelet.get(Credentials::ApiServerCert, "/attach/ns/plain/vm?stdin=1&stdout=1").await;
     assert_eq!(status, 501);
     assert!(body.contains("no serial console"), "{body}");

@@ -179,8 +179,10 @@ where
 {
     let upgrade = req.headers().get(header::UPGRADE).and_then(|v| v.to_str().ok()).unwrap_or("").to_ascii_lowercase();
     if upgrade.contains("websocket") {
+        tracing::info!(stream.transport = "websocket", "stream session");
         websocket::upgrade(req, opts, run).await
     } else if upgrade.contains(&spdy::UPGRADE.to_ascii_lowercase()) {
+        tracing::info!(stream.transport = "spdy", "stream session");
         remotecommand::upgrade(req, opts, run)
     } else {
         plain(

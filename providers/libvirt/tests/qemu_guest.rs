@@ -8,9 +8,12 @@
 //! read and whose disk no other run shares. One test boots one guest and checks
 //! everything in order, since the boot is the expensive part.
 
+mod common;
+use common::qemu_uri;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use vmlet_libvirt::LibvirtProvider;
@@ -23,13 +26,6 @@ const BOOTED: &str = "vmlet-guest: booted";
 /// Generous: the guest boots in ~12 s under emulation on an idle 2-core host,
 /// and these hosts are shared with builders.
 const BOOT_DEADLINE: Duration = Duration::from_secs(180);
-
-fn qemu_uri() -> String {
-    std::env::var("VMLET_LIBVIRT_QEMU_URI")
-        .ok()
-        .filter(|uri| !uri.is_empty())
-        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
-}
 
 /// The built guest: `VMLET_GUEST_DIR`, or what `test-vms/guest/build.sh` prints.
 fn guest_dir() -> PathBuf {
@@ -45,17 +41,8 @@ fn guest_dir() -> PathBuf {
 
 /// A unique uid and name for this run.
 fn unique() -> (VmId, String) {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_nanos();
-    let pid = std::process::id();
-    let uid = format!(
-        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
-        (nanos >> 64) as u32 ^ pid,
-        (nanos >> 48) as u16,
-        (nanos >> 36) as u16 & 0xfff,
-        (nanos >> 24) as u16 & 0xfff,
-        nanos as u64 & 0xffff_ffff_ffff,
-    );
-    (VmId(uid), format!("guest-{pid}-{}", nanos % 1_000_000_000))
+    let (uid, nanos) = common::unique_uid();
+    (uid, format!("guest-{}-{}", std::process::id(), nanos % 1_000_000_000))
 }
 
 /// The guest's files copied where QEMU can read them, removed on drop.

@@ -6,35 +6,22 @@
 //! process for lifecycle checks. Names and uids are unique per run; VMs left by an
 //! earlier, failed run (namespace `vmlet-it`) are removed first.
 
+mod common;
+use common::qemu_uri;
+
 use std::process::Command;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use vmlet_libvirt::LibvirtProvider;
-use vmlet_provider::{PowerState, Provider, VmId, VmSpec};
+use vmlet_provider::{PowerState, Provider, VmSpec};
 
 const NAMESPACE: &str = "vmlet-it";
 
-fn qemu_uri() -> String {
-    std::env::var("VMLET_LIBVIRT_QEMU_URI")
-        .ok()
-        .filter(|uri| !uri.is_empty())
-        .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
-}
-
 /// A spec unique to this run: a UUID-shaped uid from the clock and the pid.
 fn unique_spec() -> VmSpec {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_nanos();
+    let (id, nanos) = common::unique_uid();
     let pid = std::process::id();
-    let uid = format!(
-        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
-        (nanos >> 64) as u32 ^ pid,
-        (nanos >> 48) as u16,
-        (nanos >> 36) as u16 & 0xfff,
-        (nanos >> 24) as u16 & 0xfff,
-        nanos as u64 & 0xffff_ffff_ffff,
-    );
     VmSpec {
-        id: VmId(uid),
+        id,
         namespace: NAMESPACE.into(),
         name: format!("lifecycle-{pid}-{}", nanos % 1_000_000_000),
         cpus: 1,
