@@ -50,6 +50,7 @@ elif [[ -n ${1:-} ]]; then
 fi
 
 mkdir -p "$DEMO"
+hack/deps.sh build # libvirt-dev and pkg-config, to build vmlet
 hack/cluster.sh up
 eval "$(hack/cluster.sh env)"
 

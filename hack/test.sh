@@ -4,9 +4,10 @@
 #
 #   hack/test.sh [cargo test args...]     e.g. hack/test.sh --test cluster
 #
-# Starts (or reuses) the local control plane (hack/cluster.sh up; the first run
-# builds it, ~15 min on 2 cores) and libvirtd for qemu:///system
-# (hack/libvirtd.sh up; needs root), exports VMLET_LIBVIRT_QEMU_URI, then runs
+# Installs missing Debian packages (hack/deps.sh; needs root), starts (or
+# reuses) the local control plane (hack/cluster.sh up; the first run builds it,
+# ~15 min on 2 cores) and libvirtd for qemu:///system with KVM where the machine
+# has it (hack/libvirtd.sh up; needs root), exports VMLET_LIBVIRT_QEMU_URI, then runs
 # `cargo test --workspace --no-fail-fast "$@"`. Both stay running afterwards so
 # the next run is fast, except with CI=true, where they are stopped on exit.
 # On failure it prints where the logs are and the last lines of each.
@@ -28,6 +29,7 @@ if [[ $(id -u) != 0 ]] && ! virsh -c "$(hack/libvirtd.sh uri)" version >/dev/nul
   exit 1
 fi
 
+hack/deps.sh
 hack/cluster.sh up
 eval "$(hack/cluster.sh env)" # KUBECONFIG, PATH (kubectl), VMLET_CLUSTER_LOGS
 hack/libvirtd.sh up
