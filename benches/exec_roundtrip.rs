@@ -75,7 +75,12 @@ async fn main() {
 
     let mut env = TestEnv::new("bench-exec").await;
     let guest = common::guest_for(&env);
-    env.start_vmlet(&[Host { suffix: "q", uri: uri.clone(), cpu_allocation_ratio: 8.0 }]);
+    env.start_vmlet(&[Host {
+        suffix: "q",
+        uri: uri.clone(),
+        cpu_allocation_ratio: 8.0,
+        accelerator: Some(common::guest_accelerator(&guest)),
+    }]);
     env.apply_vm("web", common::guest_vm_spec(&guest));
     let vm = env.wait_vm_phase("web", "Running").await;
     let id = VmId(vm.metadata.uid.unwrap());
@@ -91,7 +96,11 @@ async fn main() {
     })
     .await;
 
-    let provider = vmlet_libvirt::LibvirtProvider::connect(&uri).await.unwrap();
+    let accelerator = match common::guest_accelerator(&guest) {
+        "kvm" => vmlet_libvirt::AcceleratorSetting::Kvm,
+        _ => vmlet_libvirt::AcceleratorSetting::Tcg,
+    };
+    let provider = vmlet_libvirt::LibvirtProvider::connect_with(&uri, accelerator).await.unwrap();
     let mut via_api = Vec::with_capacity(runs);
     let mut direct = Vec::with_capacity(runs);
     let t = vec!["true".to_owned()];

@@ -19,6 +19,7 @@
 //!     maxPods: 110
 //!     cpuAllocationRatio: 4.0  # allocatable cpu = probed cpus x 4 (overcommit)
 //!     memoryAllocationRatio: 1.0
+//!     accelerator: auto        # QEMU hosts: kvm where offered, else tcg (or force kvm | tcg)
 //! ```
 //!
 //! [`Config::from_yaml`] resolves defaults and validates everything before any
@@ -132,6 +133,26 @@ pub struct HostConfig {
     /// memory × this ratio (Nova's `ram_allocation_ratio`). Default 1.0.
     #[serde(default = "default_ratio")]
     pub memory_allocation_ratio: f64,
+    /// How QEMU guests run on this host: `auto` (default: KVM where the host
+    /// offers it, software emulation otherwise), `kvm` (refuse to start
+    /// without KVM) or `tcg` (software emulation). Hosts without a choice (the
+    /// libvirt test driver) ignore it. The node reports the outcome as the label
+    /// `vmlet.io/accelerator`.
+    #[serde(default)]
+    pub accelerator: AcceleratorConfig,
+}
+
+/// [`HostConfig::accelerator`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AcceleratorConfig {
+    /// KVM where offered, else TCG.
+    #[default]
+    Auto,
+    /// KVM, or the host fails to start.
+    Kvm,
+    /// Software emulation.
+    Tcg,
 }
 
 /// A Node taint.

@@ -94,11 +94,20 @@ fn init_tracing() {
 
 async fn connect(host: &HostConfig) -> anyhow::Result<Arc<dyn Provider>> {
     match host.provider.as_str() {
-        "libvirt" => Ok(Arc::new(
-            vmlet_libvirt::LibvirtProvider::connect(&host.uri)
-                .await
-                .with_context(|| format!("host {}: connecting to {}", host.name, host.uri))?,
-        )),
+        "libvirt" => {
+            use vmlet::config::AcceleratorConfig;
+            use vmlet_libvirt::AcceleratorSetting;
+            let accelerator = match host.accelerator {
+                AcceleratorConfig::Auto => AcceleratorSetting::Auto,
+                AcceleratorConfig::Kvm => AcceleratorSetting::Kvm,
+                AcceleratorConfig::Tcg => AcceleratorSetting::Tcg,
+            };
+            Ok(Arc::new(
+                vmlet_libvirt::LibvirtProvider::connect_with(&host.uri, accelerator)
+                    .await
+                    .with_context(|| format!("host {}: connecting to {}", host.name, host.uri))?,
+            ))
+        }
         other => anyhow::bail!("host {}: provider {other:?} is not built in", host.name),
     }
 }

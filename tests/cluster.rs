@@ -114,15 +114,22 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     let owner = &pod.owner_references()[0];
     assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("VirtualMachine", "web"));
 
-    // The binding came from kube-scheduler, not from vmlet.
-    let scheduled = env.kubectl(&[
-        "get",
-        "events",
-        "--field-selector",
-        "reason=Scheduled,involvedObject.name=web",
-        "-o",
-        "jsonpath={.items[*].reportingComponent}",
-    ]);
+    // The binding came from kube-scheduler, not from vmlet. The scheduler
+    // writes its Scheduled event in the background, in no set order with the
+    // pod's progress, so wait for the event rather than expect it by now.
+    let scheduled = env
+        .wait_for("the Scheduled event of pod web", || {
+            let reporters = env.kubectl(&[
+                "get",
+                "events",
+                "--field-selector",
+                "reason=Scheduled,involvedObject.name=web",
+                "-o",
+                "jsonpath={.items[*].reportingComponent}",
+            ]);
+            async move { (!reporters.trim().is_empty()).then_some(reporters) }
+        })
+        .await;
     assert!(scheduled.contains("default-scheduler"), "Scheduled event reported by {scheduled:?}");
 
     let table = env.kubectl(&["get", "virtualmachines"]);

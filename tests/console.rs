@@ -4,10 +4,15 @@
 
 mod common;
 
-use common::{guest_for, guest_vm_spec, qemu_uri, test_driver_uri, Host, TestEnv};
+use common::deadline::{self, kill_and_reap, output_within, run_with_stdin, KUBECTL, TMUX};
+use common::{guest_accelerator, guest_for, guest_vm_spec, test_driver_uri, Host, TestEnv};
+use k8s_openapi::jiff::Timestamp;
 use serde_json::json;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+
+/// The guest's last boot line.
+const BOOTED: &str = "vmlet-guest: booted";
 
 fn read(dir: &Path, file: &str) -> String {
     std::fs::read_to_string(dir.join(file)).unwrap().trim().to_owned()
@@ -15,14 +20,70 @@ fn read(dir: &Path, file: &str) -> String {
 
 /// kubectl with an extra environment (e.g. SPDY instead of WebSocket).
 fn kubectl_env(env: &TestEnv, vars: &[(&str, &str)], args: &[&str]) -> Output {
-    let cluster = common::cluster();
-    Command::new(cluster.bin.join("kubectl"))
-        .env("KUBECONFIG", &cluster.kubeconfig)
-        .envs(vars.iter().copied())
-        .args(["-n", &env.ns])
-        .args(args)
-        .output()
-        .expect("run kubectl")
+    output_within(env.kubectl_command().envs(vars.iter().copied()).args(args), KUBECTL)
+}
+
+/// Have the guest print `line` on its serial console, on a line of its own
+/// (whatever the console showed before, e.g. an unanswered prompt).
+fn print_on_console(env: &TestEnv, line: &str) {
+    env.kubectl(&["exec", "web", "--", "sh", "-c", r#"printf '\n%s\n' "$1" > /dev/console"#, "sh", line]);
+}
+
+/// The timestamp of the first line of `stamped` (`kubectl logs --timestamps`)
+/// that contains `needle`.
+fn stamp_of(stamped: &str, needle: &str) -> Timestamp {
+    let line = stamped.lines().find(|l| l.contains(needle)).unwrap_or_else(|| panic!("no {needle:?} in:\n{stamped}"));
+    line.split(' ').next().unwrap().parse().unwrap_or_else(|e| panic!("not a timestamp: {line}: {e}"))
+}
+
+/// Check that `tail`, the output of `kubectl logs --tail=<n>`, is `n`
+/// consecutive lines of `later`, a full read taken after it, ending at or after
+/// the last line that contains `marker` (which was in the log before the tail
+/// was read). The guest may print more at any time, so the tail need not end
+/// at the marker: it is a window of the log that ends at or before the newest
+/// line.
+fn assert_tail_window(later: &str, tail: &str, n: usize, marker: &str) {
+    let log: Vec<&str> = later.lines().collect();
+    let tail: Vec<&str> = tail.lines().collect();
+    let marker_at = log.iter().rposition(|l| l.contains(marker)).unwrap_or_else(|| panic!("no {marker:?} in the log"));
+    assert_eq!(tail.len(), n, "--tail={n} gave {} lines:\n{}", tail.len(), tail.join("\n"));
+    let window = log.windows(n).enumerate().any(|(start, lines)| lines == tail.as_slice() && start + n > marker_at);
+    assert!(
+        window,
+        "--tail={n} is not {n} consecutive lines of the log ending at or after {marker:?}\n--- tail:\n{}\n--- log from {n} \
+         lines before the marker on:\n{}",
+        tail.join("\n"),
+        log[marker_at.saturating_sub(n)..].iter().take(50).copied().collect::<Vec<_>>().join("\n")
+    );
+}
+
+/// A long-running child (`kubectl logs -f`), killed and reaped when dropped,
+/// also when the test fails.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if kill_and_reap(&mut self.0, KUBECTL).is_none() {
+            eprintln!("pid {} still not reaped {KUBECTL:?} after SIGKILL", self.0.id());
+        }
+    }
+}
+
+/// `tmux <args>`, within [`TMUX`].
+fn tmux(args: &[&str]) -> Output {
+    output_within(Command::new("tmux").args(args), TMUX)
+}
+
+/// A tmux session, killed when dropped (also when the test fails), which ends
+/// the command running in it.
+struct TmuxSession(String);
+
+impl Drop for TmuxSession {
+    fn drop(&mut self) {
+        if let Err(timed_out) = deadline::run(Command::new("tmux").args(["kill-session", "-t", &self.0]), TMUX) {
+            eprintln!("{timed_out}");
+        }
+    }
 }
 
 fn stdout(out: &Output) -> String {
@@ -50,12 +111,12 @@ fn threads(pid: u32) -> usize {
 async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     let mut env = TestEnv::new("console").await;
     let guest = guest_for(&env);
-    env.start_vmlet(&[Host { suffix: "q", uri: qemu_uri(), cpu_allocation_ratio: 8.0 }]);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
     env.apply_vm("web", guest_vm_spec(&guest));
     env.wait_vm_phase("web", "Running").await;
 
     // logs: the boot lines, from the serial console history.
-    wait_for_log_line(&env, "web", "vmlet-guest: booted").await;
+    wait_for_log_line(&env, "web", BOOTED).await;
     let full = env.kubectl(&["logs", "web"]);
     assert!(full.contains("Linux version"), "kernel boot lines missing:\n{full}");
 
@@ -84,32 +145,37 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
         assert!(sessions(transport) >= before + 2, "the execs with {vars:?} did not arrive over {transport}");
     }
 
-    // logs --tail, --timestamps, --limit-bytes.
-    let all: Vec<String> = env.kubectl(&["logs", "web"]).lines().map(str::to_owned).collect();
-    let tail = env.kubectl(&["logs", "web", "--tail=5"]);
-    let tail: Vec<&str> = tail.lines().collect();
-    // The guest is quiet between these two reads: the tail is the last 5 lines.
-    assert_eq!(tail, all[all.len() - 5..].iter().map(String::as_str).collect::<Vec<_>>());
+    // logs --tail: the last lines at the time of the request. The guest (its
+    // kernel) may print at any moment, so nothing here assumes it is quiet: the
+    // test prints a marker line, waits until the log has it, reads the tails,
+    // then the whole log; each tail must be consecutive lines of that later
+    // read ending at or after the marker (exactly at it while the guest is
+    // quiet).
+    let tail_marker = format!("vmlet-tail-{}", env.ns);
+    print_on_console(&env, &tail_marker);
+    wait_for_log_line(&env, "web", &tail_marker).await;
+    let tail5 = env.kubectl(&["logs", "web", "--tail=5"]);
+    let tail1 = env.kubectl(&["logs", "web", "--tail=1"]);
+    let later = env.kubectl(&["logs", "web"]);
+    assert_tail_window(&later, &tail5, 5, &tail_marker);
+    assert_tail_window(&later, &tail1, 1, &tail_marker);
+
+    // logs --timestamps, --limit-bytes.
     let stamped = env.kubectl(&["logs", "web", "--timestamps", "--tail=3"]);
     for line in stamped.lines() {
         let stamp = line.split(' ').next().unwrap();
-        assert!(stamp.parse::<k8s_openapi::jiff::Timestamp>().is_ok(), "not a timestamp: {line}");
+        assert!(stamp.parse::<Timestamp>().is_ok(), "not a timestamp: {line}");
     }
     let limited = env.kubectl(&["logs", "web", "--limit-bytes=10"]);
     assert_eq!(limited.len(), 10, "{limited:?}");
 
-    // logs -f shows a line the guest writes afterwards.
+    // logs -f shows a line the guest writes afterwards: once it has shown the
+    // history (so it is connected and following), the guest prints a marker.
     let cluster = common::cluster();
-    let mut follow = Command::new(cluster.bin.join("kubectl"))
-        .env("KUBECONFIG", &cluster.kubeconfig)
-        .args(["-n", &env.ns, "logs", "-f", "web"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let marker = format!("vmlet-follow-{}", std::process::id());
-    env.kubectl(&["exec", "web", "--", "sh", "-c", &format!("echo {marker} > /dev/console")]);
-    let follow_out = follow.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
+    let mut follow =
+        KillOnDrop(env.kubectl_command().args(["logs", "-f", "web"]).stdout(Stdio::piped()).spawn().expect("kubectl"));
+    let follow_out = follow.0.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
         use std::io::BufRead;
         for line in std::io::BufReader::new(follow_out).lines().map_while(Result::ok) {
@@ -118,83 +184,104 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
             }
         }
     });
+    env.wait_for("`kubectl logs -f` to show the history", || {
+        let seen = rx.try_iter().any(|l| l.contains(BOOTED));
+        async move { seen.then_some(()) }
+    })
+    .await;
+    let marker = format!("vmlet-follow-{}", env.ns);
+    print_on_console(&env, &marker);
     env.wait_for("`kubectl logs -f` to show the new line", || {
         let seen = rx.try_iter().any(|l| l.contains(&marker));
         async move { seen.then_some(()) }
     })
     .await;
-    let _ = follow.kill();
-    let _ = follow.wait();
+    drop(follow);
 
-    // logs --since: the boot line is older than 10 s, the marker is not (written
-    // again now).
-    let boot_time = {
-        let stamped = env.kubectl(&["logs", "web", "--timestamps"]);
-        let line = stamped.lines().find(|l| l.contains("vmlet-guest: booted")).unwrap().to_owned();
-        line.split(' ').next().unwrap().parse::<k8s_openapi::jiff::Timestamp>().unwrap()
-    };
-    env.wait_for("the boot line to be older than 10 s", || {
-        let old = k8s_openapi::jiff::Timestamp::now().duration_since(boot_time).as_secs() > 11;
+    // logs --since=<N>s: records stamped in the last N seconds only; the boot
+    // line is left out, a line printed later is in. N is not fixed: a fixed N
+    // would race the clock (the later line must still be younger than N when
+    // vmlet answers). Each try takes N from the lines' own timestamps and
+    // counts only if it tells: the request ended within N of the later line,
+    // and the boot line was older than N when it started.
+    let boot_time = stamp_of(&env.kubectl(&["logs", "web", "--timestamps"]), BOOTED);
+    env.wait_for("the boot line to be older than 11 s", || {
+        let old = Timestamp::now().duration_since(boot_time).as_secs() > 11;
         async move { old.then_some(()) }
     })
     .await;
-    let recent = format!("vmlet-recent-{}", std::process::id());
-    env.kubectl(&["exec", "web", "--", "sh", "-c", &format!("echo {recent} > /dev/console")]);
+    let recent = format!("vmlet-recent-{}", env.ns);
+    print_on_console(&env, &recent);
     wait_for_log_line(&env, "web", &recent).await;
-    let since = env.kubectl(&["logs", "web", "--since=10s"]);
-    assert!(since.contains(&recent) && !since.contains("vmlet-guest: booted"), "{since}");
+    let recent_time = stamp_of(&env.kubectl(&["logs", "web", "--timestamps"]), &recent);
+    let since = env
+        .wait_for("a `kubectl logs --since` that answers within its window", || {
+            let asked = Timestamp::now();
+            // At least 5 s of room after the later line; the boot line is more
+            // than 11 s older than it, so outside.
+            let seconds = asked.duration_since(recent_time).as_secs().max(0) + 6;
+            let since = env.kubectl(&["logs", "web", &format!("--since={seconds}s")]);
+            let answered = Timestamp::now();
+            let tells = answered.duration_since(recent_time).as_secs_f64() <= seconds as f64
+                && asked.duration_since(boot_time).as_secs_f64() > seconds as f64;
+            async move { tells.then_some(since) }
+        })
+        .await;
+    assert!(since.contains(&recent) && !since.contains(BOOTED), "{since}");
 
     // attach -it, driven through tmux: type into the serial shell, read the answer.
-    let session = format!("vmlet-{}", env.ns);
+    // Every tmux call has its deadline; kubectl attach runs until the session
+    // is killed (when `session` is dropped, also on failure), and every wait
+    // on it is a bounded `wait_for`.
+    let session = TmuxSession(format!("vmlet-{}", env.ns));
     let attach = format!(
         "KUBECONFIG={} {} -n {} attach -it web",
         cluster.kubeconfig.display(),
         cluster.bin.join("kubectl").display(),
         env.ns
     );
-    assert!(Command::new("tmux")
-        .args(["new-session", "-d", "-s", &session, "-x", "200", "-y", "50", &attach])
-        .status()
-        .unwrap()
-        .success());
-    let pane = || {
-        String::from_utf8_lossy(
-            &Command::new("tmux").args(["capture-pane", "-p", "-t", &session]).output().unwrap().stdout,
-        )
-        .into_owned()
-    };
+    let started = tmux(&["new-session", "-d", "-s", &session.0, "-x", "200", "-y", "50", &attach]);
+    assert!(started.status.success(), "tmux new-session: {}", String::from_utf8_lossy(&started.stderr));
+    let pane = || String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session.0]).stdout).into_owned();
     env.wait_for("kubectl attach to connect", || {
-        let _ = Command::new("tmux").args(["send-keys", "-t", &session, "", "Enter"]).status();
+        tmux(&["send-keys", "-t", &session.0, "", "Enter"]);
         let ready = pane().contains("vmlet-guest#");
         async move { ready.then_some(()) }
     })
     .await;
-    Command::new("tmux").args(["send-keys", "-t", &session, "echo vmlet-attach-$((6*7))", "Enter"]).status().unwrap();
+    let typed = tmux(&["send-keys", "-t", &session.0, "echo vmlet-attach-$((6*7))", "Enter"]);
+    assert!(typed.status.success(), "tmux send-keys: {}", String::from_utf8_lossy(&typed.stderr));
     env.wait_for("the attached shell to answer", || {
         let answered = pane().contains("vmlet-attach-42");
         async move { answered.then_some(()) }
     })
     .await;
-    Command::new("tmux").args(["kill-session", "-t", &session]).status().unwrap();
+    drop(session);
 
     // 100 exec and attach cycles leave no task, fd or console lock behind.
+    // Each `kubectl attach -i` gets its line, then end of input, and has
+    // [`KUBECTL`] to finish.
     let pid = env.vmlet_pid();
+    let attach_once = |env: &TestEnv| {
+        run_with_stdin(env.kubectl_command().args(["attach", "-i", "web"]), b"true\n", KUBECTL)
+            .unwrap_or_else(|timed_out| panic!("{timed_out}"))
+    };
     let cycle = |env: &TestEnv| {
         let out = env.kubectl_output(&["exec", "web", "--", "true"]);
         assert!(out.status.success(), "exec: {}", String::from_utf8_lossy(&out.stderr));
-        let mut child = Command::new(cluster.bin.join("kubectl"))
-            .env("KUBECONFIG", &cluster.kubeconfig)
-            .args(["-n", &env.ns, "attach", "-i", "web"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        use std::io::Write;
-        child.stdin.take().unwrap().write_all(b"true\n").unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = attach_once(env);
         assert!(out.status.success(), "attach: {}", String::from_utf8_lossy(&out.stderr));
     };
+    // The tmux client was killed, not detached: vmlet frees the console once
+    // it notices the connection is gone, at a moment the test does not
+    // control. Wait for that instead of assuming it. (A client that ends its
+    // input, as each cycle's does, is answered only after the console is
+    // free, so the cycles need no such wait.)
+    env.wait_for("the console to be free again after the tmux client was killed", || {
+        let free = attach_once(&env).status.success();
+        async move { free.then_some(()) }
+    })
+    .await;
     cycle(&env); // warm up: connections and worker threads
     let (fds, tasks) = (open_fds(pid), threads(pid));
     for _ in 0..100 {
@@ -229,4 +316,64 @@ async fn a_test_driver_vm_answers_logs_and_exec_with_what_its_backend_lacks() {
     let attach = env.kubectl_output(&["attach", "web"]);
     assert!(!attach.status.success());
     assert!(String::from_utf8_lossy(&attach.stderr).contains("console"), "{}", String::from_utf8_lossy(&attach.stderr));
+}
+
+#[tokio::test]
+async fn attach_sessions_whose_stdin_closes_at_once_all_return_and_a_hung_one_hits_its_deadline() {
+    const CYCLES: usize = 500;
+    let mut env = TestEnv::new("attach").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    env.apply_vm("web", guest_vm_spec(&guest));
+    env.wait_vm_phase("web", "Running").await;
+    wait_for_log_line(&env, "web", BOOTED).await;
+
+    // `kubectl attach -i` whose stdin is empty: it closes at once, often
+    // before vmlet has the console open. Half over WebSocket (kubectl's
+    // default), half over SPDY. Each must return, successfully, within its
+    // deadline; one that stayed attached would time out and fail here.
+    let attach = |env: &TestEnv, spdy: bool| {
+        let mut cmd = env.kubectl_command();
+        if spdy {
+            cmd.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", "false");
+        }
+        let out = run_with_stdin(cmd.args(["attach", "-i", "web"]), b"", KUBECTL)
+            .unwrap_or_else(|timed_out| panic!("{timed_out}"));
+        assert!(out.status.success(), "attach (spdy: {spdy}): {}", String::from_utf8_lossy(&out.stderr));
+    };
+    attach(&env, false); // warm up: connections and worker threads
+    attach(&env, true);
+    let pid = env.vmlet_pid();
+    let (fds, tasks) = (open_fds(pid), threads(pid));
+    for i in 0..CYCLES {
+        attach(&env, i % 2 == 1);
+    }
+    env.wait_for("vmlet's fds and threads to settle back", || {
+        let settled = open_fds(pid) <= fds + 2 && threads(pid) <= tasks + 2;
+        async move { settled.then_some(()) }
+    })
+    .await;
+
+    // A session that never ends on its own (stdin open, console alive) is a
+    // hang the deadline catches: it is killed within its deadline.
+    let hang = std::time::Duration::from_secs(5);
+    let mut hung = env
+        .kubectl_command()
+        .args(["attach", "-i", "web"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kubectl");
+    let stdin = hung.stdin.take();
+    assert_eq!(deadline::wait_within(&mut hung, hang), None, "an attach with open stdin returned on its own");
+    assert!(kill_and_reap(&mut hung, KUBECTL).is_some(), "the hung kubectl was not reaped");
+    drop(stdin);
+    // Its session ends with the client's connection; then the console is free.
+    env.wait_for("the console to be free after the hung client was killed", || {
+        let out = run_with_stdin(env.kubectl_command().args(["attach", "-i", "web"]), b"", KUBECTL);
+        let free = out.is_ok_and(|out| out.status.success());
+        async move { free.then_some(()) }
+    })
+    .await;
 }

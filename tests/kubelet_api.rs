@@ -44,7 +44,13 @@ impl Provider for FakeProvider {
         Ok(())
     }
     async fn host_info(&self) -> vmlet_provider::Result<HostInfo> {
-        Ok(HostInfo { cpus: 1, memory_bytes: 1 << 30, architecture: "amd64".into(), hypervisor: "fake".into() })
+        Ok(HostInfo {
+            cpus: 1,
+            memory_bytes: 1 << 30,
+            architecture: "amd64".into(),
+            hypervisor: "fake".into(),
+            accelerator: None,
+        })
     }
     async fn list(&self) -> vmlet_provider::Result<Vec<VmStatus>> {
         Ok(vec![])
@@ -666,23 +672,14 @@ async fn kubectl_exec_and_logs_reach_the_vm_through_the_api_server() {
         let cluster = common::cluster();
         let ns = ns.clone();
         tokio::task::spawn_blocking(move || {
-            use std::io::Write;
-            let mut child = std::process::Command::new(cluster.bin.join("kubectl"))
+            let mut kubectl = std::process::Command::new(cluster.bin.join("kubectl"));
+            kubectl
                 .env("KUBECONFIG", &cluster.kubeconfig)
                 .env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", websockets.to_string())
                 .args(["-n", &ns])
-                .args(&args)
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
-            let mut input = child.stdin.take().unwrap();
-            if let Some(text) = stdin {
-                input.write_all(text.as_bytes()).unwrap();
-            }
-            drop(input);
-            child.wait_with_output().unwrap()
+                .args(&args);
+            common::deadline::run_with_stdin(&mut kubectl, stdin.unwrap_or("").as_bytes(), common::deadline::KUBECTL)
+                .unwrap_or_else(|timed_out| panic!("{timed_out}"))
         })
     };
     for websockets in [true, false] {

@@ -7,13 +7,16 @@
 
 mod common;
 
+use common::deadline::{output_within, VIRSH};
 use common::{qemu_uri, Host, TestEnv};
+use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 use std::process::Command;
 
-/// `virsh -c <uri> <args>`: (success, trimmed stdout).
+/// `virsh -c <uri> <args>`: (success, trimmed stdout); panics if it takes
+/// longer than [`VIRSH`].
 fn virsh(args: &[&str]) -> (bool, String) {
-    let out = Command::new("virsh").arg("-c").arg(qemu_uri()).args(args).output().expect("run virsh");
+    let out = output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(args), VIRSH);
     (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
@@ -45,8 +48,34 @@ fn namespace_domains(env: &TestEnv) -> Vec<String> {
 /// The real daemon's host: as many cpus as this machine (2 in CI), overcommitted
 /// so that ten 1-cpu VMs fit, as a real VM host would be.
 fn qemu_host() -> [Host<'static>; 1] {
-    [Host { suffix: "q", uri: qemu_uri(), cpu_allocation_ratio: 8.0 }]
+    [Host::qemu("q")]
 }
+
+/// The `type` of the domain of VM `vm`: `kvm` or `qemu`.
+fn domain_type(env: &TestEnv, vm: &str) -> String {
+    let (ok, xml) = virsh(&["dumpxml", &domain(env, vm)]);
+    assert!(ok, "virsh dumpxml {} failed", domain(env, vm));
+    let start = xml.find("<domain type='").map(|i| i + "<domain type='".len()).expect("a <domain type=...>");
+    xml[start..].split('\'').next().unwrap().to_owned()
+}
+
+/// The `vmlet.io/accelerator` label of the node of host `suffix`.
+async fn accelerator_label(env: &TestEnv, suffix: &str) -> Option<String> {
+    let node = env.nodes_api().get(&env.node(suffix)).await.expect("the host's node");
+    node.metadata.labels.unwrap_or_default().get("vmlet.io/accelerator").cloned()
+}
+
+/// libvirtd's log (written there by hack/libvirtd.sh) from byte `from` on.
+fn libvirtd_log_since(from: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(LIBVIRTD_LOG).unwrap_or_else(|e| panic!("{LIBVIRTD_LOG}: {e}"));
+    file.seek(SeekFrom::Start(from)).unwrap();
+    let mut text = String::new();
+    file.read_to_string(&mut text).unwrap();
+    text
+}
+
+const LIBVIRTD_LOG: &str = "/var/log/libvirt/libvirtd.log";
 
 const SMALL: fn() -> serde_json::Value = || json!({"resources": {"cpu": 1, "memory": "64Mi"}});
 
@@ -162,4 +191,88 @@ async fn a_killed_vmlet_restarts_and_adopts_running_domains_without_touching_the
     for name in &names {
         assert_eq!(domstate(&env, name), "running");
     }
+}
+
+#[tokio::test]
+async fn vms_run_under_kvm_on_a_host_with_dev_kvm() {
+    // hack/libvirtd.sh makes an existing /dev/kvm usable by QEMU, so libvirtd
+    // offers KVM exactly when the machine has /dev/kvm.
+    let kvm = std::path::Path::new("/dev/kvm").exists();
+    let mut env = TestEnv::new("qkvm").await;
+    env.start_vmlet(&qemu_host());
+    env.apply_vm("web", SMALL());
+    env.wait_vm_phase("web", "Running").await;
+    assert_eq!(domstate(&env, "web"), "running");
+    assert_eq!(domain_type(&env, "web"), if kvm { "kvm" } else { "qemu" }, "/dev/kvm present: {kvm}");
+    assert_eq!(accelerator_label(&env, "q").await.as_deref(), Some(if kvm { "kvm" } else { "tcg" }));
+}
+
+#[tokio::test]
+async fn accelerator_tcg_emulates_even_where_kvm_is_offered() {
+    let mut env = TestEnv::new("qtcg").await;
+    env.start_vmlet(&[Host { accelerator: Some("tcg"), ..Host::qemu("q") }]);
+    env.apply_vm("web", SMALL());
+    env.wait_vm_phase("web", "Running").await;
+    assert_eq!(domstate(&env, "web"), "running");
+    assert_eq!(domain_type(&env, "web"), "qemu");
+    assert_eq!(accelerator_label(&env, "q").await.as_deref(), Some("tcg"));
+}
+
+#[tokio::test]
+async fn thirty_vms_started_at_once_on_one_host_all_run_within_libvirtds_request_limit() {
+    const VMS: usize = 30;
+    let log_from = std::fs::metadata(LIBVIRTD_LOG).map(|m| m.len()).unwrap_or_else(|e| panic!("{LIBVIRTD_LOG}: {e}"));
+    let mut env = TestEnv::new("qthirty").await;
+    env.start_vmlet(&[Host { cpu_allocation_ratio: 32.0, ..Host::qemu("q") }]);
+    let names: Vec<String> = (0..VMS).map(|i| format!("vm-{i}")).collect();
+    env.apply_vms(&names, SMALL());
+    for name in &names {
+        env.wait_vm_phase(name, "Running").await;
+    }
+    assert_eq!(namespace_domains(&env).len(), VMS);
+    for name in &names {
+        assert_eq!(domstate(&env, name), "running", "{name}");
+    }
+    // libvirtd serves 5 calls at once per client and warns when one has more.
+    let log = libvirtd_log_since(log_from);
+    let hits: Vec<&str> = log.lines().filter(|l| l.contains("max requests limit")).collect();
+    assert!(hits.is_empty(), "libvirtd saw too many calls in flight:\n{}", hits.join("\n"));
+}
+
+#[tokio::test]
+async fn vms_deleted_while_their_defines_are_in_flight_leave_no_domain_behind() {
+    const VMS: usize = 12;
+    let mut env = TestEnv::new("qlate").await;
+    env.start_vmlet(&[Host { cpu_allocation_ratio: 16.0, ..Host::qemu("q") }]);
+    let names: Vec<String> = (0..VMS).map(|i| format!("vm-{i}")).collect();
+    env.apply_vms(&names, SMALL());
+    // Delete them all as soon as the first is bound to the host: its agent is
+    // defining VMs then, with the rest queued behind libvirt's call limit.
+    let pods = env.pods();
+    env.wait_for("a VM pod bound to the host", || {
+        let pods = pods.clone();
+        async move {
+            let list = pods.list(&Default::default()).await.ok()?;
+            list.items.iter().any(|p: &Pod| p.spec.as_ref().is_some_and(|s| s.node_name.is_some())).then_some(())
+        }
+    })
+    .await;
+    env.kubectl(&["delete", "virtualmachines", "--all", "--wait=false"]);
+
+    let vms = env.vms();
+    env.wait_for("every VirtualMachine to be gone", || {
+        let vms = vms.clone();
+        async move { vms.list(&Default::default()).await.ok()?.items.is_empty().then_some(()) }
+    })
+    .await;
+    env.wait_for("every VM pod to be gone", || {
+        let pods = pods.clone();
+        async move { pods.list(&Default::default()).await.ok()?.items.is_empty().then_some(()) }
+    })
+    .await;
+    env.wait_for("no domain of a deleted VirtualMachine on the host", || {
+        let left = namespace_domains(&env);
+        async move { left.is_empty().then_some(()) }
+    })
+    .await;
 }

@@ -94,50 +94,32 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
     start(&pod, &vm, &agent).await
 }
 
-async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
-    let provider = &agent.provider;
-    let result: Result<(VmStatus, bool), vmlet_provider::Error> = async {
-        let status = match provider.get(&vm.spec.id).await? {
-            Some(status) => status,
-            None => {
-                let status = provider.ensure_defined(&vm.spec).await?;
-                info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "defined");
-                agent
-                    .events
-                    .publish(pod, Reason::Defined, &format!("defined {} on {}", status.backend_name, agent.host.name))
-                    .await;
-                status
-            }
-        };
-        if status.power.is_active() {
-            return Ok((status, false));
-        }
-        let was_running = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.container_statuses.as_ref())
-            .and_then(|c| c.first())
-            .and_then(|c| c.state.as_ref())
-            .is_some_and(|s| s.running.is_some());
-        provider.start(&vm.spec.id).await?;
-        info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "started");
-        agent.events.publish(pod, Reason::Started, &format!("powered on {}", status.backend_name)).await;
-        let status = provider.get(&vm.spec.id).await?.unwrap_or(status);
-        Ok((status, was_running))
-    }
-    .await;
+/// What a start pass did.
+enum Started {
+    /// The VM is defined and was powered on, or already ran; `restarted` when
+    /// the pod had seen it running before (the guest powered off meanwhile).
+    Synced { status: VmStatus, restarted: bool },
+    /// The VM no longer wants this pod (the reason): nothing was left defined
+    /// or powered on by this pass.
+    Abandoned(&'static str),
+}
 
-    match result {
-        Ok((status, restarted)) => {
+async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
+    match start_vm(pod, vm, agent).await {
+        Ok(Started::Synced { status, restarted }) => {
             debug!(domain = %status.backend_name, power = ?status.power, "pod in sync");
-            let provider_kind = provider.kind();
+            let provider_kind = agent.provider.kind();
             write_status(pod, agent, |p| {
                 pod_status(p, &agent.host_ip, &Observed::Vm { status: &status, provider: provider_kind }, restarted)
             })
             .await?;
             Ok(Action::requeue(if status.power == PowerState::Running { RESYNC } else { TRANSITION * 2 }))
         }
-        Err(e) => {
+        Ok(Started::Abandoned(why)) => {
+            info!(vm.uid = %vm.spec.id, why, "not starting the VM");
+            Ok(Action::requeue(TRANSITION * 2))
+        }
+        Err(Error::Provider(e)) => {
             let message = e.to_string();
             agent.events.publish(pod, Reason::ProviderFailed, &message).await;
             write_status(pod, agent, |p| {
@@ -146,7 +128,88 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             .await?;
             Err(e.into())
         }
+        Err(e) => Err(e),
     }
+}
+
+/// Define the VM if the host has none with its identity, then power it on.
+///
+/// Provider calls can take long (a libvirtd busy probing QEMU once took
+/// minutes), and the VM may be deleted or stopped meanwhile. So the
+/// VirtualMachine and the pod are read again from the API server before the
+/// define, after it, and before the power-on; when they no longer want the VM
+/// here, a domain defined by this very pass (never started) is undefined again
+/// and nothing is powered on.
+async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error> {
+    let provider = &agent.provider;
+    let status = match provider.get(&vm.spec.id).await? {
+        Some(status) => status,
+        None => {
+            if let Some(why) = unwanted(pod, vm, agent).await? {
+                return Ok(Started::Abandoned(why));
+            }
+            let status = provider.ensure_defined(&vm.spec).await?;
+            if let Some(why) = unwanted(pod, vm, agent).await? {
+                // Defined by this pass a moment ago and never started: nothing
+                // of the user's is lost by removing it again.
+                provider.undefine(&vm.spec.id).await?;
+                warn!(vm.uid = %vm.spec.id, domain = %status.backend_name, why, "undefined a late definition");
+                return Ok(Started::Abandoned(why));
+            }
+            info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "defined");
+            agent
+                .events
+                .publish(pod, Reason::Defined, &format!("defined {} on {}", status.backend_name, agent.host.name))
+                .await;
+            status
+        }
+    };
+    if status.power.is_active() {
+        return Ok(Started::Synced { status, restarted: false });
+    }
+    if let Some(why) = unwanted(pod, vm, agent).await? {
+        return Ok(Started::Abandoned(why));
+    }
+    let restarted = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|s| s.running.is_some());
+    provider.start(&vm.spec.id).await?;
+    info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "started");
+    agent.events.publish(pod, Reason::Started, &format!("powered on {}", status.backend_name)).await;
+    let status = provider.get(&vm.spec.id).await?.unwrap_or(status);
+    Ok(Started::Synced { status, restarted })
+}
+
+/// Why the VM of `pod` must not be defined or powered on now, read fresh from
+/// the API server (not from a watch cache, which may lag): its VirtualMachine
+/// is gone, replaced (another UID), being deleted or scaled to 0, or the pod is
+/// gone or being deleted. `None` when it still wants to run here. Errors: the
+/// API server could not be read (the pass retries; nothing was done).
+async fn unwanted(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Option<&'static str>, Error> {
+    let namespace = pod.namespace().unwrap_or_default();
+    let kube_err = |action| move |source| Error::Kube { action, pod: pod.name_any(), source };
+    let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
+    let why = match vms.get_opt(&vm.spec.name).await.map_err(kube_err("read the VirtualMachine of"))? {
+        None => Some("its VirtualMachine was deleted"),
+        Some(v) if v.uid().as_deref() != Some(vm.spec.id.0.as_str()) => Some("its VirtualMachine was replaced"),
+        Some(v) if v.metadata.deletion_timestamp.is_some() => Some("its VirtualMachine is being deleted"),
+        Some(v) if v.spec.replicas == 0 => Some("its VirtualMachine was scaled to 0"),
+        Some(_) => None,
+    };
+    if why.is_some() {
+        return Ok(why);
+    }
+    let pods: Api<Pod> = Api::namespaced(agent.client.clone(), &namespace);
+    Ok(match pods.get_opt(&pod.name_any()).await.map_err(kube_err("read"))? {
+        None => Some("the pod was deleted"),
+        Some(p) if p.uid() != pod.uid() => Some("the pod was replaced"),
+        Some(p) if p.metadata.deletion_timestamp.is_some() => Some("the pod is being deleted"),
+        Some(_) => None,
+    })
 }
 
 async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {

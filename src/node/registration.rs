@@ -16,8 +16,12 @@ use vmlet_provider::HostInfo;
 /// Value of `nodeInfo.kubeletVersion`: `vmlet/<version>`.
 pub const KUBELET_VERSION: &str = concat!("vmlet/", env!("CARGO_PKG_VERSION"));
 
+/// Node label saying how guests run on the host (`kvm`, `tcg`), where the
+/// provider reports it ([`HostInfo::accelerator`]).
+pub const ACCELERATOR_LABEL: &str = "vmlet.io/accelerator";
+
 /// Labels of a host's Node: the virtual-kubelet set, the scope of the
-/// VirtualMachines it serves, plus the host's own.
+/// VirtualMachines it serves, the accelerator where known, plus the host's own.
 pub fn node_labels(host: &HostConfig, provider: &str, info: &HostInfo, scope: &str) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::from([
         ("kubernetes.io/hostname".to_owned(), host.name.clone()),
@@ -28,6 +32,9 @@ pub fn node_labels(host: &HostConfig, provider: &str, info: &HostInfo, scope: &s
         ("vmlet.io/provider".to_owned(), provider.to_owned()),
         (crate::config::SCOPE_LABEL.to_owned(), scope.to_owned()),
     ]);
+    if let Some(accelerator) = &info.accelerator {
+        labels.insert(ACCELERATOR_LABEL.to_owned(), accelerator.clone());
+    }
     labels.extend(host.labels.clone());
     labels
 }
@@ -186,8 +193,17 @@ mod tests {
             memory_bytes: 16 << 30,
             architecture: "amd64".into(),
             hypervisor: "libvirt 9.0.0 (TEST)".into(),
+            accelerator: None,
         };
         (config, info)
+    }
+
+    #[test]
+    fn node_reports_the_hosts_accelerator_as_a_label() {
+        let (config, mut info) = host();
+        info.accelerator = Some("kvm".into());
+        let labels = node_for_host(&config.hosts[0], "libvirt", &info, config.scope()).metadata.labels.unwrap();
+        assert_eq!(labels.get(ACCELERATOR_LABEL).map(String::as_str), Some("kvm"));
     }
 
     #[test]
@@ -205,6 +221,7 @@ mod tests {
         ] {
             assert_eq!(labels.get(k).map(String::as_str), Some(v), "{k}");
         }
+        assert!(!labels.contains_key(ACCELERATOR_LABEL), "a test-driver host has no accelerator: {labels:?}");
         let taints = node.spec.unwrap().taints.unwrap();
         assert_eq!(taints.len(), 1);
         assert_eq!(

@@ -4,6 +4,11 @@
 //! without seeing each other.
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
+/// Deadlines for external commands; every command a test runs goes through it.
+#[path = "../support/deadline.rs"]
+pub mod deadline;
+
+use deadline::{kill_and_reap, output_within, run_echoing, run_with_stdin, GUEST_BUILD, KUBECTL};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, PostParams};
 use kube::Client;
@@ -17,6 +22,37 @@ use vmlet::v1alpha1::VirtualMachine;
 
 /// Default deadline for a condition to hold: generous, CI machines are slow.
 pub const DEADLINE: Duration = Duration::from_secs(180);
+
+/// Deadline of `hack/cluster.sh up`: the first run builds the control plane
+/// from Go modules (about 15 minutes on 2 cores); later runs take seconds.
+const CLUSTER_UP: Duration = Duration::from_secs(30 * 60);
+
+/// How long a SIGKILLed vmlet may take to be reaped.
+const VMLET_EXIT: Duration = Duration::from_secs(30);
+
+/// The deadline of a kubectl call with `args`: [`KUBECTL`], or the `--timeout`
+/// it waits for itself (`delete --wait`, `wait`, `drain`) plus 30 s when longer.
+pub fn kubectl_deadline(args: &[&str]) -> Duration {
+    let own = args.iter().find_map(|a| a.strip_prefix("--timeout=")).map(|t| {
+        let (number, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+        let number: u64 = number.parse().unwrap_or_else(|_| panic!("kubectl --timeout={t}: not a whole duration"));
+        let seconds = match unit {
+            "" | "s" => number,
+            "m" => number * 60,
+            "h" => number * 3600,
+            _ => panic!("kubectl --timeout={t}: use s, m or h"),
+        };
+        Duration::from_secs(seconds) + Duration::from_secs(30)
+    });
+    own.map_or(KUBECTL, |own| own.max(KUBECTL))
+}
+
+/// `what` failed: its exit status and the end of its stderr.
+fn failed(what: &str, out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let tail: Vec<&str> = stderr.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+    format!("{what} failed ({}):\n{}", out.status, tail.join("\n"))
+}
 
 /// Repository root.
 pub fn repo() -> PathBuf {
@@ -41,17 +77,41 @@ pub fn qemu_uri() -> String {
 /// test's own: `/var/lib/vmlet/test-guests/<ns>/`.
 pub fn guest_for(env: &TestEnv) -> PathBuf {
     let script = repo().join("test-vms/guest/build.sh");
-    let out = Command::new(&script).stderr(Stdio::inherit()).output().expect("run test-vms/guest/build.sh");
-    assert!(out.status.success(), "test-vms/guest/build.sh failed");
+    // Its progress shows live, as a build's should.
+    let out = run_echoing(&mut Command::new(&script), GUEST_BUILD).unwrap_or_else(|timed_out| panic!("{timed_out}"));
+    assert!(out.status.success(), "{}", failed("test-vms/guest/build.sh", &out));
     let built = PathBuf::from(String::from_utf8(out.stdout).unwrap().lines().last().unwrap().trim());
+    probe_accelerator(&built);
     let dir = PathBuf::from("/var/lib/vmlet/test-guests").join(&env.ns);
     std::fs::create_dir_all(&dir).unwrap();
-    for file in ["vmlinuz", "initrd.img", "disk.qcow2", "cmdline", "kernel-release"] {
+    for file in ["vmlinuz", "initrd.img", "disk.qcow2", "cmdline", "kernel-release", "accelerator"] {
         std::fs::copy(built.join(file), dir.join(file)).unwrap_or_else(|e| panic!("copy {file}: {e}"));
     }
-    let readable = Command::new("chmod").args(["-R", "a+rX", "/var/lib/vmlet/test-guests"]).status().unwrap();
-    assert!(readable.success());
+    let readable = output_within(
+        Command::new("chmod").args(["-R", "a+rX", "/var/lib/vmlet/test-guests"]),
+        Duration::from_secs(60),
+    );
+    assert!(readable.status.success(), "{}", failed("chmod -R a+rX /var/lib/vmlet/test-guests", &readable));
     dir
+}
+
+/// Run `test-vms/guest/accelerator.sh` on the built guest in `built`: it writes
+/// `built/accelerator` (`kvm` when KVM boots the guest's kernel here, else `tcg`).
+pub fn probe_accelerator(built: &Path) {
+    let script = repo().join("test-vms/guest/accelerator.sh");
+    let out = run_echoing(Command::new(&script).arg(built), Duration::from_secs(120))
+        .unwrap_or_else(|timed_out| panic!("{timed_out}"));
+    assert!(out.status.success(), "{}", failed("test-vms/guest/accelerator.sh", &out));
+}
+
+/// The `accelerator` host setting for a VM that boots the test guest in
+/// `guest` (see [`guest_for`]): `kvm` where KVM boots its kernel on this
+/// machine, `tcg` where it does not (nested KVM that runs firmware only).
+pub fn guest_accelerator(guest: &Path) -> &'static str {
+    match std::fs::read_to_string(guest.join("accelerator")).unwrap_or_default().trim() {
+        "kvm" => "kvm",
+        _ => "tcg",
+    }
 }
 
 /// The spec of a VM that boots the test guest in `guest` (see [`guest_for`]).
@@ -78,9 +138,11 @@ pub fn cluster() -> &'static ClusterEnv {
     static CLUSTER: OnceLock<ClusterEnv> = OnceLock::new();
     CLUSTER.get_or_init(|| {
         let script = repo().join("hack/cluster.sh");
-        let up = Command::new(&script).arg("up").status().expect("run hack/cluster.sh up");
-        assert!(up.success(), "hack/cluster.sh up failed");
-        let env = Command::new(&script).arg("env").output().expect("hack/cluster.sh env");
+        // Its progress shows live: the first run builds for a quarter of an hour.
+        let up = run_echoing(Command::new(&script).arg("up"), CLUSTER_UP).unwrap_or_else(|t| panic!("{t}"));
+        assert!(up.status.success(), "{}", failed("hack/cluster.sh up", &up));
+        let env = output_within(Command::new(&script).arg("env"), Duration::from_secs(60));
+        assert!(env.status.success(), "{}", failed("hack/cluster.sh env", &env));
         let text = String::from_utf8(env.stdout).unwrap();
         let var = |name: &str| {
             text.split_whitespace()
@@ -104,12 +166,9 @@ pub fn cluster() -> &'static ClusterEnv {
 }
 
 fn kubectl_raw(cluster: &ClusterEnv, args: &[&str], paths: &[&Path]) -> Output {
-    Command::new(cluster.bin.join("kubectl"))
-        .env("KUBECONFIG", &cluster.kubeconfig)
-        .args(args)
-        .args(paths)
-        .output()
-        .expect("run kubectl")
+    let mut kubectl = Command::new(cluster.bin.join("kubectl"));
+    kubectl.env("KUBECONFIG", &cluster.kubeconfig).args(args).args(paths);
+    output_within(&mut kubectl, kubectl_deadline(args))
 }
 
 /// A Kubernetes client for the local control plane.
@@ -134,12 +193,20 @@ pub struct Host<'a> {
     pub uri: String,
     /// `cpuAllocationRatio` (1.0: none).
     pub cpu_allocation_ratio: f64,
+    /// `accelerator` (`auto`, `kvm`, `tcg`); `None` leaves the default, auto.
+    pub accelerator: Option<&'static str>,
 }
 
 impl<'a> Host<'a> {
     /// A host without overcommit.
     pub fn new(suffix: &'a str, uri: String) -> Self {
-        Host { suffix, uri, cpu_allocation_ratio: 1.0 }
+        Host { suffix, uri, cpu_allocation_ratio: 1.0, accelerator: None }
+    }
+
+    /// The real libvirtd (`qemu:///system`), its CPUs overcommitted 8 times so
+    /// that ten 1-cpu VMs fit on a 2-core machine, as on a real VM host.
+    pub fn qemu(suffix: &'a str) -> Self {
+        Host { suffix, uri: qemu_uri(), cpu_allocation_ratio: 8.0, accelerator: None }
     }
 }
 
@@ -178,8 +245,12 @@ impl TestEnv {
         let hosts_yaml: Vec<_> = hosts
             .iter()
             .map(|h| {
-                json!({"name": self.node(h.suffix), "provider": "libvirt", "uri": h.uri,
-                       "labels": {"vmlet.io/test": self.ns}, "cpuAllocationRatio": h.cpu_allocation_ratio})
+                let mut host = json!({"name": self.node(h.suffix), "provider": "libvirt", "uri": h.uri,
+                       "labels": {"vmlet.io/test": self.ns}, "cpuAllocationRatio": h.cpu_allocation_ratio});
+                if let Some(accelerator) = h.accelerator {
+                    host["accelerator"] = json!(accelerator);
+                }
+                host
             })
             .collect();
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
@@ -227,59 +298,84 @@ impl TestEnv {
         self.vmlet.as_ref().expect("vmlet running").id()
     }
 
-    /// kill -9 vmlet, as a crash would.
+    /// kill -9 vmlet, as a crash would, and reap it (within [`VMLET_EXIT`]:
+    /// panics, unless already panicking, if it is still not gone then).
     pub fn kill_vmlet(&mut self) {
         if let Some(mut child) = self.vmlet.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+            let pid = child.id();
+            if kill_and_reap(&mut child, VMLET_EXIT).is_none() && !std::thread::panicking() {
+                panic!("vmlet (pid {pid}) was not gone {VMLET_EXIT:?} after SIGKILL");
+            }
         }
     }
 
     /// Run kubectl in this namespace; panics with its stderr unless it succeeds.
     pub fn kubectl(&self, args: &[&str]) -> String {
         let out = self.kubectl_output(args);
-        assert!(out.status.success(), "kubectl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{}", failed(&format!("kubectl {args:?}"), &out));
         String::from_utf8(out.stdout).unwrap()
     }
 
-    /// Run kubectl in this namespace and return its output, successful or not.
+    /// A kubectl command for this namespace (`KUBECONFIG` and `-n` set), to
+    /// which the caller adds arguments and environment, and runs through
+    /// [`deadline`].
+    pub fn kubectl_command(&self) -> Command {
+        let cluster = cluster();
+        let mut kubectl = Command::new(cluster.bin.join("kubectl"));
+        kubectl.env("KUBECONFIG", &cluster.kubeconfig).args(["-n", &self.ns]);
+        kubectl
+    }
+
+    /// Run kubectl in this namespace and return its output, successful or not;
+    /// panics if it does not finish within [`kubectl_deadline`].
     pub fn kubectl_output(&self, args: &[&str]) -> Output {
-        let cluster = cluster();
-        Command::new(cluster.bin.join("kubectl"))
-            .env("KUBECONFIG", &cluster.kubeconfig)
-            .args(["-n", &self.ns])
-            .args(args)
-            .output()
-            .expect("run kubectl")
+        output_within(self.kubectl_command().args(args), kubectl_deadline(args))
     }
 
-    /// `kubectl apply -f -` of `yaml` in this namespace.
+    /// [`TestEnv::kubectl_output`] that returns a timeout instead of panicking:
+    /// for [`TestEnv::diagnostics`] and cleanup in `Drop`, which may run while
+    /// the test is already panicking (a second panic would abort the binary).
+    fn kubectl_unless_timed_out(&self, args: &[&str]) -> Result<Output, deadline::TimedOut> {
+        deadline::run(self.kubectl_command().args(args), kubectl_deadline(args))
+    }
+
+    /// kubectl for cleanup: a timeout is reported on stderr, not a panic.
+    fn cleanup_kubectl(&self, args: &[&str]) -> Option<Output> {
+        self.kubectl_unless_timed_out(args)
+            .map_err(|timed_out| eprintln!("cleanup of namespace {}: {timed_out}", self.ns))
+            .ok()
+    }
+
+    /// `kubectl apply -f -` of `yaml` in this namespace, within [`KUBECTL`].
     pub fn apply(&self, yaml: &str) -> Output {
-        let cluster = cluster();
-        let mut child = Command::new(cluster.bin.join("kubectl"))
-            .env("KUBECONFIG", &cluster.kubeconfig)
-            .args(["-n", &self.ns, "apply", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run kubectl");
-        use std::io::Write;
-        child.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
-        child.wait_with_output().unwrap()
+        run_with_stdin(self.kubectl_command().args(["apply", "-f", "-"]), yaml.as_bytes(), KUBECTL)
+            .unwrap_or_else(|timed_out| panic!("{timed_out}"))
     }
 
-    /// Apply a VirtualMachine `name` pinned to this test's hosts, with `spec`
-    /// merged over `{replicas: 1, shutdownTimeoutSeconds: 2}`.
-    pub fn apply_vm(&self, name: &str, spec: serde_json::Value) {
+    /// A VirtualMachine `name` pinned to this test's hosts, with `spec` merged
+    /// over `{replicas: 1, shutdownTimeoutSeconds: 2}`.
+    pub fn vm_object(&self, name: &str, spec: &serde_json::Value) -> serde_json::Value {
         let mut full = json!({"replicas": 1, "shutdownTimeoutSeconds": 2, "nodeSelector": {"vmlet.io/test": self.ns}});
         for (k, v) in spec.as_object().unwrap() {
             full[k] = v.clone();
         }
-        let vm = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",
-                        "metadata": {"name": name}, "spec": full});
+        json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine", "metadata": {"name": name}, "spec": full})
+    }
+
+    /// Apply a VirtualMachine `name` (see [`TestEnv::vm_object`]).
+    pub fn apply_vm(&self, name: &str, spec: serde_json::Value) {
+        let vm = self.vm_object(name, &spec);
         let out = self.apply(&serde_yaml::to_string(&vm).unwrap());
         assert!(out.status.success(), "apply VM {name}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Apply VirtualMachines `names`, all with `spec`, in one `kubectl apply`
+    /// (one List), so that they reach vmlet at once.
+    pub fn apply_vms(&self, names: &[String], spec: serde_json::Value) {
+        let items: Vec<_> = names.iter().map(|name| self.vm_object(name, &spec)).collect();
+        let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
+        let out = self.apply(&serde_yaml::to_string(&list).unwrap());
+        assert!(out.status.success(), "apply {} VMs: {}", names.len(), String::from_utf8_lossy(&out.stderr));
     }
 
     /// The VirtualMachine API of this namespace.
@@ -339,11 +435,14 @@ impl TestEnv {
     pub fn diagnostics(&self) -> String {
         let log = std::fs::read_to_string(self.dir.join("vmlet.log")).unwrap_or_default();
         let tail: Vec<&str> = log.lines().rev().take(60).collect::<Vec<_>>().into_iter().rev().collect();
-        let pods = self.kubectl_output(&["get", "vm,pods,events", "-o", "wide"]);
+        let pods = match self.kubectl_unless_timed_out(&["get", "vm,pods,events", "-o", "wide"]) {
+            Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
+            Err(timed_out) => timed_out.to_string(),
+        };
         format!(
             "--- kubectl get vm,pods,events -n {}:\n{}\n--- last lines of {}:\n{}\n--- control plane logs: {}",
             self.ns,
-            String::from_utf8_lossy(&pods.stdout),
+            pods,
             self.dir.join("vmlet.log").display(),
             tail.join("\n"),
             cluster().logs.display()
@@ -359,18 +458,20 @@ impl TestEnv {
 impl Drop for TestEnv {
     /// Delete the namespace's VMs while vmlet still runs (so domains are cleaned
     /// up by the product itself), then stop vmlet and remove what is left.
+    /// Every kubectl call has its deadline; one that times out is reported on
+    /// stderr and cleanup goes on.
     fn drop(&mut self) {
         if self.vmlet.is_some() {
-            let _ = self.kubectl_output(&["delete", "virtualmachines", "--all", "--wait=true", "--timeout=90s"]);
+            self.cleanup_kubectl(&["delete", "virtualmachines", "--all", "--wait=true", "--timeout=90s"]);
         }
         self.kill_vmlet();
-        let leftover = self.kubectl_output(&["get", "virtualmachines", "-o", "name"]);
-        for vm in String::from_utf8_lossy(&leftover.stdout).lines() {
-            let _ = self.kubectl_output(&["patch", vm, "--type=merge", "-p", r#"{"metadata":{"finalizers":null}}"#]);
+        let leftover = self.cleanup_kubectl(&["get", "virtualmachines", "-o", "name"]).map(|out| out.stdout);
+        for vm in String::from_utf8_lossy(&leftover.unwrap_or_default()).lines() {
+            self.cleanup_kubectl(&["patch", vm, "--type=merge", "-p", r#"{"metadata":{"finalizers":null}}"#]);
         }
-        let _ = self.kubectl_output(&["delete", "namespace", &self.ns, "--wait=false"]);
+        self.cleanup_kubectl(&["delete", "namespace", &self.ns, "--wait=false"]);
         for node in &self.nodes {
-            let _ = self.kubectl_output(&["delete", "node", node, "--wait=false"]);
+            self.cleanup_kubectl(&["delete", "node", node, "--wait=false"]);
         }
     }
 }

@@ -128,6 +128,11 @@ pub struct HostInfo {
     /// Backend and version, e.g. `libvirt 9.0.0 (QEMU)`; shown as the node's
     /// container runtime version.
     pub hypervisor: String,
+    /// How guests run on this host, where the backend chooses: `kvm` (hardware
+    /// virtualization) or `tcg` (software emulation); `None` when it does not
+    /// apply (a simulator) or the backend does not say. Reported as the node
+    /// label `vmlet.io/accelerator`.
+    pub accelerator: Option<String>,
 }
 
 /// One hypervisor host's VMs. Every operation is idempotent: calling it again

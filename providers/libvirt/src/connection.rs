@@ -26,10 +26,11 @@ struct State {
 }
 
 impl Connection {
-    /// Open `uri` now. Errors: the mapped libvirt error (`Transient` when the
-    /// daemon does not answer).
+    /// Open `uri` now (see [`open_watched`]). Errors: the mapped libvirt error
+    /// (`Transient` when the daemon does not answer), `Permanent` when libvirt's
+    /// event loop cannot be started.
     pub(crate) fn open(uri: &str) -> Result<Connection> {
-        let conn = Connect::open(Some(uri)).map_err(|e| from_libvirt("connect to libvirt", e))?;
+        let conn = open_watched(uri).map_err(|e| from_libvirt("connect to libvirt", e))?;
         Ok(Connection { uri: uri.to_owned(), state: Mutex::new(State { generation: 0, conn: Some(conn) }) })
     }
 
@@ -75,7 +76,7 @@ impl Connection {
         }
         // Close the dead connection before opening its replacement.
         state.conn = None;
-        let conn = Connect::open(Some(&self.uri)).map_err(|e| from_libvirt("reconnect to libvirt", e))?;
+        let conn = open_watched(&self.uri).map_err(|e| from_libvirt("reconnect to libvirt", e))?;
         tracing::info!(libvirt.uri = %self.uri, "libvirt connection reopened");
         state.generation += 1;
         state.conn = Some(conn.clone());
@@ -90,4 +91,24 @@ impl Connection {
             state.conn = None;
         }
     }
+}
+
+/// Seconds between keepalive probes on a connection to libvirtd.
+const KEEPALIVE_INTERVAL_SECONDS: i32 = 5;
+/// Unanswered keepalive probes after which a connection counts as dead.
+const KEEPALIVE_COUNT: u32 = 6;
+
+/// Open `uri` with libvirt's event loop running (so the socket is watched, see
+/// [`crate::event_loop`]) and, where the driver supports it, keepalive: a
+/// daemon that stops answering for about 30 s closes the connection instead of
+/// leaving calls waiting. Blocking.
+pub(crate) fn open_watched(uri: &str) -> Result<Connect, virt::error::Error> {
+    if let Err(err) = crate::event_loop::ensure_running() {
+        // Connections still work without it; consoles report the failure.
+        tracing::warn!(error = %err, "libvirt event loop not running");
+    }
+    let conn = Connect::open(Some(uri))?;
+    // In-process drivers (test:///) have no keepalive; nothing to do there.
+    let _ = conn.set_keep_alive(KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_COUNT);
+    Ok(conn)
 }

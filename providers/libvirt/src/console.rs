@@ -16,18 +16,30 @@
 //! the domain never ran): a follower then sees one boot change and rereads from 0.
 //!
 //! Sessions. [`Console::attach`] opens the console, on a libvirt connection of
-//! the session's own, without `FORCE`, so a second
-//! session gets `Transient` "console busy" at once instead of taking the console
-//! away. One blocking thread pumps console → stdout; keystrokes go stdin →
-//! console through short blocking calls. The session ends when stdin closes, the
-//! stdout receiver is dropped, or the console ends (domain stopped); then the
-//! stream is aborted (or finished after EOF) and the pump thread is joined, which
-//! releases libvirt's console lock. A serial console has no window size: resize
-//! messages are accepted and ignored (a shell on it believes 80x24 unless told
-//! with `stty rows R cols C`).
+//! the session's own, without `FORCE`, so a second session gets `Transient`
+//! "console busy" at once instead of taking the console away. The stream is
+//! non-blocking: libvirt's event loop ([`crate::event_loop`]) queues what the
+//! guest prints, and one blocking thread (the pump) takes it off the queue with
+//! `virStreamRecv`, which then never waits, and hands it to stdout; when the
+//! queue is empty the pump sleeps 2–40 ms (less right after a keystroke).
+//! Keystrokes go stdin → console through short blocking calls. The session ends
+//! when stdin closes, the stdout receiver is dropped, or the console ends
+//! (domain stopped); then the pump is told to stop, which it does within one
+//! sleep, the stream is aborted (or finished after EOF) and the connection
+//! closed, which releases libvirt's console lock.
+//!
+//! Why not a blocking `virStreamRecv`: libvirt's remote driver holds the
+//! connection's lock for the whole call, so an abort from another thread waits
+//! until the guest prints something. On a quiet console that was forever: a
+//! client whose stdin closed stayed attached, and so did the console lock.
+//!
+//! A serial console has no window size: resize messages are accepted and
+//! ignored (a shell on it believes 80x24 unless told with `stty rows R cols C`).
 
 use std::fs::File;
 use std::io::{ErrorKind as IoErrorKind, Read, Seek, SeekFrom};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -45,8 +57,17 @@ use crate::xml::console_log_path;
 /// Bytes read from the console per `virStreamRecv`.
 const RECV_BUFFER: usize = 16 * 1024;
 
-/// How long teardown waits for the pump thread after aborting the stream.
-const PUMP_JOIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long teardown waits for the pump thread to stop, and then for the
+/// stream to close; the pump checks its stop flag at least every
+/// [`IDLE_POLL_MAX`], so this is a bound for a wedged libvirt, not a wait.
+const TEARDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The pump's first sleep when the console has nothing queued; it doubles up
+/// to [`IDLE_POLL_MAX`] while the console stays quiet.
+const IDLE_POLL_MIN: Duration = Duration::from_millis(2);
+
+/// The pump's longest sleep between reads of a quiet console.
+const IDLE_POLL_MAX: Duration = Duration::from_millis(40);
 
 /// Boot name for output of a domain that is off and whose last boot is unknown.
 const BOOT_OFF: &str = "off";
@@ -123,7 +144,8 @@ impl Host {
     fn open_console(&self, conn: &Connect, id: &VmId) -> Result<ConsoleSession> {
         const OP: &str = "attach to console";
         let uuid = self.require(conn, OP, id)?.uuid_string().map_err(|e| from_libvirt(OP, e))?;
-        let session_conn = Connect::open(Some(self.connection.uri())).map_err(|e| from_libvirt(OP, e))?;
+        crate::event_loop::ensure_running()?;
+        let session_conn = crate::connection::open_watched(self.connection.uri()).map_err(|e| from_libvirt(OP, e))?;
         let domain = match session_conn.lookup_domain_by_uuid_string(&uuid) {
             Ok(domain) => domain,
             Err(err) if is_no_domain(&err) => {
@@ -134,7 +156,7 @@ impl Host {
         if !is_active(&domain, OP)? {
             return Err(Error::new(OP, ErrorKind::Transient, format!("VM {id} is not running; start it to attach")));
         }
-        let stream = Stream::new(&session_conn, 0).map_err(|e| from_libvirt(OP, e))?;
+        let stream = Stream::new(&session_conn, virt::sys::VIR_STREAM_NONBLOCK).map_err(|e| from_libvirt(OP, e))?;
         domain.open_console(None, &stream, virt::sys::VIR_DOMAIN_CONSOLE_SAFE).map_err(|err| {
             if is_console_busy(&err) {
                 Error::new(
@@ -151,13 +173,12 @@ impl Host {
     }
 }
 
-/// An open console: the stream and the connection it runs on.
+/// An open console: the non-blocking stream and the connection it runs on.
 ///
-/// Each session has a libvirt connection of its own. A thread blocked in
-/// `virStreamRecv` drives its connection's I/O loop; on the shared connection,
-/// other calls then queued behind it were seen to hang (libvirt 9.0: a
-/// `virDomainIsActive` waited forever while a console was open), so lifecycle
-/// operations must never share a connection with a console.
+/// Each session has a libvirt connection of its own, so that nothing a console
+/// does (a send waiting on a full socket, a slow abort) can delay lifecycle
+/// calls on the host's shared connection (libvirt 9.0, with a blocking stream:
+/// a `virDomainIsActive` was seen to wait forever while a console was open).
 struct ConsoleSession {
     conn: Connect,
     stream: Stream,
@@ -165,8 +186,7 @@ struct ConsoleSession {
 
 impl ConsoleSession {
     /// Finish (after EOF) or abort the stream; the caller closes the
-    /// connection once the pump thread is joined. Blocking; call after the pump thread is done or while it blocks in
-    /// `recv` (an abort ends that `recv`).
+    /// connection afterwards. Blocking; call once the pump has stopped.
     fn close_stream(stream: Stream, console_ended: bool) {
         let result = if console_ended { stream.finish() } else { stream.abort() };
         if let Err(err) = result {
@@ -228,28 +248,93 @@ enum PumpEnd {
     Eof,
     /// The stdout receiver is gone.
     ClientGone,
-    /// `virStreamRecv` failed (also how an aborted stream ends).
+    /// `virStreamRecv` failed.
     Failed,
+    /// The session told it to stop.
+    Stopped,
 }
 
-/// Copy the console to `stdout` (or discard it) until EOF, an error, or the
-/// receiver is gone. Runs on a blocking thread.
-fn pump_console_to_stdout(stream: Stream, stdout: Option<mpsc::Sender<Vec<u8>>>) -> PumpEnd {
+/// What one non-blocking `virStreamRecv` found.
+enum Received {
+    /// This many bytes, at the start of the buffer.
+    Data(usize),
+    /// Nothing queued yet.
+    Nothing,
+    /// The console ended.
+    Eof,
+}
+
+/// One non-blocking `virStreamRecv` into `buf`. The `virt` crate maps its
+/// "would block" answer (-2) to an error, so this calls libvirt directly.
+fn recv_nonblocking(stream: &Stream, buf: &mut [u8]) -> Result<Received, VirtError> {
+    // SAFETY: `stream` holds a reference to a valid virStreamPtr for the whole
+    // call, and `buf` is valid for writes of `buf.len()` bytes.
+    let n = unsafe { virt::sys::virStreamRecv(stream.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    match n {
+        -2 => Ok(Received::Nothing),
+        0 => Ok(Received::Eof),
+        n if n > 0 => Ok(Received::Data(usize::try_from(n).unwrap_or(0).min(buf.len()))),
+        _ => Err(VirtError::last_error()),
+    }
+}
+
+/// Flags shared by a session and its pump.
+#[derive(Default)]
+struct PumpControl {
+    /// Set by the session when it ends; the pump returns within one sleep.
+    stop: AtomicBool,
+    /// Set when a keystroke was sent: the echo is due, so poll quickly again.
+    poke: AtomicBool,
+}
+
+/// Copy the console to `stdout` (or discard it) until EOF, an error, the
+/// receiver is gone, or `control.stop`. Runs on a blocking thread; never blocks
+/// for longer than [`IDLE_POLL_MAX`] without checking `control.stop`.
+fn pump_console_to_stdout(stream: Stream, stdout: Option<mpsc::Sender<Vec<u8>>>, control: Arc<PumpControl>) -> PumpEnd {
     let mut buf = vec![0u8; RECV_BUFFER];
+    let mut idle = IDLE_POLL_MIN;
     loop {
-        match stream.recv(&mut buf) {
-            Ok(0) => return PumpEnd::Eof,
-            Ok(n) => {
-                let n = usize::try_from(n).unwrap_or(0).min(buf.len());
+        if control.stop.load(Ordering::Acquire) {
+            return PumpEnd::Stopped;
+        }
+        match recv_nonblocking(&stream, &mut buf) {
+            Ok(Received::Data(n)) => {
+                idle = IDLE_POLL_MIN;
                 if let Some(stdout) = &stdout {
-                    if stdout.blocking_send(buf[..n].to_vec()).is_err() {
-                        return PumpEnd::ClientGone;
+                    if let Some(end) = deliver(stdout, buf[..n].to_vec(), &control) {
+                        return end;
                     }
                 }
             }
+            Ok(Received::Nothing) => {
+                if control.poke.swap(false, Ordering::AcqRel) {
+                    idle = IDLE_POLL_MIN;
+                }
+                std::thread::sleep(idle);
+                idle = (idle * 2).min(IDLE_POLL_MAX);
+            }
+            Ok(Received::Eof) => return PumpEnd::Eof,
             Err(err) => {
                 tracing::debug!(error = %err, "console stream ended");
                 return PumpEnd::Failed;
+            }
+        }
+    }
+}
+
+/// Hand `data` to `stdout`, waiting while its buffer is full but checking
+/// `control.stop` between tries; `Some` when the pump must end instead.
+fn deliver(stdout: &mpsc::Sender<Vec<u8>>, mut data: Vec<u8>, control: &PumpControl) -> Option<PumpEnd> {
+    loop {
+        match stdout.try_send(data) {
+            Ok(()) => return None,
+            Err(mpsc::error::TrySendError::Closed(_)) => return Some(PumpEnd::ClientGone),
+            Err(mpsc::error::TrySendError::Full(back)) => {
+                if control.stop.load(Ordering::Acquire) {
+                    return Some(PumpEnd::Stopped);
+                }
+                data = back;
+                std::thread::sleep(IDLE_POLL_MIN);
             }
         }
     }
@@ -305,9 +390,11 @@ impl LibvirtProvider {
             self.blocking(OP, move |host, conn| host.open_console(conn, &target)).await?;
         tracing::debug!(vm.uid = %id, "console attached");
 
-        let pump_stream = stream.clone();
-        let pump_stdout = stdout.clone();
-        let mut pump = tokio::task::spawn_blocking(move || pump_console_to_stdout(pump_stream, pump_stdout));
+        let control = Arc::new(PumpControl::default());
+        let mut pump = tokio::task::spawn_blocking({
+            let (stream, stdout, control) = (stream.clone(), stdout.clone(), Arc::clone(&control));
+            move || pump_console_to_stdout(stream, stdout, control)
+        });
         let mut pump_result = None;
         let end = loop {
             tokio::select! {
@@ -323,6 +410,7 @@ impl LibvirtProvider {
                             tracing::debug!(vm.uid = %id, result = ?sent, "console write failed");
                             break SessionEnd::SendFailed;
                         }
+                        control.poke.store(true, Ordering::Release);
                     }
                     None => break SessionEnd::StdinClosed,
                 },
@@ -337,29 +425,36 @@ impl LibvirtProvider {
         };
         drop(stdout);
 
-        // Tear down: finish or abort the stream (which ends a blocked recv), join
-        // the pump, then close the session's connection.
-        let console_ended = pump_result.is_some();
-        tokio::task::spawn_blocking(move || ConsoleSession::close_stream(stream, console_ended))
-            .await
-            .map_err(|e| not_completed(OP, e))?;
+        // Tear down: stop the pump, then finish or abort the stream and close
+        // the session's connection, which releases the console.
+        control.stop.store(true, Ordering::Release);
         let pump_end = match pump_result {
             Some(result) => result,
-            None => match tokio::time::timeout(PUMP_JOIN_TIMEOUT, &mut pump).await {
+            None => match tokio::time::timeout(TEARDOWN_TIMEOUT, &mut pump).await {
                 Ok(result) => result,
                 Err(_) => {
-                    // Leave the connection to the pump: closing it under a
-                    // blocked recv is not safe. It ends with the console.
-                    tracing::warn!(vm.uid = %id, "console pump did not stop after the stream was aborted");
+                    tracing::warn!(vm.uid = %id, "console pump did not stop; leaving the session to it");
                     tokio::spawn(async move {
                         let _ = pump.await;
-                        let _ = tokio::task::spawn_blocking(move || drop(conn)).await;
+                        let _ = tokio::task::spawn_blocking(move || {
+                            ConsoleSession::close_stream(stream, false);
+                            drop(conn);
+                        })
+                        .await;
                     });
                     return Ok(());
                 }
             },
         };
-        tokio::task::spawn_blocking(move || drop(conn)).await.map_err(|e| not_completed(OP, e))?;
+        let console_ended = matches!(pump_end, Ok(PumpEnd::Eof));
+        let closed = tokio::task::spawn_blocking(move || {
+            ConsoleSession::close_stream(stream, console_ended);
+            drop(conn);
+        });
+        match tokio::time::timeout(TEARDOWN_TIMEOUT, closed).await {
+            Ok(joined) => joined.map_err(|e| not_completed(OP, e))?,
+            Err(_) => tracing::warn!(vm.uid = %id, "closing the console stream did not finish; left in the background"),
+        }
         tracing::debug!(vm.uid = %id, session.end = ?end, pump.end = ?pump_end, "console detached");
         Ok(())
     }

@@ -13,8 +13,9 @@
 //! # }
 //! ```
 //!
-//! Supported drivers: QEMU (`qemu:///system`, domains of type `qemu`, software
-//! emulation) and libvirt's test driver (`test:///<absolute path>.xml`, used by
+//! Supported drivers: QEMU (`qemu:///system`; domains of type `kvm` where the
+//! host offers KVM, type `qemu`, software emulation, otherwise: see
+//! [`AcceleratorSetting`]) and libvirt's test driver (`test:///<absolute path>.xml`, used by
 //! the tests and by development clusters; see `test-vms/hosts/`).
 //!
 //! QEMU domains are defined for real guests: direct kernel boot when asked, a
@@ -29,6 +30,11 @@
 //!
 //! How vmlet finds its domains, how the connection survives a libvirtd restart
 //! and what that means for the test driver: see [`LibvirtProvider`].
+//!
+//! The provider registers libvirt's default event loop for the process (one
+//! thread, `libvirt-events`) before its first connection, and keeps at most
+//! four calls in flight per connection, below libvirtd's default
+//! `max_client_requests` of 5; the rest wait their turn.
 
 #![warn(missing_docs)]
 
@@ -36,12 +42,14 @@ mod connection;
 mod console;
 mod domains;
 mod error;
+mod event_loop;
 mod exec;
 mod provider;
 mod stats;
 mod xml;
 
-pub use provider::LibvirtProvider;
+pub use provider::{AcceleratorSetting, LibvirtProvider};
+pub use xml::Accelerator;
 
 /// Namespace URI of the `<vmlet:vm uid="…" namespace="…" name="…"/>` element
 /// vmlet writes into each of its domains' `<metadata>`; read it with

@@ -11,7 +11,29 @@ use vmlet_provider::{Console, Error, ErrorKind, GuestExec, HostInfo, Provider, R
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_operation_invalid, is_unsupported_flags};
-use crate::xml::{console_log_path, domain_xml, DomainKind, CONSOLE_LOG_DIR};
+use crate::xml::{console_log_path, domain_xml, Accelerator, DomainKind, CONSOLE_LOG_DIR};
+
+/// Calls in flight on one connection at most: below libvirtd's default
+/// `max_client_requests` (5), past which libvirtd stops reading the client's
+/// socket and warns "Client hit max requests limit".
+pub(crate) const MAX_CALLS_IN_FLIGHT: usize = 4;
+
+/// Guest-agent calls in flight on one connection at most. Each may wait up to
+/// its agent timeout for a guest; the other permits stay free for lifecycle calls.
+pub(crate) const MAX_AGENT_CALLS_IN_FLIGHT: usize = 2;
+
+/// Which accelerator a QEMU host's domains use (the host config's
+/// `accelerator`); the test driver ignores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AcceleratorSetting {
+    /// KVM where the host's domain capabilities offer it, TCG otherwise.
+    #[default]
+    Auto,
+    /// KVM; connecting fails when the host does not offer it.
+    Kvm,
+    /// Software emulation (TCG), even where KVM is offered.
+    Tcg,
+}
 
 /// The VMs of one libvirt host, reached through one libvirt connection URI
 /// (`qemu:///system`, `qemu+ssh://host/system`, `test:///<abs path>.xml`).
@@ -42,8 +64,13 @@ pub struct LibvirtProvider {
 pub(crate) struct Host {
     pub(crate) connection: Connection,
     uuids: UuidCache,
-    /// The driver behind the URI, probed at connect time.
+    /// The driver behind the URI (and for QEMU the accelerator), chosen at
+    /// connect time.
     pub(crate) kind: DomainKind,
+    /// Permits for calls on `connection` ([`MAX_CALLS_IN_FLIGHT`]).
+    calls: tokio::sync::Semaphore,
+    /// Permits for guest-agent calls ([`MAX_AGENT_CALLS_IN_FLIGHT`]).
+    agent_calls: tokio::sync::Semaphore,
     /// The boot (domain id) whose console output each VM last served while
     /// running, so that a stopped VM's log keeps its boot (see `console.rs`).
     pub(crate) boots: Mutex<HashMap<VmId, String>>,
@@ -60,18 +87,54 @@ impl LibvirtProvider {
     /// socket missing), `Permanent` for an unknown driver or a refused
     /// connection, with libvirt's error as source.
     pub async fn connect(uri: &str) -> Result<LibvirtProvider> {
+        Self::connect_with(uri, AcceleratorSetting::Auto).await
+    }
+
+    /// [`LibvirtProvider::connect`], with the accelerator for QEMU domains
+    /// chosen by `accelerator`: with `Auto`, `kvm` when the host's domain
+    /// capabilities for the `kvm` virt type can be read
+    /// (`virConnectGetDomainCapabilities`, what `virsh domcapabilities
+    /// --virttype kvm` shows), `qemu` (TCG) otherwise.
+    ///
+    /// Errors: those of `connect`, and `InvalidInput` for `Kvm` on a QEMU host
+    /// that does not offer KVM (the message carries libvirt's reason, e.g.
+    /// `/dev/kvm` missing or not usable).
+    pub async fn connect_with(uri: &str, accelerator: AcceleratorSetting) -> Result<LibvirtProvider> {
         let uri = uri.to_owned();
         let (connection, kind) = tokio::task::spawn_blocking(move || {
             virt::error::clear_error_callback();
             let connection = Connection::open(&uri)?;
-            let kind = connection.with(domain_kind)?;
+            let kind = connection.with(|conn| domain_kind(conn, accelerator))?;
             Ok::<_, Error>((connection, kind))
         })
         .await
         .map_err(|e| not_completed("connect to libvirt", e))??;
+        if let DomainKind::Qemu(chosen) = kind {
+            tracing::info!(libvirt.uri = %connection.uri(), accelerator = chosen.as_str(), "QEMU host");
+        }
         Ok(LibvirtProvider {
-            host: Arc::new(Host { connection, uuids: UuidCache::default(), kind, boots: Mutex::default() }),
+            host: Arc::new(Host {
+                connection,
+                uuids: UuidCache::default(),
+                kind,
+                calls: tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT),
+                agent_calls: tokio::sync::Semaphore::new(MAX_AGENT_CALLS_IN_FLIGHT),
+                boots: Mutex::default(),
+            }),
         })
+    }
+
+    /// The semaphore that bounds this host's guest-agent calls.
+    pub(crate) fn agent_permits(&self) -> &tokio::sync::Semaphore {
+        &self.host.agent_calls
+    }
+
+    /// The accelerator of this host's QEMU domains; `None` on the test driver.
+    pub fn accelerator(&self) -> Option<Accelerator> {
+        match self.host.kind {
+            DomainKind::Qemu(accelerator) => Some(accelerator),
+            DomainKind::Test => None,
+        }
     }
 
     /// The libvirt connection URI this provider was opened with.
@@ -79,12 +142,19 @@ impl LibvirtProvider {
         self.host.connection.uri()
     }
 
-    /// Run `f` with the host and a live connection on the blocking pool.
+    /// Run `f` with the host and a live connection on the blocking pool, once
+    /// one of the connection's [`MAX_CALLS_IN_FLIGHT`] permits is free.
     pub(crate) async fn blocking<T, F>(&self, operation: &'static str, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
     {
+        let _permit = self
+            .host
+            .calls
+            .acquire()
+            .await
+            .map_err(|_| Error::new(operation, ErrorKind::Permanent, "the provider's call queue was closed"))?;
         let host = Arc::clone(&self.host);
         tokio::task::spawn_blocking(move || host.connection.with(|conn| f(&host, conn)))
             .await
@@ -153,7 +223,7 @@ impl Host {
         if is_active(&domain, OP)? {
             return Ok(());
         }
-        if self.kind == DomainKind::Qemu {
+        if self.kind.is_qemu() {
             prepare_console_log_dir(self.connection.uri());
         }
         match domain.create() {
@@ -215,7 +285,7 @@ impl Host {
         }
         self.uuids.remove(id);
         self.boots.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
-        if let (DomainKind::Qemu, Some(uuid)) = (self.kind, uuid) {
+        if let (DomainKind::Qemu(_), Some(uuid)) = (self.kind, uuid) {
             remove_console_log(self.connection.uri(), &uuid);
         }
         Ok(())
@@ -229,6 +299,10 @@ impl Host {
             memory_bytes: node.memory.saturating_mul(1024),
             architecture: kubernetes_architecture(&node.model),
             hypervisor: hypervisor(conn, OP)?,
+            accelerator: match self.kind {
+                DomainKind::Qemu(accelerator) => Some(accelerator.as_str().to_owned()),
+                DomainKind::Test => None,
+            },
         })
     }
 }
@@ -287,13 +361,37 @@ pub(crate) fn is_active(domain: &Domain, operation: &'static str) -> Result<bool
     domain.is_active().map_err(|e| from_libvirt(operation, e))
 }
 
-/// The domain flavour this connection's driver takes.
-fn domain_kind(conn: &Connect) -> Result<DomainKind> {
+/// The domain flavour this connection's driver takes; for QEMU, with the
+/// accelerator `setting` resolves to on this host.
+fn domain_kind(conn: &Connect, setting: AcceleratorSetting) -> Result<DomainKind> {
     const OP: &str = "connect to libvirt";
     let driver = conn.driver_type().map_err(|e| from_libvirt(OP, e))?;
     match driver.as_str() {
         "TEST" => Ok(DomainKind::Test),
-        "QEMU" => Ok(DomainKind::Qemu),
+        "QEMU" => {
+            let kvm = match setting {
+                AcceleratorSetting::Tcg => return Ok(DomainKind::Qemu(Accelerator::Tcg)),
+                AcceleratorSetting::Auto | AcceleratorSetting::Kvm => {
+                    conn.domain_capabilities(None, Some("x86_64"), None, Some("kvm"), 0)
+                }
+            };
+            match (kvm, setting) {
+                (Ok(_), _) => Ok(DomainKind::Qemu(Accelerator::Kvm)),
+                (Err(err), AcceleratorSetting::Kvm) => Err(Error::new(
+                    OP,
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "accelerator kvm: the host offers no KVM ({}); make /dev/kvm usable by QEMU \
+                         (group kvm, mode 0660) or set accelerator: auto or tcg",
+                        err.message()
+                    ),
+                )),
+                (Err(err), _) => {
+                    tracing::info!(reason = %err.message(), "no KVM on this host; QEMU domains use TCG");
+                    Ok(DomainKind::Qemu(Accelerator::Tcg))
+                }
+            }
+        }
         other => Err(Error::new(
             OP,
             ErrorKind::Unsupported,
@@ -315,7 +413,7 @@ fn validate(spec: &VmSpec, kind: DomainKind) -> Result<()> {
     if spec.backend_name().contains('/') {
         return invalid(format!("domain name {} must not contain '/'", spec.backend_name()));
     }
-    if kind == DomainKind::Qemu {
+    if kind.is_qemu() {
         if let Some(image) = spec.image.as_ref().filter(|image| !image.starts_with('/')) {
             return invalid(format!("image {image} must be an absolute path to a disk file on the libvirt host"));
         }
@@ -428,8 +526,8 @@ impl Provider for LibvirtProvider {
     }
 
     /// Defines a persistent domain named [`VmSpec::backend_name`]: `<domain
-    /// type='test'>` on the test driver, `<domain type='qemu'>` (software
-    /// emulation, machine `pc`, ACPI, direct kernel boot from
+    /// type='test'>` on the test driver, `<domain type='kvm'>` or `<domain
+    /// type='qemu'>` (see [`AcceleratorSetting`]; machine `pc`, ACPI, direct kernel boot from
     /// `spec.kernel_boot`, a virtio disk from `spec.image`, a serial console
     /// recorded by virtlogd, a qemu-guest-agent channel and user-mode networking)
     /// on QEMU. The test driver ignores `spec.image` and `spec.kernel_boot`. The
@@ -468,13 +566,13 @@ impl Provider for LibvirtProvider {
 
     /// The serial console on QEMU; `None` on the test driver, which has none.
     fn console(&self) -> Option<&dyn Console> {
-        (self.host.kind == DomainKind::Qemu).then_some(self as &dyn Console)
+        self.host.kind.is_qemu().then_some(self as &dyn Console)
     }
 
     /// Commands through qemu-guest-agent on QEMU; `None` on the test driver,
     /// which has no guest agent.
     fn guest_exec(&self) -> Option<&dyn GuestExec> {
-        (self.host.kind == DomainKind::Qemu).then_some(self as &dyn GuestExec)
+        self.host.kind.is_qemu().then_some(self as &dyn GuestExec)
     }
 
     /// CPU time and memory on every driver (see [`Stats`] for what is measured).

@@ -40,8 +40,43 @@ pub(crate) struct Identity {
 pub(crate) enum DomainKind {
     /// libvirt's test driver (`test:///…`): no devices, no real guest.
     Test,
-    /// QEMU under software emulation (`<domain type='qemu'>`).
-    Qemu,
+    /// QEMU, accelerated as given: `<domain type='kvm'>` or `<domain type='qemu'>`.
+    Qemu(Accelerator),
+}
+
+impl DomainKind {
+    /// True for QEMU domains, whatever their accelerator.
+    pub(crate) fn is_qemu(self) -> bool {
+        matches!(self, DomainKind::Qemu(_))
+    }
+
+    /// The `type` attribute of `<domain>`.
+    pub(crate) fn domain_type(self) -> &'static str {
+        match self {
+            DomainKind::Test => "test",
+            DomainKind::Qemu(Accelerator::Kvm) => "kvm",
+            DomainKind::Qemu(Accelerator::Tcg) => "qemu",
+        }
+    }
+}
+
+/// How QEMU runs guest code on the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accelerator {
+    /// Hardware virtualization through `/dev/kvm` (libvirt domain type `kvm`).
+    Kvm,
+    /// QEMU's software emulation, the Tiny Code Generator (domain type `qemu`).
+    Tcg,
+}
+
+impl Accelerator {
+    /// The name vmlet reports (node label `vmlet.io/accelerator`): `kvm` or `tcg`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accelerator::Kvm => "kvm",
+            Accelerator::Tcg => "tcg",
+        }
+    }
 }
 
 /// Escape `value` for use inside a single- or double-quoted XML attribute or as
@@ -162,7 +197,8 @@ pub(crate) fn console_log_path(uuid: &str) -> String {
 /// Name of the virtio-serial port qemu-guest-agent listens on in the guest.
 pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
 
-/// The persistent domain definition for `spec` on a driver of `kind`, with UUID
+/// The persistent domain definition for `spec` on a driver of `kind` (domain type
+/// `test`, `kvm` or `qemu`, see [`DomainKind::domain_type`]), with UUID
 /// `uuid`: name [`VmSpec::backend_name`], memory in KiB rounded up, `spec.cpus`
 /// vCPUs, vmlet's identity in `<metadata>`. The test driver gets nothing more.
 ///
@@ -176,10 +212,7 @@ pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
 pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str) -> String {
     let memory_kib = spec.memory_bytes.div_ceil(1024);
     let mut xml = String::new();
-    let domain_type = match kind {
-        DomainKind::Test => "test",
-        DomainKind::Qemu => "qemu",
-    };
+    let domain_type = kind.domain_type();
     // Writing into a String cannot fail.
     let _ = writeln!(xml, "<domain type='{domain_type}'>");
     let _ = writeln!(xml, "  <name>{}</name>", escape(&spec.backend_name()));
@@ -192,7 +225,7 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str) -> String 
         DomainKind::Test => {
             xml.push_str("  <os>\n    <type>hvm</type>\n  </os>\n");
         }
-        DomainKind::Qemu => {
+        DomainKind::Qemu(_) => {
             xml.push_str("  <os>\n    <type arch='x86_64' machine='pc'>hvm</type>\n");
             if let Some(boot) = &spec.kernel_boot {
                 let _ = writeln!(xml, "    <kernel>{}</kernel>", escape(&boot.kernel));
@@ -321,7 +354,7 @@ mod tests {
 
     #[test]
     fn qemu_domain_gets_a_disk_only_when_an_image_is_given() {
-        let without = domain_xml(&spec(), DomainKind::Qemu, UUID);
+        let without = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID);
         assert!(without.starts_with("<domain type='qemu'>"), "{without}");
         assert!(without.contains("machine='pc'"), "{without}");
         assert!(without.contains("<boot dev='hd'/>"), "{without}");
@@ -329,12 +362,18 @@ mod tests {
 
         let mut with = spec();
         with.image = Some("/var/lib/vmlet/images/it's.qcow2".into());
-        let xml = domain_xml(&with, DomainKind::Qemu, UUID);
+        let xml = domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID);
         assert!(xml.contains("<driver name='qemu' type='qcow2'/>"), "{xml}");
         assert!(xml.contains("<source file='/var/lib/vmlet/images/it&apos;s.qcow2'/>"), "{xml}");
 
         with.image = Some("/images/disk.img".into());
-        assert!(domain_xml(&with, DomainKind::Qemu, UUID).contains("type='raw'"));
+        assert!(domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID).contains("type='raw'"));
+    }
+
+    #[test]
+    fn qemu_domain_type_follows_the_accelerator() {
+        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Kvm), UUID).starts_with("<domain type='kvm'>"));
+        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID).starts_with("<domain type='qemu'>"));
     }
 
     #[test]
@@ -350,7 +389,7 @@ mod tests {
 
     #[test]
     fn qemu_domain_records_its_console_and_has_an_agent_channel_and_user_networking() {
-        let xml = domain_xml(&spec(), DomainKind::Qemu, UUID);
+        let xml = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID);
         assert!(xml.contains(&format!("<uuid>{UUID}</uuid>")), "{xml}");
         assert!(xml.contains(&format!("<log file='/var/log/vmlet/console/{UUID}.log' append='off'/>")), "{xml}");
         assert!(xml.contains("<console type='pty'/>"), "{xml}");
@@ -367,14 +406,14 @@ mod tests {
             initrd: Some("/guest/initrd.img".into()),
             cmdline: Some("console=ttyS0 a<b".into()),
         });
-        let xml = domain_xml(&spec, DomainKind::Qemu, UUID);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID);
         assert!(xml.contains("<kernel>/guest/vmlinuz</kernel>"), "{xml}");
         assert!(xml.contains("<initrd>/guest/initrd.img</initrd>"), "{xml}");
         assert!(xml.contains("<cmdline>console=ttyS0 a&lt;b</cmdline>"), "{xml}");
         assert!(!xml.contains("<boot dev="), "{xml}");
 
         spec.kernel_boot = Some(KernelBoot { kernel: "/guest/vmlinuz".into(), initrd: None, cmdline: None });
-        let xml = domain_xml(&spec, DomainKind::Qemu, UUID);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID);
         assert!(!xml.contains("<initrd>") && !xml.contains("<cmdline>"), "{xml}");
     }
 }

@@ -7,6 +7,7 @@
 //! earlier, failed run (namespace `vmlet-it`) are removed first.
 
 mod common;
+use common::deadline::{output_within, VIRSH};
 use common::qemu_uri;
 
 use std::process::Command;
@@ -33,7 +34,7 @@ fn unique_spec() -> VmSpec {
 
 /// `virsh -c <uri> domstate <name>`, trimmed.
 fn virsh_domstate(uri: &str, name: &str) -> String {
-    let out = Command::new("virsh").args(["-c", uri, "domstate", name]).output().expect("run virsh");
+    let out = output_within(Command::new("virsh").args(["-c", uri, "domstate", name]), VIRSH);
     assert!(out.status.success(), "virsh domstate {name}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }

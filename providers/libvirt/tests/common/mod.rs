@@ -1,5 +1,10 @@
 //! Shared by the provider's tests against a real libvirtd.
 
+/// Deadlines for external commands (virsh, the guest build), shared with the
+/// workspace's integration tests.
+#[path = "../../../../tests/support/deadline.rs"]
+pub mod deadline;
+
 use std::time::{SystemTime, UNIX_EPOCH};
 use vmlet_provider::VmId;
 
