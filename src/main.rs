@@ -120,6 +120,27 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
 
+    // One VirtualMachine watch for the process: it decides which pods are VM
+    // pods (vmlet::identity) for the agents, the recorder and the kubelet API.
+    let (vms, vms_writer) = kube::runtime::reflector::store();
+    let vms_api: kube::Api<vmlet::v1alpha1::VirtualMachine> = match &config.namespace {
+        Some(ns) => kube::Api::namespaced(client.clone(), ns),
+        None => kube::Api::all(client.clone()),
+    };
+    {
+        use futures::StreamExt as _;
+        use kube::runtime::WatchStreamExt as _;
+        let watch = kube::runtime::watcher(vms_api, kube::runtime::watcher::Config::default()).default_backoff();
+        let reflector = kube::runtime::reflector(vms_writer, watch).for_each(|_| std::future::ready(()));
+        let stop = shutdown.child_token();
+        tasks.spawn(async move {
+            tokio::select! {
+                () = reflector => {}
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+
     let hosts = vmlet::node::Hosts::default();
     for host in &config.hosts {
         let provider = connect(host).await?;
@@ -129,6 +150,7 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
             host.clone(),
             provider,
             hosts.clone(),
+            vms.clone(),
             shutdown.child_token(),
         ));
     }
@@ -137,7 +159,8 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
         config.kubelet_port,
         &config.hosts.iter().map(|h| h.name.clone()).collect::<Vec<_>>(),
     );
-    let directory = Arc::new(vmlet::node::directory::Directory::new(hosts.clone(), config.state_dir.clone()));
+    let directory =
+        Arc::new(vmlet::node::directory::Directory::new(hosts.clone(), vms.clone(), config.state_dir.clone()));
     let server = vmlet::api::Server::bind(api, directory, client.clone()).await.context("starting the kubelet API")?;
     info!(listen = %server.local_addr(), "kubelet API listening");
     tasks.spawn(server.run(shutdown.child_token()));

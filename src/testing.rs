@@ -124,3 +124,16 @@ impl PodBuilder {
 fn jiff_now() -> k8s_openapi::jiff::Timestamp {
     k8s_openapi::jiff::Timestamp::now()
 }
+
+/// A VirtualMachine `namespace/name` (its UID derived from both, so VMs of
+/// different names or namespaces differ) and the pod the controller makes for it.
+pub fn vm_and_pod(namespace: &str, name: &str) -> (VirtualMachine, Pod) {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut hasher = DefaultHasher::new();
+    (namespace, name).hash(&mut hasher);
+    let mut vm = VmBuilder::new(name).build();
+    vm.metadata.namespace = Some(namespace.into());
+    vm.metadata.uid = Some(format!("6d0c1e52-0000-4000-8000-{:012x}", hasher.finish() & 0xffff_ffff_ffff));
+    let pod = crate::vmpod::pod_for_vm(&vm, namespace, None).expect("a valid VM makes a pod");
+    (vm, pod)
+}

@@ -308,6 +308,44 @@ async fn a_forged_pod_naming_a_vm_cannot_start_stop_or_adopt_it() {
     assert_eq!(vm.provider_id.as_deref(), Some(provider_id.as_str()));
 }
 
+/// Editing a VM pod's `vmlet.io/vm-uid` annotation to another VM's UID does
+/// not retarget it: the pod is refused, and both VMs keep running, each in its
+/// own domain (the edited one adopted again by its replacement pod).
+#[tokio::test]
+async fn an_annotation_edited_to_another_vms_uid_retargets_nothing() {
+    let mut env = TestEnv::new("retarget").await;
+    env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
+    env.apply_vm("web", json!({}));
+    env.apply_vm("db", json!({}));
+    let web = env.wait_vm_phase("web", "Running").await;
+    let db = env.wait_vm_phase("db", "Running").await;
+    let web_domain = web.status.unwrap().provider_id.unwrap();
+    let db_domain = db.status.unwrap().provider_id.unwrap();
+    let db_uid = db.metadata.uid.unwrap();
+    let web_pod_uid = env.pods().get("web").await.unwrap().metadata.uid.unwrap();
+
+    let patch = json!({"metadata": {"annotations": {"vmlet.io/vm-uid": db_uid}}});
+    env.pods().patch("web", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await.unwrap();
+    // The edited pod is refused and replaced; the replacement runs web's own domain.
+    let pods = env.pods();
+    env.wait_for("web's pod to be replaced", || {
+        let pods = pods.clone();
+        let old = web_pod_uid.clone();
+        async move {
+            let pod = pods.get_opt("web").await.ok()??;
+            let running = pod.status?.phase.as_deref() == Some("Running");
+            (pod.metadata.uid? != old && running).then_some(())
+        }
+    })
+    .await;
+    let web = env.wait_vm_phase("web", "Running").await;
+    assert_eq!(web.status.unwrap().provider_id.as_deref(), Some(web_domain.as_str()), "web's own domain runs");
+    let db = env.wait_vm_phase("db", "Running").await;
+    assert_eq!(db.status.unwrap().provider_id.as_deref(), Some(db_domain.as_str()), "db's domain is untouched");
+    let db_pod = env.pods().get("db").await.unwrap();
+    assert_eq!(db_pod.status.unwrap().container_statuses.unwrap()[0].restart_count, 0, "db was not power-cycled");
+}
+
 /// `kubectl drain` evicts the VM's pod; with no migration yet, the VM keeps
 /// running (held), says so in its status, and a later stop still asks the
 /// guest to shut down before cutting power.

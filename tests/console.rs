@@ -377,3 +377,159 @@ async fn attach_sessions_whose_stdin_closes_at_once_all_return_and_a_hung_one_hi
     })
     .await;
 }
+
+/// A client for the local control plane that authenticates with `token` only.
+async fn client_with_token(token: &str) -> kube::Client {
+    let kubeconfig = kube::config::Kubeconfig::read_from(&common::cluster().kubeconfig).expect("read kubeconfig");
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.expect("kubeconfig");
+    config.auth_info = kube::config::AuthInfo { token: Some(token.to_owned().into()), ..Default::default() };
+    kube::Client::try_from(config).expect("client")
+}
+
+/// A tenant whose ServiceAccount may only manage pods (and exec, attach and
+/// logs) in its own namespace copies another namespace's VM pod: spec, node,
+/// labels and annotations. Through the API (not only kubectl),
+/// exec, attach and logs on the copy are refused, nothing of the victim's
+/// console reaches it, and deleting it leaves the victim's VM running.
+#[tokio::test]
+async fn a_tenant_copying_another_namespaces_vm_pod_reaches_nothing_of_that_vm() {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::{AttachParams, DeleteParams, LogParams, PostParams};
+    use kube::Api;
+
+    let mut env = TestEnv::new("victim").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    env.apply_vm("web", guest_vm_spec(&guest));
+    let vm = env.wait_vm_phase("web", "Running").await;
+    wait_for_log_line(&env, "web", BOOTED).await;
+    let domain_uuid = vm.status.as_ref().and_then(|s| s.provider_id.clone()).expect("providerID");
+
+    // The attacker: a namespace of its own and a ServiceAccount limited to it.
+    let attacker = format!("{}-attacker", env.ns);
+    let setup = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": attacker}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": attacker}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": "pods", "namespace": attacker},
+         "rules": [{"apiGroups": [""], "resources": ["pods", "pods/exec", "pods/log", "pods/attach"],
+                    "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": "pods", "namespace": attacker},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
+         "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": attacker}]},
+    ]});
+    // Objects of several namespaces: no `-n` on this kubectl.
+    let cluster = common::cluster();
+    let mut kubectl = Command::new(cluster.bin.join("kubectl"));
+    kubectl.env("KUBECONFIG", &cluster.kubeconfig).args(["apply", "-f", "-"]);
+    let applied = run_with_stdin(&mut kubectl, serde_yaml::to_string(&setup).unwrap().as_bytes(), KUBECTL)
+        .unwrap_or_else(|timed_out| panic!("{timed_out}"));
+    assert!(applied.status.success(), "attacker setup: {}", String::from_utf8_lossy(&applied.stderr));
+    let token = env.kubectl(&["create", "token", "tenant", "-n", &attacker]).trim().to_owned();
+    let tenant = client_with_token(&token).await;
+    let tenant_pods: Api<Pod> = Api::namespaced(tenant.clone(), &attacker);
+
+    // The copy: the victim pod's spec (with its node), labels and annotations.
+    // (A copy of its ownerReference too is deleted by the garbage collector
+    // within moments, as its owner is not in the copy's namespace; the unit
+    // tests of crate::identity cover that case.)
+    let victim = env.pods().get("web").await.unwrap();
+    let mut copy: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "innocent", "namespace": attacker},
+        "spec": victim.spec.clone().unwrap(),
+    }))
+    .unwrap();
+    copy.metadata.labels = victim.metadata.labels.clone();
+    copy.metadata.annotations = victim.metadata.annotations.clone();
+    tenant_pods.create(&PostParams::default(), &copy).await.expect("the tenant may create pods in its namespace");
+    let pods = tenant_pods.clone();
+    let reason = env
+        .wait_for("the copy to be refused", || {
+            let pods = pods.clone();
+            async move {
+                let status = pods.get("innocent").await.ok()?.status?;
+                (status.phase.as_deref() == Some("Failed")).then_some(status.reason)
+            }
+        })
+        .await;
+    assert_eq!(reason.as_deref(), Some("NotAVirtualMachine"));
+
+    // exec through the API, as the tenant: refused, no output.
+    let exec = tenant_pods
+        .exec("innocent", ["cat", "/proc/version"], &AttachParams::default().container("vm").stderr(true))
+        .await;
+    match exec {
+        Err(e) => assert!(e.to_string().contains("403") || e.to_string().contains("Forbidden"), "exec error: {e}"),
+        Ok(mut process) => {
+            let mut out = String::new();
+            if let Some(mut stdout) = process.stdout() {
+                use tokio::io::AsyncReadExt;
+                let _ = tokio::time::timeout(KUBECTL, stdout.read_to_string(&mut out)).await;
+            }
+            panic!("exec on the copy was accepted; it printed {out:?}");
+        }
+    }
+    // attach through the API: refused.
+    let attach = tenant_pods.attach("innocent", &AttachParams::default().container("vm").stdin(true)).await;
+    assert!(attach.is_err(), "attach on the copy was accepted");
+    // logs through the API: refused, and nothing of the victim's console.
+    let text =
+        match tenant_pods.logs("innocent", &LogParams { container: Some("vm".into()), ..Default::default() }).await {
+            Ok(text) => text,
+            Err(e) => e.to_string(),
+        };
+    assert!(
+        !text.contains(BOOTED) && !text.contains("Linux version"),
+        "the victim's console reached the tenant: {text}"
+    );
+    // kubectl as the tenant says the same.
+    let kubectl_logs = output_within(
+        Command::new(common::cluster().bin.join("kubectl"))
+            .args(["--kubeconfig", "/dev/null", "--server"])
+            .arg(kube_server(&env))
+            .args(["--certificate-authority"])
+            .arg(common::cluster().kubeconfig.parent().unwrap().join("pki/ca.crt"))
+            .args(["--token", &token, "-n", &attacker, "logs", "innocent"]),
+        KUBECTL,
+    );
+    assert!(!kubectl_logs.status.success(), "kubectl logs as the tenant succeeded: {}", stdout(&kubectl_logs));
+    assert!(!stdout(&kubectl_logs).contains(BOOTED));
+    // Nothing of the victim's console was recorded for the copy.
+    let copied = walk(&env.dir.join("state")).into_iter().filter(|p| p.to_string_lossy().contains(&attacker)).count();
+    assert_eq!(copied, 0, "console history was recorded for the attacker's pod");
+
+    // Deleting the copy changes nothing of the victim's VM.
+    tenant_pods.delete("innocent", &DeleteParams::default()).await.expect("the tenant may delete its pod");
+    env.wait_for("the copy to be gone", || {
+        let pods = pods.clone();
+        async move { pods.get_opt("innocent").await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    let vm = env.wait_vm_phase("web", "Running").await;
+    assert_eq!(vm.status.and_then(|s| s.provider_id), Some(domain_uuid), "the same domain runs");
+    let pod = env.pods().get("web").await.unwrap();
+    let container = &pod.status.unwrap().container_statuses.unwrap()[0];
+    assert_eq!(container.restart_count, 0, "the victim's VM was not powered off");
+    let _ = env.kubectl_output(&["delete", "namespace", &attacker, "--wait=false"]);
+}
+
+/// The API server's URL, from the kubeconfig.
+fn kube_server(_env: &TestEnv) -> String {
+    let kubeconfig = kube::config::Kubeconfig::read_from(&common::cluster().kubeconfig).expect("read kubeconfig");
+    kubeconfig.clusters[0].cluster.as_ref().and_then(|c| c.server.clone()).expect("server")
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}

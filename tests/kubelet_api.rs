@@ -243,6 +243,12 @@ async fn start_kubelet_with(serving: Option<(PathBuf, PathBuf)>, extra: &[(&str,
     for (ns, name, node) in extra {
         pods.insert((ns.to_string(), name.to_string()), entry(ns, name, node, true));
     }
+    // A pod on the node that failed the ownership check (crate::identity): a
+    // copy of another namespace's VM pod, say. Its provider could do anything.
+    pods.insert(
+        ("attacker".into(), "forged".into()),
+        PodEntry { vm: None, ..entry("attacker", "forged", "host-a", true) },
+    );
     let directory = Directory { pods };
     let config = ApiConfig {
         listen: Some("127.0.0.1:0".parse().unwrap()),
@@ -335,7 +341,9 @@ async fn the_api_servers_client_certificate_is_authorized_by_subject_access_revi
     let mut names: Vec<&str> =
         list["items"].as_array().unwrap().iter().map(|p| p["metadata"]["name"].as_str().unwrap()).collect();
     names.sort();
-    assert_eq!(names, ["plain", "vm-1"]);
+    // Every pod bound to the nodes, as the kubelet lists them: also the one
+    // that is no VM's own (it is listed, never served).
+    assert_eq!(names, ["forged", "plain", "vm-1"]);
 }
 
 #[tokio::test]
@@ -421,6 +429,21 @@ async fn a_provider_without_capabilities_answers_501_with_a_message() {
     let (status, body) = kubelet.get(Credentials::ApiServerCert, "/attach/ns/plain/vm?stdin=1&stdout=1").await;
     assert_eq!(status, 501);
     assert!(body.contains("no serial console"), "{body}");
+}
+
+#[tokio::test]
+async fn a_pod_that_is_not_a_vms_own_gets_403_for_exec_attach_and_logs() {
+    let kubelet = start_kubelet().await;
+    for path in [
+        "/exec/attacker/forged/vm?command=cat&command=/proc/version&stdout=1",
+        "/attach/attacker/forged/vm?stdin=1&stdout=1",
+        "/containerLogs/attacker/forged/vm",
+        "/containerLogs/attacker/forged/vm?follow=true",
+    ] {
+        let (status, body) = kubelet.get(Credentials::ApiServerCert, path).await;
+        assert_eq!(status, 403, "{path}: {body}");
+        assert!(body.contains("is not a VirtualMachine's pod"), "{path}: {body}");
+    }
 }
 
 // ---------------------------------------------------------------- WebSocket

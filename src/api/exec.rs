@@ -6,7 +6,7 @@
 //! status and a message (404 unknown pod or container, 501 capability missing);
 //! failures after it are reported on the error stream.
 
-use super::routes::{lacks, not_found, text, ApiState};
+use super::routes::{lacks, not_a_vm_pod, not_found, text, ApiState};
 use super::{http_status, PodEntry};
 use crate::streams::{self, Outcome, StreamOptions};
 use axum::body::Body;
@@ -44,10 +44,7 @@ fn vm_pod(state: &ApiState, path: &PodPath) -> Result<(PodEntry, vmlet_provider:
             ),
         )));
     }
-    let vm = entry
-        .vm
-        .clone()
-        .ok_or_else(|| Box::new(text(StatusCode::NOT_IMPLEMENTED, format!("pod {namespace}/{pod} is not a VM pod"))))?;
+    let vm = entry.vm.clone().ok_or_else(|| Box::new(not_a_vm_pod(namespace, pod)))?;
     Ok((entry, vm))
 }
 

@@ -54,6 +54,18 @@ pub fn lacks(entry: &crate::api::PodEntry, what: &str) -> Response {
     )
 }
 
+/// 403 for a pod on this process's nodes that is not a VirtualMachine's own
+/// (see [`crate::identity`]): nothing of any VM is served for it.
+pub fn not_a_vm_pod(namespace: &str, pod: &str) -> Response {
+    text(
+        StatusCode::FORBIDDEN,
+        format!(
+            "pod {namespace}/{pod} is not a VirtualMachine's pod: its controlling owner must be a VirtualMachine of \
+             namespace {namespace} with the UID it names; vmlet serves no console, exec or logs for it"
+        ),
+    )
+}
+
 /// 404 for a pod not on this process's nodes.
 pub fn not_found(namespace: &str, pod: &str) -> Response {
     text(StatusCode::NOT_FOUND, format!("pod {namespace}/{pod} does not exist on any node of this vmlet"))
@@ -116,13 +128,16 @@ async fn container_logs(
         Err(message) => return text(StatusCode::UNPROCESSABLE_ENTITY, format!("invalid log options: {message}")),
     };
     let Some(entry) = state.directory.lookup(&namespace, &pod) else { return not_found(&namespace, &pod) };
+    if entry.vm.is_none() {
+        return not_a_vm_pod(&namespace, &pod);
+    }
     if container != crate::vmpod::CONTAINER_NAME {
         return text(
             StatusCode::NOT_FOUND,
             format!("container {container:?} not found in pod {pod:?}; a VM pod has one container, \"vm\""),
         );
     }
-    if entry.vm.is_some() && entry.provider.console().is_none() {
+    if entry.provider.console().is_none() {
         // 400, as the kubelet answers logs it cannot serve: `kubectl logs -f`
         // retries a 5xx for a while, where this is final.
         let mut refusal = lacks(&entry, "serial console, so it keeps no console log");

@@ -3,27 +3,32 @@
 
 use super::{console, Hosts};
 use crate::api::{PodDirectory, PodEntry};
-use crate::vmpod::vm_from_pod;
+use crate::identity::resolve_cached;
+use crate::v1alpha1::VirtualMachine;
 use k8s_openapi::api::core::v1::Pod;
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::ResourceExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// [`PodDirectory`] over the agents' pod watch caches.
+/// [`PodDirectory`] over the agents' pod watch caches. A pod's VM is resolved
+/// through [`crate::identity`] against the VirtualMachine watch cache at every
+/// lookup, so a forged or edited pod leads to no VM.
 pub struct Directory {
     hosts: Hosts,
+    vms: Store<VirtualMachine>,
     state_dir: PathBuf,
 }
 
 impl Directory {
-    /// A directory of the pods of `hosts`, with console history under `state_dir`.
-    pub fn new(hosts: Hosts, state_dir: PathBuf) -> Self {
-        Directory { hosts, state_dir }
+    /// A directory of the pods of `hosts`, their VMs checked against `vms`, with
+    /// console history under `state_dir`.
+    pub fn new(hosts: Hosts, vms: Store<VirtualMachine>, state_dir: PathBuf) -> Self {
+        Directory { hosts, vms, state_dir }
     }
 
     fn entry(&self, host: &super::HostHandle, pod: Arc<Pod>) -> PodEntry {
-        let vm = vm_from_pod(&pod).ok();
+        let vm = resolve_cached(&pod, &self.vms).ok();
         let log_dir = match &vm {
             Some(vm) => console::vm_log_dir(&self.state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0),
             // Not a VM pod: a directory that never exists, so logs are empty.

@@ -41,10 +41,10 @@ pub struct Agent {
     events: EventSink,
     /// Root of vmlet's state (console history).
     state_dir: PathBuf,
+    /// The process's watch cache of VirtualMachines (see [`crate::identity`]).
+    vms: Store<VirtualMachine>,
     /// Pods (by UID) whose guest was asked to shut down, and when.
     shutdown_sent: Mutex<HashMap<String, Instant>>,
-    /// Pods (by UID) checked to be the pod of the VirtualMachine they name.
-    verified: Mutex<HashSet<String>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
     held: Mutex<HashSet<String>>,
 }
@@ -57,7 +57,6 @@ impl Agent {
 
     fn forget(&self, uid: &str) {
         self.shutdown_sent.lock().expect("agent set poisoned").remove(uid);
-        self.verified.lock().expect("agent set poisoned").remove(uid);
         self.held.lock().expect("agent set poisoned").remove(uid);
     }
 }
@@ -90,7 +89,8 @@ impl Hosts {
 }
 
 /// Run the agent of `host` until `shutdown` is cancelled; registers the host in
-/// `hosts` once its pod watch exists.
+/// `hosts` once its pod watch exists. `vms` is the process's VirtualMachine
+/// watch cache, which decides which pods are VM pods ([`crate::identity`]).
 #[instrument(skip_all, fields(node.name = %host.name, provider = provider.kind()))]
 pub async fn run(
     client: Client,
@@ -98,6 +98,7 @@ pub async fn run(
     host: HostConfig,
     provider: Arc<dyn Provider>,
     hosts: Hosts,
+    vms: Store<VirtualMachine>,
     shutdown: CancellationToken,
 ) {
     let Some(info) = probe(&*provider, &shutdown).await else { return };
@@ -112,8 +113,8 @@ pub async fn run(
         provider: provider.clone(),
         host: host.clone(),
         state_dir: config.state_dir.clone(),
+        vms: vms.clone(),
         shutdown_sent: Mutex::default(),
-        verified: Mutex::default(),
         held: Mutex::default(),
     });
 
@@ -132,7 +133,7 @@ pub async fn run(
     });
     let store = pods.store();
     hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone(), pods: store.clone() });
-    let recorder = record_consoles(provider.clone(), store, config.state_dir.clone(), shutdown.clone());
+    let recorder = record_consoles(provider.clone(), store, vms, config.state_dir.clone(), shutdown.clone());
     let pods = pods
         .graceful_shutdown_on(cancelled(shutdown.clone()))
         .run(pods::reconcile, pods::error_policy, agent.clone())
@@ -153,10 +154,13 @@ pub async fn run(
 }
 
 /// Every second, copy new console output of this host's VM pods into their
-/// history files (see [`console`]). Does nothing on a backend without a console.
+/// history files (see [`console`]). Only pods that are their VirtualMachine's
+/// own ([`crate::identity`]) are recorded. Does nothing on a backend without a
+/// console.
 async fn record_consoles(
     provider: Arc<dyn Provider>,
     pods: Store<Pod>,
+    vms: Store<VirtualMachine>,
     state_dir: PathBuf,
     shutdown: CancellationToken,
 ) {
@@ -171,7 +175,7 @@ async fn record_consoles(
         }
         let Some(console) = provider.console() else { return };
         for pod in pods.state() {
-            let Ok(vm) = crate::vmpod::vm_from_pod(&pod) else { continue };
+            let Ok(vm) = crate::identity::resolve_cached(&pod, &vms) else { continue };
             let dir = console::vm_log_dir(&state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0);
             match console::record(console, &vm.spec.id, &dir).await {
                 Ok(_) => {

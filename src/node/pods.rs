@@ -15,8 +15,9 @@
 use super::pod_status::{pod_status, same_pod_status, Observed};
 use super::Agent;
 use crate::events::Reason;
+use crate::identity::{resolve, Refusal, ResolveError};
 use crate::v1alpha1::{PowerOffMode, VirtualMachine};
-use crate::vmpod::{vm_from_pod, PodVm, PodVmError};
+use crate::vmpod::PodVm;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -37,6 +38,9 @@ pub enum Error {
     /// A provider call failed.
     #[error(transparent)]
     Provider(#[from] vmlet_provider::Error),
+    /// The pod's VirtualMachine could not be read to check the pod is its own.
+    #[error(transparent)]
+    Identity(ResolveError),
     /// Writing to the API server failed.
     #[error("{action} pod {pod}: {source}")]
     Kube {
@@ -61,11 +65,10 @@ pub fn error_policy(pod: Arc<Pod>, error: &Error, _agent: Arc<Agent>) -> Action 
 pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error> {
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     let deleting = pod.metadata.deletion_timestamp.is_some();
-    let vm = match vm_from_pod(&pod) {
+    let vm = match resolve(&pod, &agent.vms, &agent.client).await {
         Ok(vm) => vm,
-        Err(PodVmError::NotAVmPod) => return refuse_plain_pod(&pod, &agent).await,
-        Err(invalid) => {
-            let message = invalid.to_string();
+        Err(ResolveError::Refused(Refusal::InvalidPod { source, .. })) => {
+            let message = source.to_string();
             if deleting {
                 // Nothing of ours to stop.
                 return finish_deletion(&pod, &agent).await;
@@ -77,14 +80,14 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
             .await?;
             return Ok(Action::requeue(Duration::from_secs(300)));
         }
-    };
-    if !owned_by_its_vm(&pod, &vm, &agent).await? {
-        // A hand-made pod naming a VM's UID must not start, stop or adopt it.
-        if deleting {
-            return finish_deletion(&pod, &agent).await;
+        Err(ResolveError::Refused(refusal)) => {
+            // Not a VirtualMachine's own pod (a plain pod, or one carrying
+            // another VM's labels and annotations): it must not start, stop or
+            // adopt anything. See crate::identity.
+            return refuse_plain_pod(&pod, &agent, &refusal.to_string()).await;
         }
-        return refuse_plain_pod(&pod, &agent).await;
-    }
+        Err(e @ ResolveError::Kube { .. }) => return Err(Error::Identity(e)),
+    };
     if deleting {
         return stop(&pod, &vm, &agent).await;
     }
@@ -270,38 +273,6 @@ async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
     Ok(Action::requeue(TRANSITION))
 }
 
-/// Whether `pod` is the pod of the VirtualMachine it names: its controlling
-/// owner is a VirtualMachine of the pod's name whose UID is the pod's
-/// `vmlet.io/vm-uid`, and that object exists. Checked once per pod (cached by
-/// pod UID). Errors: the VirtualMachine could not be read (retried).
-async fn owned_by_its_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<bool, Error> {
-    let uid = pod.uid().unwrap_or_default();
-    if agent.verified.lock().expect("agent set poisoned").contains(&uid) {
-        return Ok(true);
-    }
-    let claimed = pod.owner_references().iter().any(|o| {
-        o.controller == Some(true)
-            && o.kind == "VirtualMachine"
-            && o.api_version.starts_with("vmlet.io/")
-            && o.uid == vm.spec.id.0
-            && o.name == pod.name_any()
-    });
-    if !claimed {
-        return Ok(false);
-    }
-    let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &pod.namespace().unwrap_or_default());
-    let found = vms.get_opt(&pod.name_any()).await.map_err(|source| Error::Kube {
-        action: "read the VirtualMachine of",
-        pod: pod.name_any(),
-        source,
-    })?;
-    let owned = found.is_some_and(|v| v.uid().as_deref() == Some(vm.spec.id.0.as_str()));
-    if owned {
-        agent.verified.lock().expect("agent set poisoned").insert(uid);
-    }
-    Ok(owned)
-}
-
 /// The pod carries the DisruptionTarget condition set by an eviction or the
 /// taint manager.
 fn was_evicted(pod: &Pod) -> bool {
@@ -346,14 +317,16 @@ async fn finish_deletion(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
     Ok(Action::await_change())
 }
 
-async fn refuse_plain_pod(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
+/// Mark a pod that is not a VirtualMachine's own Failed (reason
+/// `NotAVirtualMachine`, with `why`), or complete its deletion; nothing else.
+async fn refuse_plain_pod(pod: &Pod, agent: &Agent, why: &str) -> Result<Action, Error> {
     if pod.metadata.deletion_timestamp.is_some() {
         return finish_deletion(pod, agent).await;
     }
     if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed") {
         return Ok(Action::await_change());
     }
-    let message = crate::vmpod::PodVmError::NotAVmPod.to_string();
+    let message = format!("{why}; only VirtualMachines run on vmlet's nodes");
     agent.events.publish(pod, Reason::NotAVirtualMachine, &message).await;
     write_status(pod, agent, |p| PodStatus {
         phase: Some("Failed".into()),
