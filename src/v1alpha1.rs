@@ -65,6 +65,7 @@ pub struct VirtualMachineSpec {
     /// e.g. `/var/lib/libvirt/images/web.qcow2`. Without it the VM boots with no
     /// disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^[^\x00-\x1f\x7f]+$"))]
     pub image: Option<String>,
 
     /// Boot a kernel directly (paths on the host) instead of from the disk's boot
@@ -81,11 +82,31 @@ pub struct VirtualMachineSpec {
     pub affinity: Option<Affinity>,
 
     /// Copied onto the VM's pod, beside the toleration for the virtual-node taint.
+    /// Checked at admission as the pod would be: operator `Exists` or `Equal`,
+    /// effect `NoSchedule`, `PreferNoSchedule` or `NoExecute`, an empty key
+    /// only with `Exists`, no value with `Exists`; at most 64.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    #[x_kube(
+        validation = Rule::new("self.all(t, !has(t.operator) || t.operator in ['Exists', 'Equal'])")
+            .message("spec.tolerations[].operator must be Exists or Equal (empty means Equal)"),
+        validation = Rule::new("self.all(t, !has(t.effect) || t.effect in ['', 'NoSchedule', 'PreferNoSchedule', 'NoExecute'])")
+            .message("spec.tolerations[].effect must be NoSchedule, PreferNoSchedule or NoExecute (empty matches all)"),
+        validation = Rule::new("self.all(t, (has(t.key) && t.key != '') || (has(t.operator) && t.operator == 'Exists'))")
+            .message("spec.tolerations[].key may be empty only with operator Exists"),
+        validation = Rule::new("self.all(t, !has(t.operator) || t.operator != 'Exists' || !has(t.value) || t.value == '')")
+            .message("spec.tolerations[].value must be empty with operator Exists"),
+    )]
     pub tolerations: Option<Vec<Toleration>>,
 
     /// Copied onto the VM's pod: the priority class used for scheduling and preemption.
+    /// A DNS subdomain (lower-case letters, digits, `-` and `.`), as Kubernetes
+    /// requires of PriorityClass names.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
     pub priority_class_name: Option<String>,
 
     /// How a stop powers the VM off: `Soft` asks the guest (ACPI) and waits,
@@ -152,11 +173,11 @@ impl Default for VmResources {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KernelBoot {
     /// Absolute path of the kernel image on the host, e.g. `/var/lib/vmlet/guest/vmlinuz`.
-    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/"))]
+    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/[^\x00-\x1f\x7f]*$"))]
     pub kernel: String,
     /// Absolute path of the initramfs on the host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/"))]
+    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/[^\x00-\x1f\x7f]*$"))]
     pub initrd: Option<String>,
     /// Kernel command line, e.g. `console=ttyS0`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

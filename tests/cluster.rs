@@ -208,6 +208,9 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
         ("bad-unknown-field.yaml", "spec.resources.cpus"),
         ("bad-negative-shutdown.yaml", "spec.shutdownTimeoutSeconds"),
         ("bad-name.yaml", "metadata.name"),
+        ("bad-toleration-operator.yaml", "spec.tolerations[].operator"),
+        ("bad-priority-class.yaml", "spec.priorityClassName"),
+        ("bad-image-empty.yaml", "spec.image"),
     ];
     for (file, field) in refused {
         let yaml = std::fs::read_to_string(cases.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -215,6 +218,27 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{file} was accepted");
         assert!(stderr.contains(field), "{file}: message does not name {field}: {stderr}");
+    }
+    // More of what the pod would refuse later, each named at admission: a
+    // toleration's effect, key and value rules, and control characters (a NUL
+    // byte, a newline) in host paths.
+    let refused_specs = [
+        (
+            json!({"tolerations": [{"key": "k", "operator": "Equal", "value": "v", "effect": "Sometimes"}]}),
+            "spec.tolerations[].effect",
+        ),
+        (json!({"tolerations": [{"operator": "Equal", "value": "v"}]}), "spec.tolerations[].key"),
+        (json!({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}), "spec.tolerations[].value"),
+        (json!({"image": "/var/lib/images/a\u{0}b.qcow2"}), "spec.image"),
+        (json!({"kernelBoot": {"kernel": "/boot/vmlinuz\nx"}}), "spec.kernelBoot.kernel"),
+    ];
+    for (spec, field) in refused_specs {
+        let vm = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",
+                        "metadata": {"name": "refused"}, "spec": spec});
+        let out = env.apply(&serde_json::to_string(&vm).unwrap());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{spec} was accepted");
+        assert!(stderr.contains(field), "{spec}: message does not name {field}: {stderr}");
     }
     assert!(env.kubectl(&["get", "virtualmachines", "-o", "name"]).trim().is_empty(), "a bad object was stored");
 
