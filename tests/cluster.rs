@@ -312,15 +312,7 @@ async fn a_forged_pod_naming_a_vm_cannot_start_stop_or_adopt_it() {
     .unwrap();
     env.pods().create(&PostParams::default(), &forged).await.unwrap();
     let pods = env.pods();
-    let reason = env
-        .wait_for("the forged pod to be refused", || {
-            let pods = pods.clone();
-            async move {
-                let status = pods.get("evil").await.ok()?.status?;
-                (status.phase.as_deref() == Some("Failed")).then_some(status.reason)
-            }
-        })
-        .await;
+    let reason = env.wait_pod_failed(&pods, "evil").await;
     assert_eq!(reason.as_deref(), Some("NotAVirtualMachine"));
 
     env.kubectl(&["delete", "pod", "evil", "--wait=true", "--timeout=60s"]);

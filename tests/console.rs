@@ -444,15 +444,7 @@ async fn a_tenant_copying_another_namespaces_vm_pod_reaches_nothing_of_that_vm()
     copy.metadata.annotations = victim.metadata.annotations.clone();
     tenant_pods.create(&PostParams::default(), &copy).await.expect("the tenant may create pods in its namespace");
     let pods = tenant_pods.clone();
-    let reason = env
-        .wait_for("the copy to be refused", || {
-            let pods = pods.clone();
-            async move {
-                let status = pods.get("innocent").await.ok()?.status?;
-                (status.phase.as_deref() == Some("Failed")).then_some(status.reason)
-            }
-        })
-        .await;
+    let reason = env.wait_pod_failed(&pods, "innocent").await;
     assert_eq!(reason.as_deref(), Some("NotAVirtualMachine"));
 
     // exec through the API, as the tenant: refused, no output.

@@ -421,6 +421,19 @@ impl TestEnv {
         .await
     }
 
+    /// Wait until pod `name` of `pods` (any namespace's pod API) is Failed;
+    /// returns its status reason (`NotAVirtualMachine` for a refused pod).
+    pub async fn wait_pod_failed(&self, pods: &Api<Pod>, name: &str) -> Option<String> {
+        self.wait_for(&format!("pod {name} to be Failed"), || {
+            let pods = pods.clone();
+            async move {
+                let status = pods.get(name).await.ok()?.status?;
+                (status.phase.as_deref() == Some("Failed")).then_some(status.reason)
+            }
+        })
+        .await
+    }
+
     /// Wait until pod `name` is gone.
     pub async fn wait_pod_gone(&self, name: &str) {
         let pods = self.pods();
