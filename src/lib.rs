@@ -16,6 +16,7 @@ pub mod quantity;
 pub mod streams;
 pub mod v1alpha1;
 pub mod vmpod;
+pub mod watches;
 
 #[cfg(test)]
 mod testing;

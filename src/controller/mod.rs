@@ -18,13 +18,13 @@ pub mod status;
 
 use crate::conditions::same_conditions;
 use crate::events::{EventSink, Reason};
-use crate::v1alpha1::{DeletionPolicy, VirtualMachine, VirtualMachineStatus, FINALIZER, VM_LABEL};
+use crate::v1alpha1::{DeletionPolicy, VirtualMachine, VirtualMachineStatus, FINALIZER};
 use crate::vmpod::pod_for_vm;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use crate::watches::{no_objects, Triggers, Watches};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,17 +64,20 @@ struct Context {
 }
 
 /// Run the controller until `shutdown` is cancelled, over the VirtualMachines of
-/// `namespace` (all namespaces when `None`).
-pub async fn run(client: Client, namespace: Option<String>, shutdown: CancellationToken) {
-    let (vms, pods): (Api<VirtualMachine>, Api<Pod>) = match &namespace {
-        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
+/// `namespace` (all namespaces when `None`), fed by the process's shared
+/// watches ([`crate::watches`]).
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    watches: Watches,
+    triggers: Triggers<VirtualMachine>,
+    shutdown: CancellationToken,
+) {
     let scope = namespace.clone().unwrap_or_else(|| crate::config::ALL_NAMESPACES_SCOPE.to_owned());
     let ctx = Arc::new(Context { events: EventSink::new(client.clone(), FIELD_MANAGER), client, scope });
     info!("VirtualMachine controller starting");
-    Controller::new(vms, watcher::Config::default())
-        .owns(pods, watcher::Config::default().labels(VM_LABEL))
+    Controller::for_stream(no_objects(), watches.vms.clone())
+        .reconcile_on(triggers)
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

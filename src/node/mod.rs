@@ -6,23 +6,22 @@
 //! while the provider answers its ping; on shutdown, report NotReady (the VMs keep
 //! running) and stop.
 
-mod cleanup;
 pub mod console;
 pub mod directory;
 pub mod lease;
 pub mod pod_status;
 mod pods;
 pub mod registration;
+pub mod release;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
-use crate::v1alpha1::VirtualMachine;
+use crate::watches::{no_objects, Watches};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::{watcher, Controller};
-use kube::{Api, Client, ResourceExt};
+use k8s_openapi::api::core::v1::Node;
+use kube::runtime::Controller;
+use kube::{Api, Client};
 use registration::Readiness;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -39,10 +38,8 @@ pub struct Agent {
     client: Client,
     provider: Arc<dyn Provider>,
     events: EventSink,
-    /// Root of vmlet's state (console history).
-    state_dir: PathBuf,
-    /// The process's watch cache of VirtualMachines (see [`crate::identity`]).
-    vms: Store<VirtualMachine>,
+    /// The process's watch caches (see [`crate::watches`]).
+    watches: Watches,
     /// Pods (by UID) whose guest was asked to shut down, and when.
     shutdown_sent: Mutex<HashMap<String, Instant>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
@@ -61,16 +58,14 @@ impl Agent {
     }
 }
 
-/// One host served by this process: what the kubelet API needs to find a pod's
-/// VM.
+/// One host served by this process: what the kubelet API and the release loop
+/// need to reach a pod's VM.
 #[derive(Clone)]
 pub struct HostHandle {
     /// Node name.
     pub name: String,
     /// The host's provider.
     pub provider: Arc<dyn Provider>,
-    /// The pods bound to the host's node (the agent's watch cache).
-    pub pods: Store<Pod>,
 }
 
 /// The hosts this process serves, filled in as their agents start.
@@ -86,11 +81,16 @@ impl Hosts {
     pub fn list(&self) -> Vec<HostHandle> {
         self.0.lock().expect("hosts poisoned").clone()
     }
+
+    /// The host whose node is `name`, once its agent runs.
+    pub fn get(&self, name: &str) -> Option<HostHandle> {
+        self.0.lock().expect("hosts poisoned").iter().find(|h| h.name == name).cloned()
+    }
 }
 
 /// Run the agent of `host` until `shutdown` is cancelled; registers the host in
-/// `hosts` once its pod watch exists. `vms` is the process's VirtualMachine
-/// watch cache, which decides which pods are VM pods ([`crate::identity`]).
+/// `hosts` once it answers. `watches` are the process's shared watch caches:
+/// the agent's queue is fed from them ([`Watches::node_triggers`]).
 #[instrument(skip_all, fields(node.name = %host.name, provider = provider.kind()))]
 pub async fn run(
     client: Client,
@@ -98,7 +98,7 @@ pub async fn run(
     host: HostConfig,
     provider: Arc<dyn Provider>,
     hosts: Hosts,
-    vms: Store<VirtualMachine>,
+    watches: Watches,
     shutdown: CancellationToken,
 ) {
     let Some(info) = probe(&*provider, &shutdown).await else { return };
@@ -112,41 +112,19 @@ pub async fn run(
         client: client.clone(),
         provider: provider.clone(),
         host: host.clone(),
-        state_dir: config.state_dir.clone(),
-        vms: vms.clone(),
+        watches: watches.clone(),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
     });
 
-    let pods = Controller::new(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().fields(&format!("spec.nodeName={}", host.name)),
-    );
-    // A VirtualMachine change (scale to 0 while its evicted pod is held)
-    // reaches its pod at once rather than at the next requeue.
-    let vm_changes: Api<VirtualMachine> = match &config.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let pods = pods.watches(vm_changes, watcher::Config::default(), |vm: VirtualMachine| {
-        Some(ObjectRef::<Pod>::new(&vm.name_any()).within(&vm.namespace().unwrap_or_default()))
-    });
-    let store = pods.store();
-    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone(), pods: store.clone() });
-    let recorder = record_consoles(provider.clone(), store, vms, config.state_dir.clone(), shutdown.clone());
-    let pods = pods
+    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone() });
+    let recorder = record_consoles(provider.clone(), host.name.clone(), watches.clone(), config.state_dir.clone(), shutdown.clone());
+    let pods = Controller::for_stream(no_objects(), watches.pods.clone())
+        .reconcile_on(watches.node_triggers(&host.name))
         .graceful_shutdown_on(cancelled(shutdown.clone()))
         .run(pods::reconcile, pods::error_policy, agent.clone())
         .for_each(|_| async {});
-    let vms: Api<VirtualMachine> = match &config.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let cleanup = Controller::new(vms, watcher::Config::default())
-        .graceful_shutdown_on(cancelled(shutdown.clone()))
-        .run(cleanup::reconcile, cleanup::error_policy, agent.clone())
-        .for_each(|_| async {});
-    let loops = tokio::spawn(async move { tokio::join!(pods, cleanup, recorder) });
+    let loops = tokio::spawn(async move { tokio::join!(pods, recorder) });
 
     heartbeat(&client, &config, &host, &*provider, info, &shutdown).await;
     let _ = loops.await;
@@ -159,8 +137,8 @@ pub async fn run(
 /// console.
 async fn record_consoles(
     provider: Arc<dyn Provider>,
-    pods: Store<Pod>,
-    vms: Store<VirtualMachine>,
+    node: String,
+    watches: Watches,
     state_dir: PathBuf,
     shutdown: CancellationToken,
 ) {
@@ -174,8 +152,8 @@ async fn record_consoles(
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
         let Some(console) = provider.console() else { return };
-        for pod in pods.state() {
-            let Ok(vm) = crate::identity::resolve_cached(&pod, &vms) else { continue };
+        for pod in watches.pods_on(&node) {
+            let Ok(vm) = crate::identity::resolve_cached(&pod, &watches.vms) else { continue };
             let dir = console::vm_log_dir(&state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0);
             match console::record(console, &vm.spec.id, &dir).await {
                 Ok(_) => {

@@ -65,7 +65,7 @@ pub fn error_policy(pod: Arc<Pod>, error: &Error, _agent: Arc<Agent>) -> Action 
 pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error> {
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     let deleting = pod.metadata.deletion_timestamp.is_some();
-    let vm = match resolve(&pod, &agent.vms, &agent.client).await {
+    let vm = match resolve(&pod, &agent.watches.vms, &agent.client).await {
         Ok(vm) => vm,
         Err(ResolveError::Refused(Refusal::InvalidPod { source, .. })) => {
             let message = source.to_string();

@@ -1,0 +1,119 @@
+//! Deleted VirtualMachines with `deletionPolicy: Delete` whose domain is defined on
+//! a host of this process: once their pods are gone, power off what still runs,
+//! undefine the domain and release the finalizer.
+//!
+//! One loop per process (not one per host), fed by the shared VirtualMachine
+//! watch. It acts only on a VM object that is being deleted and still carries
+//! [`FINALIZER`] (an explicit user action), and only through the host that
+//! holds the VM.
+
+use super::{console, Hosts};
+use crate::controller::release_finalizer;
+use crate::events::{EventSink, Reason};
+use crate::v1alpha1::{DeletionPolicy, VirtualMachine, FINALIZER};
+use crate::watches::{no_objects, Triggers, Watches};
+use futures::StreamExt;
+use kube::runtime::controller::{Action, Controller};
+use kube::{Api, Client, ResourceExt};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, instrument, warn};
+use vmlet_provider::VmId;
+
+/// What the release loop works with.
+pub struct Releaser {
+    client: Client,
+    hosts: Hosts,
+    watches: Watches,
+    events: EventSink,
+    /// Root of vmlet's state (console history, removed with the VM).
+    state_dir: PathBuf,
+}
+
+/// Run the release loop until `shutdown`, fed by `triggers` (subscribed from
+/// `watches` before they started).
+pub async fn run(
+    client: Client,
+    hosts: Hosts,
+    watches: Watches,
+    triggers: Triggers<VirtualMachine>,
+    state_dir: PathBuf,
+    shutdown: CancellationToken,
+) {
+    let releaser = Arc::new(Releaser {
+        events: EventSink::new(client.clone(), "vmlet"),
+        client,
+        hosts,
+        watches: watches.clone(),
+        state_dir,
+    });
+    Controller::for_stream(no_objects(), watches.vms.clone())
+        .reconcile_on(triggers)
+        .graceful_shutdown_on(async move { shutdown.cancelled().await })
+        .run(reconcile, error_policy, releaser)
+        .for_each(|_| async {})
+        .await;
+}
+
+/// Why a cleanup pass failed; the VM requeues with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A provider call failed.
+    #[error(transparent)]
+    Provider(#[from] vmlet_provider::Error),
+    /// Reading or writing an object failed.
+    #[error("{0}: {1}")]
+    Kube(&'static str, #[source] kube::Error),
+}
+
+/// Requeue after a failed pass.
+fn error_policy(vm: Arc<VirtualMachine>, error: &Error, _releaser: Arc<Releaser>) -> Action {
+    warn!(vm.name = %vm.name_any(), %error, "VM cleanup failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// One pass over one VirtualMachine.
+#[instrument(skip_all, fields(vm.namespace = vm.namespace().unwrap_or_default(), vm.name = %vm.name_any()))]
+async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<Action, Error> {
+    let deleting = vm.metadata.deletion_timestamp.is_some() && vm.finalizers().iter().any(|f| f == FINALIZER);
+    if !deleting || vm.spec.deletion_policy != DeletionPolicy::Delete {
+        return Ok(Action::await_change());
+    }
+    let Some(agent) = vm.status.as_ref().and_then(|s| s.node_name.as_deref()).and_then(|n| releaser.hosts.get(n))
+    else {
+        return Ok(Action::await_change());
+    };
+    let namespace = vm.namespace().unwrap_or_default();
+    let uid = vm.uid().unwrap_or_default();
+    if !releaser.watches.pods_of_vm(&namespace, &vm.name_any(), &uid).is_empty() {
+        // The pod sync stops the VM first; come back when its pods are gone.
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    }
+    let id = VmId(uid);
+    if let Some(status) = agent.provider.get(&id).await? {
+        if status.power.is_active() {
+            agent.provider.destroy(&id).await?;
+        }
+        agent.provider.undefine(&id).await?;
+        info!(domain = %status.backend_name, "undefined");
+        let history = console::vm_log_dir(&releaser.state_dir, &namespace, &vm.name_any(), &id.0);
+        if let Err(e) = tokio::fs::remove_dir_all(&history).await {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                warn!(path = %history.display(), error = %e, "console history not removed");
+            }
+        }
+        releaser
+            .events
+            .publish(
+                &*vm,
+                Reason::Undefined,
+                &format!("undefined {} on {} (deletionPolicy Delete)", status.backend_name, agent.name),
+            )
+            .await;
+    }
+    let vms: Api<VirtualMachine> = Api::namespaced(releaser.client.clone(), &namespace);
+    release_finalizer(&vms, &vm).await.map_err(|e| Error::Kube("remove finalizer", e))?;
+    Ok(Action::await_change())
+}
