@@ -10,6 +10,7 @@ pub mod conditions;
 pub mod config;
 pub mod controller;
 pub mod events;
+pub mod failure;
 pub mod identity;
 pub mod node;
 pub mod quantity;

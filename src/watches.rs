@@ -101,20 +101,23 @@ impl Watches {
         // Pods: all namespaces, because a pod of any namespace may be bound to
         // our nodes; filtered before it reaches the store.
         let pod_api: Api<Pod> = Api::all(client.clone());
-        let keep = move |pod: &Pod| {
+        let keep = Arc::new(move |pod: &Pod| {
             let on_our_node = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some_and(|n| nodes.contains(n));
             let vm_pod = pod.labels().contains_key(VM_LABEL)
                 && served_namespace.as_deref().is_none_or(|ns| pod.namespace().as_deref() == Some(ns));
             on_our_node || vm_pod
-        };
+        });
+        let filter = keep.clone();
         let pod_events = watcher(pod_api, watcher::Config::default())
             .default_backoff()
-            .filter_map(move |event| std::future::ready(event.map(|e| only_kept(e, &keep)).transpose()))
+            .filter_map(move |event| std::future::ready(event.map(|e| only_kept(e, &*filter)).transpose()))
             .reflect(pod_writer);
         let router = watches.clone();
         let pod_loop = pod_events.for_each(move |event| {
             if let Ok(event) = event {
-                for pod in touched(&event) {
+                // A change that removed a pod from the store (see `only_kept`)
+                // concerns nobody here.
+                for pod in touched(&event).into_iter().filter(|p| keep(p)) {
                     router.route_pod(pod);
                 }
             }
@@ -189,9 +192,7 @@ impl Watches {
         let name = vm.name_any();
         let nodes = self.routes.nodes.lock().expect("routes poisoned");
         for pod in self.pods.state() {
-            if pod.namespace().as_deref() == Some(namespace.as_str())
-                && pod.labels().get(VM_LABEL) == Some(&name)
-            {
+            if pod.namespace().as_deref() == Some(namespace.as_str()) && pod.labels().get(VM_LABEL) == Some(&name) {
                 if let Some(tx) = node_of(&pod).and_then(|n| nodes.get(n)) {
                     let _ = tx.unbounded_send(ObjectRef::from_obj(&*pod));
                 }

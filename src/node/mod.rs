@@ -9,10 +9,13 @@
 pub mod console;
 pub mod directory;
 pub mod lease;
+pub mod placement;
 pub mod pod_status;
 mod pods;
+pub use pods::PLACED_ELSEWHERE;
 pub mod registration;
 pub mod release;
+pub mod restart;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
@@ -40,10 +43,14 @@ pub struct Agent {
     events: EventSink,
     /// The process's watch caches (see [`crate::watches`]).
     watches: Watches,
+    /// The hosts of this process, asked where a VM is ([`placement`]).
+    hosts: Hosts,
     /// Pods (by UID) whose guest was asked to shut down, and when.
     shutdown_sent: Mutex<HashMap<String, Instant>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
     held: Mutex<HashSet<String>>,
+    /// Per-pod backoff of failed passes.
+    backoff: crate::failure::Backoff,
 }
 
 impl Agent {
@@ -55,6 +62,7 @@ impl Agent {
     fn forget(&self, uid: &str) {
         self.shutdown_sent.lock().expect("agent set poisoned").remove(uid);
         self.held.lock().expect("agent set poisoned").remove(uid);
+        self.backoff.succeeded(uid);
     }
 }
 
@@ -113,12 +121,20 @@ pub async fn run(
         provider: provider.clone(),
         host: host.clone(),
         watches: watches.clone(),
+        hosts: hosts.clone(),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
+        backoff: Default::default(),
     });
 
     hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone() });
-    let recorder = record_consoles(provider.clone(), host.name.clone(), watches.clone(), config.state_dir.clone(), shutdown.clone());
+    let recorder = record_consoles(
+        provider.clone(),
+        host.name.clone(),
+        watches.clone(),
+        config.state_dir.clone(),
+        shutdown.clone(),
+    );
     let pods = Controller::for_stream(no_objects(), watches.pods.clone())
         .reconcile_on(watches.node_triggers(&host.name))
         .graceful_shutdown_on(cancelled(shutdown.clone()))
@@ -187,6 +203,16 @@ async fn probe(provider: &dyn Provider, shutdown: &CancellationToken) -> Option<
     }
 }
 
+/// Whether Node `name` still exists with `uid` (true when it cannot be read:
+/// only a sure "gone" re-registers).
+async fn node_exists(nodes: &Api<Node>, name: &str, uid: &str) -> bool {
+    match nodes.get_metadata_opt(name).await {
+        Ok(Some(node)) => node.metadata.uid.as_deref() == Some(uid),
+        Ok(None) => false,
+        Err(_) => true,
+    }
+}
+
 /// Register the Node, then renew its Lease and refresh its status until
 /// shutdown; finally report NotReady.
 async fn heartbeat(
@@ -234,11 +260,29 @@ async fn heartbeat(
                         let status = registration::node_status(config, host, &info, Readiness::Ready);
                         match registration::write_status(&nodes, &host.name, &status).await {
                             Ok(()) => last_status = Some(Instant::now()),
+                            Err(kube::Error::Api(s)) if s.code == 404 => {
+                                warn!("the Node was deleted; registering it again");
+                                node_uid = None;
+                                last_status = None;
+                                continue;
+                            }
                             Err(e) => warn!(error = %e, "node status write failed"),
                         }
                     }
-                    if let Err(e) = lease::renew(&leases, &host.name, uid, lease_seconds).await {
-                        warn!(error = %e, "lease renewal failed");
+                    match lease::renew(&leases, &host.name, uid, lease_seconds).await {
+                        // The garbage collector removes the Lease of a deleted
+                        // Node: a Lease that had to be created again is the
+                        // first sign. Then register at once, within one lease
+                        // period of the deletion; the VMs' pods come back to
+                        // the node through their placement records.
+                        Ok(lease::Renewal::Created) if !node_exists(&nodes, &host.name, uid).await => {
+                            warn!("the Node was deleted; registering it again");
+                            node_uid = None;
+                            last_status = None;
+                            continue;
+                        }
+                        Ok(_) => {}
+                        Err(e) => warn!(error = %e, "lease renewal failed"),
                     }
                 }
                 Err(e) => {

@@ -1,6 +1,7 @@
-//! Deleted VirtualMachines with `deletionPolicy: Delete` whose domain is defined on
-//! a host of this process: once their pods are gone, power off what still runs,
-//! undefine the domain and release the finalizer.
+//! Deleted VirtualMachines with `deletionPolicy: Delete`: once their pods are
+//! gone, power off what still runs, undefine the VM on every host of this
+//! process that holds it (asked by UID, not from a record that may be
+//! missing), and only then release the finalizer.
 //!
 //! One loop per process (not one per host), fed by the shared VirtualMachine
 //! watch. It acts only on a VM object that is being deleted and still carries
@@ -81,10 +82,12 @@ async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<A
     if !deleting || vm.spec.deletion_policy != DeletionPolicy::Delete {
         return Ok(Action::await_change());
     }
-    let Some(agent) = vm.status.as_ref().and_then(|s| s.node_name.as_deref()).and_then(|n| releaser.hosts.get(n))
-    else {
-        return Ok(Action::await_change());
-    };
+    // The record names a host of another process: that process releases it.
+    if let Some(node) = super::placement::recorded_node(&vm) {
+        if releaser.hosts.get(node).is_none() {
+            return Ok(Action::await_change());
+        }
+    }
     let namespace = vm.namespace().unwrap_or_default();
     let uid = vm.uid().unwrap_or_default();
     if !releaser.watches.pods_of_vm(&namespace, &vm.name_any(), &uid).is_empty() {
@@ -92,26 +95,29 @@ async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<A
         return Ok(Action::requeue(Duration::from_secs(2)));
     }
     let id = VmId(uid);
-    if let Some(status) = agent.provider.get(&id).await? {
+    // Wherever a host of this process holds it (normally the recorded one
+    // alone); a host that does not answer holds the finalizer back.
+    for host in super::placement::holders(&releaser.hosts, &id, super::placement::recorded_node(&vm)).await? {
+        let Some(status) = host.provider.get(&id).await? else { continue };
         if status.power.is_active() {
-            agent.provider.destroy(&id).await?;
+            host.provider.destroy(&id).await?;
         }
-        agent.provider.undefine(&id).await?;
-        info!(domain = %status.backend_name, "undefined");
-        let history = console::vm_log_dir(&releaser.state_dir, &namespace, &vm.name_any(), &id.0);
-        if let Err(e) = tokio::fs::remove_dir_all(&history).await {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                warn!(path = %history.display(), error = %e, "console history not removed");
-            }
-        }
+        host.provider.undefine(&id).await?;
+        info!(node.name = %host.name, domain = %status.backend_name, "undefined");
         releaser
             .events
             .publish(
                 &*vm,
                 Reason::Undefined,
-                &format!("undefined {} on {} (deletionPolicy Delete)", status.backend_name, agent.name),
+                &format!("undefined {} on {} (deletionPolicy Delete)", status.backend_name, host.name),
             )
             .await;
+    }
+    let history = console::vm_log_dir(&releaser.state_dir, &namespace, &vm.name_any(), &id.0);
+    if let Err(e) = tokio::fs::remove_dir_all(&history).await {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            warn!(path = %history.display(), error = %e, "console history not removed");
+        }
     }
     let vms: Api<VirtualMachine> = Api::namespaced(releaser.client.clone(), &namespace);
     release_finalizer(&vms, &vm).await.map_err(|e| Error::Kube("remove finalizer", e))?;
