@@ -13,6 +13,7 @@ pub mod events;
 pub mod identity;
 pub mod node;
 pub mod quantity;
+pub mod storage;
 pub mod streams;
 pub mod v1alpha1;
 pub mod vmpod;
