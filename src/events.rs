@@ -34,6 +34,8 @@ pub enum Reason {
     ProviderFailed,
     /// A pod that is not a VM pod was bound to a virtual node.
     NotAVirtualMachine,
+    /// A VM names a file outside its host's storage roots; it was not defined.
+    StorageNotAllowed,
 }
 
 impl Reason {
@@ -53,11 +55,19 @@ impl Reason {
             Reason::EvictionHeld => "EvictionHeld",
             Reason::ProviderFailed => "ProviderFailed",
             Reason::NotAVirtualMachine => "NotAVirtualMachine",
+            Reason::StorageNotAllowed => "StorageNotAllowed",
         }
     }
 
     fn is_warning(self) -> bool {
-        matches!(self, Reason::ProviderFailed | Reason::NotAVirtualMachine | Reason::EvictionHeld | Reason::InvalidSpec)
+        matches!(
+            self,
+            Reason::ProviderFailed
+                | Reason::NotAVirtualMachine
+                | Reason::EvictionHeld
+                | Reason::InvalidSpec
+                | Reason::StorageNotAllowed
+        )
     }
 }
 

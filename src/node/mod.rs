@@ -13,6 +13,7 @@ pub mod lease;
 pub mod pod_status;
 mod pods;
 pub mod registration;
+mod storage;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
@@ -43,6 +44,8 @@ pub struct Agent {
     state_dir: PathBuf,
     /// The process's watch cache of VirtualMachines (see [`crate::identity`]).
     vms: Store<VirtualMachine>,
+    /// Where VMs' files may come from on this host (see [`crate::storage`]).
+    storage: crate::storage::StorageRoots,
     /// Pods (by UID) whose guest was asked to shut down, and when.
     shutdown_sent: Mutex<HashMap<String, Instant>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
@@ -114,6 +117,7 @@ pub async fn run(
         host: host.clone(),
         state_dir: config.state_dir.clone(),
         vms: vms.clone(),
+        storage: storage::roots_for(&host, &info),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
     });

@@ -105,6 +105,8 @@ enum Started {
     /// The VM no longer wants this pod (the reason): nothing was left defined
     /// or powered on by this pass.
     Abandoned(&'static str),
+    /// The VM names a file outside the host's storage roots: nothing was defined.
+    Refused(crate::storage::StorageRefusal),
 }
 
 async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
@@ -122,6 +124,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             info!(vm.uid = %vm.spec.id, why, "not starting the VM");
             Ok(Action::requeue(TRANSITION * 2))
         }
+        Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
         Err(Error::Provider(e)) => {
             let message = e.to_string();
             agent.events.publish(pod, Reason::ProviderFailed, &message).await;
@@ -150,6 +153,9 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
         None => {
             if let Some(why) = unwanted(pod, vm, agent).await? {
                 return Ok(Started::Abandoned(why));
+            }
+            if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
+                return Ok(Started::Refused(refusal));
             }
             let status = provider.ensure_defined(&vm.spec).await?;
             if let Some(why) = unwanted(pod, vm, agent).await? {
@@ -342,7 +348,7 @@ async fn refuse_plain_pod(pod: &Pod, agent: &Agent, why: &str) -> Result<Action,
 /// Write the status computed by `derive` from the pod's latest version; skipped
 /// when unchanged; retried on conflict with a fresh read (the current
 /// resourceVersion), up to 5 times.
-async fn write_status(pod: &Pod, agent: &Agent, derive: impl Fn(&Pod) -> PodStatus) -> Result<(), Error> {
+pub(super) async fn write_status(pod: &Pod, agent: &Agent, derive: impl Fn(&Pod) -> PodStatus) -> Result<(), Error> {
     let pods: Api<Pod> = Api::namespaced(agent.client.clone(), &pod.namespace().unwrap_or_default());
     let kube_err = |source| Error::Kube { action: "write status of", pod: pod.name_any(), source };
     let mut current = pod.clone();
