@@ -363,6 +363,8 @@ async fn a_vm_whose_image_is_outside_the_storage_roots_is_never_defined() {
     assert_eq!(event.note.as_deref(), Some(message.as_str()));
     assert!(event.series.is_none(), "published more than once: {:?}", event.series);
 
+    // The disks go once the VMs are (libvirt restores their ownership at undefine).
+    drop(env);
     for dir in [root, outside.parent().unwrap().to_owned()] {
         let _ = std::fs::remove_dir_all(dir);
     }
