@@ -112,7 +112,9 @@ Then try:
   kubectl scale virtualmachine/web --replicas=1       # start it again, on the same host
   kubectl describe virtualmachine/web                 # status, conditions, events
   kubectl events                                      # what vmlet did, in order
-  kubectl exec web -- uname -r                        # test-driver hosts have no guest agent: a clear refusal
+  kubectl get pods -l vmlet.io/vm=web                 # the VM's pod: web-<suffix> (status.podName)
+  kubectl exec \$(kubectl get vm web -o jsonpath='{.status.podName}') -- uname -r
+                                                      # test-driver hosts have no guest agent: a clear refusal
                                                       # (hack/test.sh boots a real qemu guest for logs/exec/attach)
   kubectl delete virtualmachine/web                   # power off and undefine
   kubectl apply -f examples/vm.yaml                   # back again (edit name/cpu/memory for more)

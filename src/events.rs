@@ -3,10 +3,13 @@
 
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tracing::debug;
 
 /// Every Event reason vmlet emits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// The controller created a VM's pod.
     CreatedPod,
@@ -36,6 +39,14 @@ pub enum Reason {
     NotAVirtualMachine,
     /// A VM names a file outside its host's storage roots; it was not defined.
     StorageNotAllowed,
+    /// A VM's pod was bound to a host other than the one that holds the VM.
+    PlacedOnAnotherHost,
+    /// The VM's host does not answer (a transient provider failure).
+    HostNotResponding,
+    /// The back end lacks what the VM needs.
+    Unsupported,
+    /// The VM stopped by itself and its restart policy leaves it off.
+    LeftOff,
 }
 
 impl Reason {
@@ -56,6 +67,10 @@ impl Reason {
             Reason::ProviderFailed => "ProviderFailed",
             Reason::NotAVirtualMachine => "NotAVirtualMachine",
             Reason::StorageNotAllowed => "StorageNotAllowed",
+            Reason::PlacedOnAnotherHost => "PlacedOnAnotherHost",
+            Reason::HostNotResponding => "HostNotResponding",
+            Reason::Unsupported => "Unsupported",
+            Reason::LeftOff => "LeftOff",
         }
     }
 
@@ -67,16 +82,31 @@ impl Reason {
                 | Reason::EvictionHeld
                 | Reason::InvalidSpec
                 | Reason::StorageNotAllowed
+                | Reason::PlacedOnAnotherHost
+                | Reason::HostNotResponding
+                | Reason::Unsupported
         )
     }
 }
 
 /// Publishes Events as one reporting component. Failures to publish are logged at
 /// debug level and otherwise ignored: an Event is never worth failing an action.
+///
+/// The same Event (object, reason, note) is published once per
+/// [`REPEAT_AFTER`]: a failure retried with backoff, or a pod refused again at
+/// every pass, does not flood `kubectl get events`.
 #[derive(Clone)]
 pub struct EventSink {
     recorder: Recorder,
+    recent: Arc<Mutex<HashMap<EventKey, Instant>>>,
 }
+
+/// An Event's identity for [`REPEAT_AFTER`]: the object's UID, the reason, a
+/// hash of the note.
+type EventKey = (String, Reason, u64);
+
+/// How long an identical Event is not published again.
+pub const REPEAT_AFTER: Duration = Duration::from_secs(600);
 
 impl EventSink {
     /// A sink reporting as `component` (e.g. `vmlet-controller`, `vmlet/host-a`).
@@ -85,11 +115,36 @@ impl EventSink {
             controller: component.to_owned(),
             instance: hostname::get().ok().and_then(|h| h.into_string().ok()),
         };
-        EventSink { recorder: Recorder::new(client, reporter) }
+        EventSink { recorder: Recorder::new(client, reporter), recent: Arc::default() }
     }
 
-    /// Publish `reason` with `note` (at most 1 KiB is kept) about `object`.
+    /// Whether this Event was published within [`REPEAT_AFTER`]; records it
+    /// as published now otherwise.
+    fn seen_recently(&self, object: &str, reason: Reason, note: &str) -> bool {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut hasher = DefaultHasher::new();
+        note.hash(&mut hasher);
+        let key = (object.to_owned(), reason, hasher.finish());
+        let mut recent = self.recent.lock().expect("events poisoned");
+        if recent.get(&key).is_some_and(|at| at.elapsed() < REPEAT_AFTER) {
+            return true;
+        }
+        if recent.len() >= 10_000 {
+            recent.retain(|_, at| at.elapsed() < REPEAT_AFTER);
+        }
+        recent.insert(key, Instant::now());
+        false
+    }
+
+    /// Publish `reason` with `note` (at most 1 KiB is kept) about `object`,
+    /// unless the same was published within [`REPEAT_AFTER`].
     pub async fn publish<K: Resource<DynamicType = ()>>(&self, object: &K, reason: Reason, note: &str) {
+        let object_ref = object.object_ref(&());
+        let identity =
+            object_ref.uid.clone().unwrap_or_else(|| format!("{:?}/{:?}", object_ref.namespace, object_ref.name));
+        if self.seen_recently(&identity, reason, note) {
+            return;
+        }
         let mut note = note.to_owned();
         if note.len() > 1024 {
             let mut end = 1021;
@@ -106,7 +161,7 @@ impl EventSink {
             action: reason.as_str().to_owned(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&event, &object.object_ref(&())).await {
+        if let Err(e) = self.recorder.publish(&event, &object_ref).await {
             debug!(error = %e, reason = reason.as_str(), "event not published");
         }
     }

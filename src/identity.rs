@@ -13,9 +13,10 @@
 //!    (read from the API server or its watch cache, never from the pod);
 //! 3. the pod's hints agree: annotation `vmlet.io/vm-uid` is `U` and label
 //!    `vmlet.io/vm` is `N`;
-//! 4. it is the pod the controller makes for the VM: today the one named `N`
-//!    (so a second, hand-made pod of the same namespace claiming the VM drives
-//!    nothing).
+//! 4. it is the pod the controller designated for the VM: its name is the
+//!    VirtualMachine's `status.podName`, which the controller writes before it
+//!    creates the pod (so a second, hand-made pod of the same namespace claiming
+//!    the VM, or an earlier pod still terminating, drives nothing).
 //!
 //! Every access path uses this one check, on every use (nothing is cached per
 //! pod, so an edited annotation or ownerReference is seen at once): the pod
@@ -73,13 +74,15 @@ pub enum Refusal {
         /// What the owner says it must be.
         expected: String,
     },
-    /// The pod claims a VM whose pod has another name.
-    #[error("pod {pod} claims VirtualMachine {name}, whose pod is named {name}: only that pod drives the VM")]
+    /// The pod claims a VM whose current pod is another one (or none).
+    #[error("pod {pod} claims VirtualMachine {name}, whose current pod is {current}: only that pod drives the VM")]
     NotTheVmsPod {
         /// `namespace/name` of the pod.
         pod: String,
         /// The VirtualMachine name.
         name: String,
+        /// The VirtualMachine's `status.podName` (`none` when unset).
+        current: String,
     },
     /// The pod is its VM's own, but its VM description cannot be read.
     #[error("pod {pod}: {source}")]
@@ -153,8 +156,13 @@ pub fn verify(pod: &Pod, vm: Option<&VirtualMachine>) -> Result<PodVm, Refusal> 
     };
     hint("metadata.annotations[vmlet.io/vm-uid]", pod.annotations().get(UID_ANNOTATION), &actual)?;
     hint("metadata.labels[vmlet.io/vm]", pod.labels().get(VM_LABEL), &owner.name)?;
-    if pod.name_any() != owner.name {
-        return Err(Refusal::NotTheVmsPod { pod: name(), name: owner.name.clone() });
+    let current = vm.status.as_ref().and_then(|s| s.pod_name.as_deref());
+    if current != Some(pod.name_any().as_str()) {
+        return Err(Refusal::NotTheVmsPod {
+            pod: name(),
+            name: owner.name.clone(),
+            current: current.unwrap_or("none").to_owned(),
+        });
     }
     let resolved = vm_from_pod(pod).map_err(|source| Refusal::InvalidPod { pod: name(), source })?;
     debug_assert_eq!(resolved.spec.id.0, actual);
@@ -182,9 +190,11 @@ pub async fn resolve(pod: &Pod, vms: &Store<VirtualMachine>, client: &Client) ->
         return Err(verify(pod, None).expect_err("no owner is refused").into());
     };
     let namespace = pod.namespace().unwrap_or_default();
+    // The cache may lag (a VM created or a pod designated a moment ago): only
+    // its "yes" is final; any "no" is checked against a fresh read.
     if let Some(vm) = vms.get(&ObjectRef::new(&owner.name).within(&namespace)) {
-        if vm.uid().as_deref() == Some(owner.uid.as_str()) {
-            return Ok(verify(pod, Some(&vm))?);
+        if let Ok(resolved) = verify(pod, Some(&vm)) {
+            return Ok(resolved);
         }
     }
     let api: Api<VirtualMachine> = Api::namespaced(client.clone(), &namespace);
@@ -262,8 +272,23 @@ mod tests {
     #[test]
     fn a_second_pod_of_the_same_namespace_claiming_the_vm_is_refused() {
         let (vm, mut pod) = vm_and_pod("team-a", "web");
-        pod.metadata.name = Some("evil".into());
+        pod.metadata.name = Some("web-evil1".into());
         assert!(matches!(refusal(&pod, Some(&vm)), Refusal::NotTheVmsPod { .. }));
+    }
+
+    #[test]
+    fn an_earlier_pod_of_the_vm_no_longer_drives_it() {
+        let (mut vm, pod) = vm_and_pod("team-a", "web");
+        vm.status.as_mut().unwrap().pod_name = Some("web-b2c4d".into());
+        match refusal(&pod, Some(&vm)) {
+            Refusal::NotTheVmsPod { current, .. } => assert_eq!(current, "web-b2c4d"),
+            other => panic!("{other:?}"),
+        }
+        vm.status.as_mut().unwrap().pod_name = None;
+        match refusal(&pod, Some(&vm)) {
+            Refusal::NotTheVmsPod { current, .. } => assert_eq!(current, "none"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

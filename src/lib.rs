@@ -10,6 +10,7 @@ pub mod conditions;
 pub mod config;
 pub mod controller;
 pub mod events;
+pub mod failure;
 pub mod identity;
 pub mod node;
 pub mod quantity;
@@ -17,6 +18,7 @@ pub mod storage;
 pub mod streams;
 pub mod v1alpha1;
 pub mod vmpod;
+pub mod watches;
 
 #[cfg(test)]
 mod testing;

@@ -120,26 +120,13 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
 
-    // One VirtualMachine watch for the process: it decides which pods are VM
-    // pods (vmlet::identity) for the agents, the recorder and the kubelet API.
-    let (vms, vms_writer) = kube::runtime::reflector::store();
-    let vms_api: kube::Api<vmlet::v1alpha1::VirtualMachine> = match &config.namespace {
-        Some(ns) => kube::Api::namespaced(client.clone(), ns),
-        None => kube::Api::all(client.clone()),
-    };
-    {
-        use futures::StreamExt as _;
-        use kube::runtime::WatchStreamExt as _;
-        let watch = kube::runtime::watcher(vms_api, kube::runtime::watcher::Config::default()).default_backoff();
-        let reflector = kube::runtime::reflector(vms_writer, watch).for_each(|_| std::future::ready(()));
-        let stop = shutdown.child_token();
-        tasks.spawn(async move {
-            tokio::select! {
-                () = reflector => {}
-                () = stop.cancelled() => {}
-            }
-        });
-    }
+    // One pod watch and one VirtualMachine watch for the whole process,
+    // shared by the controller, the release loop, every host agent and the
+    // kubelet API (vmlet::watches).
+    let (watches, writers) = vmlet::watches::Watches::new(&config);
+    let release_triggers = watches.vm_triggers();
+    let controller_triggers = config.controller.then(|| watches.vm_triggers());
+    watches.start(writers, &client, &config, shutdown.child_token());
 
     let hosts = vmlet::node::Hosts::default();
     for host in &config.hosts {
@@ -150,22 +137,36 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
             host.clone(),
             provider,
             hosts.clone(),
-            vms.clone(),
+            watches.clone(),
             shutdown.child_token(),
         ));
     }
+    tasks.spawn(vmlet::node::release::run(
+        client.clone(),
+        hosts.clone(),
+        watches.clone(),
+        release_triggers,
+        config.state_dir.clone(),
+        shutdown.child_token(),
+    ));
     let api = config.kubelet_api.clone().resolve(
         config.node_ip,
         config.kubelet_port,
         &config.hosts.iter().map(|h| h.name.clone()).collect::<Vec<_>>(),
     );
     let directory =
-        Arc::new(vmlet::node::directory::Directory::new(hosts.clone(), vms.clone(), config.state_dir.clone()));
+        Arc::new(vmlet::node::directory::Directory::new(hosts.clone(), watches.clone(), config.state_dir.clone()));
     let server = vmlet::api::Server::bind(api, directory, client.clone()).await.context("starting the kubelet API")?;
     info!(listen = %server.local_addr(), "kubelet API listening");
     tasks.spawn(server.run(shutdown.child_token()));
-    if config.controller {
-        tasks.spawn(vmlet::controller::run(client.clone(), config.namespace.clone(), shutdown.child_token()));
+    if let Some(triggers) = controller_triggers {
+        tasks.spawn(vmlet::controller::run(
+            client.clone(),
+            config.namespace.clone(),
+            watches.clone(),
+            triggers,
+            shutdown.child_token(),
+        ));
     }
     info!(hosts = config.hosts.len(), controller = config.controller, "vmlet running");
 

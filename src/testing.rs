@@ -57,6 +57,11 @@ impl VmBuilder {
         self.0.status.get_or_insert_with(VirtualMachineStatus::default).node_name = Some(host.into());
         self
     }
+    /// `status.podName`: the controller named the VM's pod.
+    pub fn pod_name(mut self, pod: &str) -> Self {
+        self.0.status.get_or_insert_with(VirtualMachineStatus::default).pod_name = Some(pod.into());
+        self
+    }
     /// The built object.
     pub fn build(self) -> VirtualMachine {
         self.0
@@ -70,7 +75,12 @@ pub struct PodBuilder(Pod);
 impl PodBuilder {
     /// A pending, unscheduled pod for `vm`.
     pub fn for_vm(vm: &VirtualMachine) -> Self {
-        let mut pod = crate::vmpod::pod_for_vm(vm, "AllNamespaces", None).unwrap();
+        let name = vm
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_name.clone())
+            .unwrap_or_else(|| format!("{}-x7k2p", vm.metadata.name.as_deref().unwrap_or_default()));
+        let mut pod = crate::vmpod::pod_for_vm(vm, &name, "AllNamespaces", None).unwrap();
         pod.metadata.uid = Some("pod-uid-1".into());
         pod.status = Some(PodStatus { phase: Some("Pending".into()), ..PodStatus::default() });
         PodBuilder(pod)
@@ -131,9 +141,10 @@ pub fn vm_and_pod(namespace: &str, name: &str) -> (VirtualMachine, Pod) {
     use std::hash::{DefaultHasher, Hash, Hasher};
     let mut hasher = DefaultHasher::new();
     (namespace, name).hash(&mut hasher);
-    let mut vm = VmBuilder::new(name).build();
+    let pod_name = format!("{name}-x7k2p");
+    let mut vm = VmBuilder::new(name).pod_name(&pod_name).build();
     vm.metadata.namespace = Some(namespace.into());
     vm.metadata.uid = Some(format!("6d0c1e52-0000-4000-8000-{:012x}", hasher.finish() & 0xffff_ffff_ffff));
-    let pod = crate::vmpod::pod_for_vm(&vm, namespace, None).expect("a valid VM makes a pod");
+    let pod = crate::vmpod::pod_for_vm(&vm, &pod_name, namespace, None).expect("a valid VM makes a pod");
     (vm, pod)
 }

@@ -109,6 +109,16 @@ pub struct VirtualMachineSpec {
     )]
     pub priority_class_name: Option<String>,
 
+    /// What happens when the VM stops by itself, as a pod's restartPolicy:
+    /// `Always` (default) starts it again; `OnFailure` starts it again after a
+    /// crash or a power-off from the host (`virsh destroy`), and leaves it off
+    /// after the guest powered itself off; `Never` leaves it off either way.
+    /// A VM left off reads phase `Stopped` with the reason; `spec.replicas`
+    /// stays 1 (vmlet never writes the spec): start it again with
+    /// `kubectl scale vm/<name> --replicas=0`, then `--replicas=1`.
+    #[serde(default)]
+    pub restart_policy: RestartPolicy,
+
     /// How a stop powers the VM off: `Soft` asks the guest (ACPI) and waits,
     /// `Hard` cuts power at once, `TrySoft` asks the guest and cuts power after
     /// `shutdownTimeoutSeconds`.
@@ -197,6 +207,30 @@ pub enum PowerOffMode {
     TrySoft,
 }
 
+/// [`VirtualMachineSpec::restart_policy`].
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RestartPolicy {
+    /// Start the VM again whenever it stops by itself.
+    #[default]
+    Always,
+    /// Start it again after a crash or a power-off from the host; a guest
+    /// that powered itself off stays off.
+    OnFailure,
+    /// Never start it again by itself.
+    Never,
+}
+
+impl RestartPolicy {
+    /// The name used in the CRD and in the pod's `restartPolicy`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartPolicy::Always => "Always",
+            RestartPolicy::OnFailure => "OnFailure",
+            RestartPolicy::Never => "Never",
+        }
+    }
+}
+
 /// What deleting a VirtualMachine does to its IaaS VM.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DeletionPolicy {
@@ -229,6 +263,10 @@ pub struct VirtualMachineStatus {
     /// The host (node) the VM runs on, or where its definition stays while stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
+    /// Where the VM lives: the placement record, written by the node agent
+    /// that defines the VM before it powers it on (see [`Placement`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Placement>,
     /// The VM's current pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_name: Option<String>,
@@ -241,6 +279,23 @@ pub struct VirtualMachineStatus {
     /// Conditions: `Ready`, `Scheduled`, `ProviderError`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// The placement record: the one authority on which host holds a VM.
+///
+/// Written by the agent that defines the VM, before it powers the VM on, and
+/// guarded by the VirtualMachine's resourceVersion, so two agents never both
+/// claim a VM. Every later pod of the VM is pinned to `nodeName`; an agent of
+/// another host never defines it. Only a completed migration moves it.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Placement {
+    /// The node (hypervisor host) that holds the VM's definition.
+    pub node_name: String,
+    /// The back end's id of the VM there (libvirt domain UUID, Nova server id,
+    /// vSphere MoRef), once known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend_id: Option<String>,
 }
 
 /// Lifecycle phase of a VirtualMachine.

@@ -4,15 +4,16 @@
 //! pod) and the node agent (which reads it to drive the provider). The pod carries
 //! everything the agent needs, so the agent acts on the pod alone:
 //!
-//! - `metadata.name` = the VM's name, label `vmlet.io/vm=<name>`, a controller
-//!   ownerReference to the VM;
+//! - `metadata.name` = `<vm>-<suffix>` ([`new_pod_name`]), recorded in the VM's
+//!   `status.podName` before the pod is created; label `vmlet.io/vm=<name>`, a
+//!   controller ownerReference to the VM;
 //! - annotation `vmlet.io/vm-uid` = the VM's UID, the provider identity;
 //! - annotations `vmlet.io/image`, `vmlet.io/kernel-boot`, `vmlet.io/power-off-mode`;
 //! - one container `vm` whose requests and limits are the VM's cpu and memory;
 //! - `terminationGracePeriodSeconds` = `spec.shutdownTimeoutSeconds`.
 
 use crate::quantity;
-use crate::v1alpha1::{PowerOffMode, VirtualMachine, VM_LABEL};
+use crate::v1alpha1::{PowerOffMode, RestartPolicy, VirtualMachine, VM_LABEL};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -37,7 +38,29 @@ pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
 /// Taint key of virtual nodes that VM pods tolerate (any value, effect NoSchedule).
 pub const VIRTUAL_NODE_TAINT_KEY: &str = crate::config::DEFAULT_TAINT_KEY;
 
-/// The pod a VirtualMachine runs through. `scope` is the controller's
+/// A fresh name for a pod of VM `vm`: `<vm>-<suffix>`, the suffix five
+/// characters of Kubernetes' generateName alphabet (no vowels, no look-alikes),
+/// random per call, so `kubectl get pods` lists a VM's pods under its name and
+/// an old pod still terminating never blocks the name of its successor.
+pub fn new_pod_name(vm: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write(vm.as_bytes());
+    hasher
+        .write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    let mut bits = hasher.finish();
+    let suffix: String = (0..5)
+        .map(|_| {
+            let c = ALPHABET[(bits % ALPHABET.len() as u64) as usize] as char;
+            bits /= ALPHABET.len() as u64;
+            c
+        })
+        .collect();
+    format!("{vm}-{suffix}")
+}
+
+/// The pod named `pod_name` that a VirtualMachine runs through. `scope` is the controller's
 /// [`crate::config::Config::scope`]: the pod selects nodes of that scope only.
 /// `home` is the host where its domain is already defined (`status.nodeName` of
 /// a stopped VM): the pod is pinned there so that a start powers on the same
@@ -45,7 +68,12 @@ pub const VIRTUAL_NODE_TAINT_KEY: &str = crate::config::DEFAULT_TAINT_KEY;
 ///
 /// Errors: `spec.resources.memory` does not parse (the API server's pattern should
 /// have refused it already).
-pub fn pod_for_vm(vm: &VirtualMachine, scope: &str, home: Option<&str>) -> Result<Pod, quantity::QuantityError> {
+pub fn pod_for_vm(
+    vm: &VirtualMachine,
+    pod_name: &str,
+    scope: &str,
+    home: Option<&str>,
+) -> Result<Pod, quantity::QuantityError> {
     let spec = &vm.spec;
     quantity::parse_bytes(&spec.resources.memory)?;
     let name = vm.name_any();
@@ -97,7 +125,7 @@ pub fn pod_for_vm(vm: &VirtualMachine, scope: &str, home: Option<&str>) -> Resul
 
     Ok(Pod {
         metadata: ObjectMeta {
-            name: Some(name.clone()),
+            name: Some(pod_name.to_owned()),
             namespace: vm.namespace(),
             labels: Some(BTreeMap::from([(VM_LABEL.to_owned(), name)])),
             annotations: Some(annotations),
@@ -119,7 +147,7 @@ pub fn pod_for_vm(vm: &VirtualMachine, scope: &str, home: Option<&str>) -> Resul
                 }),
                 ..Container::default()
             }],
-            restart_policy: Some("Always".to_owned()),
+            restart_policy: Some(spec.restart_policy.as_str().to_owned()),
             termination_grace_period_seconds: Some(spec.shutdown_timeout_seconds),
             node_selector: Some(node_selector),
             affinity: spec.affinity.clone(),
@@ -148,6 +176,8 @@ pub struct PodVm {
     pub spec: VmSpec,
     /// How to power the VM off when the pod is deleted.
     pub power_off_mode: PowerOffMode,
+    /// What to do when the VM stops by itself (the pod's `restartPolicy`).
+    pub restart_policy: RestartPolicy,
 }
 
 /// Why a pod cannot be read as a VM pod.
@@ -219,6 +249,11 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             kernel_boot,
         },
         power_off_mode,
+        restart_policy: match pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) {
+            Some("OnFailure") => RestartPolicy::OnFailure,
+            Some("Never") => RestartPolicy::Never,
+            _ => RestartPolicy::Always,
+        },
     })
 }
 
@@ -235,8 +270,8 @@ mod tests {
             .image("/img/web.qcow2")
             .kernel_boot("/boot/vmlinuz", "/boot/initrd.img", "console=ttyS0")
             .build();
-        let pod = pod_for_vm(&vm, "team-a", None).unwrap();
-        assert_eq!(pod.metadata.name.as_deref(), Some("web"));
+        let pod = pod_for_vm(&vm, "web-x7k2p", "team-a", None).unwrap();
+        assert_eq!(pod.metadata.name.as_deref(), Some("web-x7k2p"));
         assert_eq!(pod.labels().get(VM_LABEL).map(String::as_str), Some("web"));
         let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!((owner.kind.as_str(), owner.controller), ("VirtualMachine", Some(true)));
@@ -255,6 +290,7 @@ mod tests {
         assert_eq!(read.spec.memory_bytes, 1 << 30);
         assert_eq!(read.spec.image.as_deref(), Some("/img/web.qcow2"));
         assert_eq!(read.power_off_mode, PowerOffMode::TrySoft);
+        assert_eq!(read.restart_policy, RestartPolicy::Always);
         let boot = read.spec.kernel_boot.unwrap();
         assert_eq!((boot.kernel.as_str(), boot.initrd.as_deref()), ("/boot/vmlinuz", Some("/boot/initrd.img")));
         assert_eq!(boot.cmdline.as_deref(), Some("console=ttyS0"));
@@ -262,7 +298,7 @@ mod tests {
 
     #[test]
     fn pod_tolerates_the_virtual_node_taint_and_outages_forever() {
-        let pod = pod_for_vm(&VmBuilder::new("web").build(), "AllNamespaces", None).unwrap();
+        let pod = pod_for_vm(&VmBuilder::new("web").build(), "web-x7k2p", "AllNamespaces", None).unwrap();
         let tolerations = pod.spec.unwrap().tolerations.unwrap();
         let keys: Vec<_> = tolerations.iter().map(|t| (t.key.clone().unwrap(), t.toleration_seconds)).collect();
         assert!(keys.contains(&("virtual-kubelet.io/provider".into(), None)));
@@ -272,9 +308,20 @@ mod tests {
 
     #[test]
     fn a_stopped_vm_starts_again_on_its_home_host() {
-        let pod = pod_for_vm(&VmBuilder::new("web").build(), "AllNamespaces", Some("host-b")).unwrap();
+        let pod = pod_for_vm(&VmBuilder::new("web").build(), "web-x7k2p", "AllNamespaces", Some("host-b")).unwrap();
         let selector = pod.spec.unwrap().node_selector.unwrap();
         assert_eq!(selector.get("kubernetes.io/hostname").map(String::as_str), Some("host-b"));
+    }
+
+    #[test]
+    fn pod_names_start_with_the_vm_name_and_differ_each_time() {
+        let names: std::collections::HashSet<String> = (0..50).map(|_| new_pod_name("web")).collect();
+        assert_eq!(names.len(), 50);
+        for name in names {
+            let suffix = name.strip_prefix("web-").expect("the VM name comes first");
+            assert_eq!(suffix.len(), 5);
+            assert!(suffix.bytes().all(|c| b"bcdfghjklmnpqrstvwxz2456789".contains(&c)), "{name}");
+        }
     }
 
     #[test]

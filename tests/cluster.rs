@@ -97,12 +97,13 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     let node = status.node_name.clone().unwrap();
     assert!(node == env.node("a") || node == env.node("b"), "bound to {node}");
     assert_eq!((status.replicas, status.ready_replicas), (1, 1));
-    assert_eq!(status.pod_name.as_deref(), Some("web"));
+    let pod_name = status.pod_name.clone().unwrap();
+    assert!(pod_name.starts_with("web-") && pod_name.len() == "web-".len() + 5, "pod {pod_name}");
     assert_eq!(status.selector.as_deref(), Some("vmlet.io/vm=web"));
     let provider_id = status.provider_id.clone().unwrap();
     assert!(provider_id.starts_with("libvirt://"), "{provider_id}");
 
-    let pod = env.pods().get("web").await.unwrap();
+    let pod = env.pods().get(&pod_name).await.unwrap();
     assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some(node.as_str()));
     assert_eq!(pod.status.as_ref().unwrap().phase.as_deref(), Some("Running"));
     assert_eq!(condition(&pod, "Ready").unwrap().0, "True");
@@ -118,12 +119,12 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     // writes its Scheduled event in the background, in no set order with the
     // pod's progress, so wait for the event rather than expect it by now.
     let scheduled = env
-        .wait_for("the Scheduled event of pod web", || {
+        .wait_for("the Scheduled event of the VM's pod", || {
             let reporters = env.kubectl(&[
                 "get",
                 "events",
                 "--field-selector",
-                "reason=Scheduled,involvedObject.name=web",
+                &format!("reason=Scheduled,involvedObject.name={pod_name}"),
                 "-o",
                 "jsonpath={.items[*].reportingComponent}",
             ]);
@@ -137,19 +138,21 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     assert!(row.contains("Running") && row.contains(&node), "{table}");
 
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
-    env.wait_pod_gone("web").await;
+    env.wait_vm_pods_gone("web").await;
     let stopped = env.wait_vm_phase("web", "Stopped").await.status.unwrap();
     assert_eq!(stopped.node_name.as_deref(), Some(node.as_str()), "a stopped VM stays on its host");
     assert_eq!((stopped.replicas, stopped.ready_replicas), (0, 0));
+    assert_eq!(stopped.pod_name, None, "a stopped VM names no pod");
 
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
     let restarted = env.wait_vm_phase("web", "Running").await.status.unwrap();
     assert_eq!(restarted.node_name.as_deref(), Some(node.as_str()), "started again on the same host");
     assert_eq!(restarted.provider_id.as_deref(), Some(provider_id.as_str()), "the same domain (UUID) runs again");
+    assert_ne!(restarted.pod_name.as_deref(), Some(pod_name.as_str()), "each start has a pod of its own");
 
     env.kubectl(&["delete", "virtualmachine/web", "--wait=true", "--timeout=120s"]);
     assert!(env.vms().get_opt("web").await.unwrap().is_none());
-    assert!(env.pods().get_opt("web").await.unwrap().is_none());
+    env.wait_vm_pods_gone("web").await;
 }
 
 #[tokio::test]
@@ -250,7 +253,7 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
     assert!(env.apply(&serde_yaml::to_string(&minimal).unwrap()).status.success());
     let vm = env.wait_vm_phase("web-1", "Running").await;
     assert_eq!((vm.spec.resources.cpu, vm.spec.resources.memory.as_str()), (1, "512Mi"));
-    let pod = env.pods().get("web-1").await.unwrap();
+    let pod = env.vm_pod("web-1").await;
     let requests = pod.spec.unwrap().containers[0].resources.clone().unwrap().requests.unwrap();
     assert_eq!((requests["cpu"].0.as_str(), requests["memory"].0.as_str()), ("1", "512Mi"));
 
@@ -279,8 +282,10 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
     let stopped = std::fs::read_to_string(cases.join("good-stopped.yaml")).unwrap();
     assert!(env.apply(&stopped).status.success());
     let vm = env.wait_vm_phase("batch-7", "Stopped").await;
-    assert_eq!(vm.status.unwrap().observed_generation, vm.metadata.generation);
-    assert!(env.pods().get_opt("batch-7").await.unwrap().is_none());
+    assert_eq!(vm.status.as_ref().unwrap().observed_generation, vm.metadata.generation);
+    let pods = env.pods().list(&kube::api::ListParams::default().labels("vmlet.io/vm=batch-7")).await.unwrap();
+    assert!(pods.items.is_empty(), "a stopped VM got a pod");
+    assert_eq!(vm.status.unwrap().pod_name, None);
 }
 
 /// A hand-made pod that names a running VM's UID (and even claims its owner)
@@ -296,7 +301,7 @@ async fn a_forged_pod_naming_a_vm_cannot_start_stop_or_adopt_it() {
 
     let forged: Pod = serde_json::from_value(json!({
         "metadata": {
-            "name": "evil",
+            "name": "web-evil1",
             "labels": {"vmlet.io/vm": "web"},
             "annotations": {"vmlet.io/vm-uid": uid, "vmlet.io/power-off-mode": "Hard"},
             "ownerReferences": [{"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine", "name": "web",
@@ -312,11 +317,11 @@ async fn a_forged_pod_naming_a_vm_cannot_start_stop_or_adopt_it() {
     .unwrap();
     env.pods().create(&PostParams::default(), &forged).await.unwrap();
     let pods = env.pods();
-    let reason = env.wait_pod_failed(&pods, "evil").await;
+    let reason = env.wait_pod_failed(&pods, "web-evil1").await;
     assert_eq!(reason.as_deref(), Some("NotAVirtualMachine"));
 
-    env.kubectl(&["delete", "pod", "evil", "--wait=true", "--timeout=60s"]);
-    let pod = env.pods().get("web").await.unwrap();
+    env.kubectl(&["delete", "pod", "web-evil1", "--wait=true", "--timeout=60s"]);
+    let pod = env.vm_pod("web").await;
     let container = &pod.status.unwrap().container_statuses.unwrap()[0];
     assert_eq!(container.restart_count, 0, "the VM was not powered off");
     assert!(container.state.as_ref().unwrap().running.is_some());
@@ -338,19 +343,20 @@ async fn an_annotation_edited_to_another_vms_uid_retargets_nothing() {
     let web_domain = web.status.unwrap().provider_id.unwrap();
     let db_domain = db.status.unwrap().provider_id.unwrap();
     let db_uid = db.metadata.uid.unwrap();
-    let web_pod_uid = env.pods().get("web").await.unwrap().metadata.uid.unwrap();
+    let web_pod = env.pod_of("web").await;
 
     let patch = json!({"metadata": {"annotations": {"vmlet.io/vm-uid": db_uid}}});
-    env.pods().patch("web", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await.unwrap();
+    env.pods().patch(&web_pod, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await.unwrap();
     // The edited pod is refused and replaced; the replacement runs web's own domain.
-    let pods = env.pods();
+    let (vms, pods) = (env.vms(), env.pods());
     env.wait_for("web's pod to be replaced", || {
-        let pods = pods.clone();
-        let old = web_pod_uid.clone();
+        let (vms, pods) = (vms.clone(), pods.clone());
+        let old = web_pod.clone();
         async move {
-            let pod = pods.get_opt("web").await.ok()??;
+            let name = vms.get("web").await.ok()?.status?.pod_name?;
+            let pod = pods.get_opt(&name).await.ok()??;
             let running = pod.status?.phase.as_deref() == Some("Running");
-            (pod.metadata.uid? != old && running).then_some(())
+            (name != old && running).then_some(())
         }
     })
     .await;
@@ -358,7 +364,7 @@ async fn an_annotation_edited_to_another_vms_uid_retargets_nothing() {
     assert_eq!(web.status.unwrap().provider_id.as_deref(), Some(web_domain.as_str()), "web's own domain runs");
     let db = env.wait_vm_phase("db", "Running").await;
     assert_eq!(db.status.unwrap().provider_id.as_deref(), Some(db_domain.as_str()), "db's domain is untouched");
-    let db_pod = env.pods().get("db").await.unwrap();
+    let db_pod = env.vm_pod("db").await;
     assert_eq!(db_pod.status.unwrap().container_statuses.unwrap()[0].restart_count, 0, "db was not power-cycled");
 }
 
@@ -387,7 +393,7 @@ async fn a_drained_vm_is_held_running_until_it_is_stopped() {
         })
         .await;
     assert_eq!(serde_json::to_value(held.phase).unwrap(), "Running");
-    let pod = env.pods().get("web").await.unwrap();
+    let pod = env.vm_pod("web").await;
     assert!(pod.metadata.deletion_timestamp.is_some(), "the evicted pod is terminating");
     let container = &pod.status.unwrap().container_statuses.unwrap()[0];
     assert!(container.state.as_ref().unwrap().running.is_some(), "the VM was not powered off");
@@ -406,4 +412,122 @@ async fn a_drained_vm_is_held_running_until_it_is_stopped() {
     for expected in ["EvictionHeld", "ShuttingDown", "Stopped"] {
         assert!(reasons.contains(&expected), "no {expected} event: {reasons:?}");
     }
+}
+
+/// The placement record is written by the agent that defines the VM, before
+/// it powers it on: it exists even when the controller was down the whole
+/// time. The VM's next pod is pinned to that host, waits while that host is
+/// cordoned (however free another host is), and runs there once it is back;
+/// no other host ever defines the VM.
+#[tokio::test]
+async fn a_vm_placed_while_the_controller_was_down_returns_to_its_host() {
+    let mut env = TestEnv::new("placed").await;
+    let (a, b) = (env.node("a"), env.node("b"));
+    env.start_split(&two_hosts());
+    env.wait_node_ready(&a).await;
+    env.wait_node_ready(&b).await;
+    env.kubectl(&["cordon", &a]);
+    env.kubectl(&["cordon", &b]);
+    env.apply_vm("web", json!({}));
+    let first = env.pod_of("web").await;
+    env.kill_controller();
+
+    // Only b is open: the scheduler binds the pod there, the agent defines
+    // the VM, records b and powers it on. Nobody mirrors the pod into the
+    // VM's status: the record is the agent's own.
+    env.kubectl(&["uncordon", &b]);
+    assert_eq!(env.wait_pod_running(&first).await, b);
+    let placement = env.vms().get("web").await.unwrap().status.unwrap().placement.expect("a placement record");
+    assert_eq!(placement.node_name, b);
+    assert!(placement.backend_id.is_some_and(|id| !id.is_empty()), "the record names the domain");
+
+    // Stopped through its pod while the controller is still down, then the
+    // scheduler would pick a (b is cordoned now) if the pod were not pinned.
+    env.kubectl(&["delete", "pod", &first, "--wait=true", "--timeout=90s"]);
+    env.kubectl(&["uncordon", &a]);
+    env.kubectl(&["cordon", &b]);
+    env.start_controller();
+    let vms = env.vms();
+    let second = env
+        .wait_for("a new pod named by the controller", || {
+            let vms = vms.clone();
+            let first = first.clone();
+            async move { vms.get("web").await.ok()?.status?.pod_name.filter(|p| *p != first) }
+        })
+        .await;
+    let pod = env.pods().get(&second).await.unwrap();
+    let spec = pod.spec.unwrap();
+    assert_eq!(spec.node_selector.unwrap().get("kubernetes.io/hostname"), Some(&b), "pinned to the recorded host");
+    let scheduled = env
+        .wait_for("the pinned pod to be found unschedulable", || {
+            let pods = env.pods();
+            let second = second.clone();
+            async move {
+                let pod = pods.get(&second).await.ok()?;
+                condition(&pod, "PodScheduled").filter(|(status, _)| status == "False")
+            }
+        })
+        .await;
+    assert!(env.pods().get(&second).await.unwrap().spec.unwrap().node_name.is_none(), "{scheduled:?}");
+
+    env.kubectl(&["uncordon", &b]);
+    assert_eq!(env.wait_pod_running(&second).await, b);
+    let vm = env.wait_vm_phase("web", "Running").await;
+    assert_eq!(vm.status.unwrap().node_name.as_deref(), Some(b.as_str()));
+    let defined = env.kubectl(&[
+        "get",
+        "events",
+        "--field-selector",
+        "reason=Defined",
+        "-o",
+        "jsonpath={range .items[*]}{.note}{.message}{\"\\n\"}{end}",
+    ]);
+    assert!(!defined.trim().is_empty(), "no Defined event");
+    for line in defined.lines() {
+        assert!(line.ends_with(&format!(" on {b}")), "defined elsewhere than {b}: {line}");
+    }
+}
+
+/// `kubectl delete node` while vmlet runs: the agent registers the Node again
+/// (within one lease period: vmlet notices when the garbage collector removes
+/// the Node's Lease), and the VM keeps running on that host, the same domain,
+/// never restarted.
+#[tokio::test]
+async fn a_deleted_node_is_registered_again_and_its_vm_keeps_running_there() {
+    let mut env = TestEnv::new("renode").await;
+    let a = env.node("a");
+    env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
+    env.apply_vm("web", json!({}));
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let domain = vm.status.unwrap().provider_id.unwrap();
+    let old_uid = env.wait_node_ready(&a).await.metadata.uid.unwrap();
+
+    env.kubectl(&["delete", "node", &a, "--wait=true", "--timeout=60s"]);
+    let deleted_at = std::time::Instant::now();
+    let nodes = env.nodes_api();
+    let node = env
+        .wait_for("the deleted Node to be registered again", || {
+            let nodes = nodes.clone();
+            let (old_uid, a) = (old_uid.clone(), a.clone());
+            async move { nodes.get_opt(&a).await.ok()?.filter(|n| n.metadata.uid.as_deref() != Some(old_uid.as_str())) }
+        })
+        .await;
+    eprintln!(
+        "node registered again {:.1} s after its deletion (lease period 40 s)",
+        deleted_at.elapsed().as_secs_f64()
+    );
+    let labels = node.metadata.labels.unwrap_or_default();
+    assert_eq!(labels.get("type").map(String::as_str), Some("virtual-kubelet"), "registered as before");
+    env.wait_node_ready(&a).await;
+
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let status = vm.status.unwrap();
+    assert_eq!(status.node_name.as_deref(), Some(a.as_str()));
+    assert_eq!(status.provider_id.as_deref(), Some(domain.as_str()), "the same domain runs");
+    let pod = env.vm_pod("web").await;
+    assert_eq!(pod.spec.unwrap().node_name.as_deref(), Some(a.as_str()));
+    let container = &pod.status.unwrap().container_statuses.unwrap()[0];
+    assert_eq!(container.restart_count, 0, "the VM was not power-cycled");
+    let table = env.kubectl(&["get", "vm", "web"]);
+    assert!(table.lines().any(|l| l.starts_with("web ") && l.contains("Running") && l.contains(&a)), "{table}");
 }

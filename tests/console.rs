@@ -25,8 +25,8 @@ fn kubectl_env(env: &TestEnv, vars: &[(&str, &str)], args: &[&str]) -> Output {
 
 /// Have the guest print `line` on its serial console, on a line of its own
 /// (whatever the console showed before, e.g. an unanswered prompt).
-fn print_on_console(env: &TestEnv, line: &str) {
-    env.kubectl(&["exec", "web", "--", "sh", "-c", r#"printf '\n%s\n' "$1" > /dev/console"#, "sh", line]);
+fn print_on_console(env: &TestEnv, pod: &str, line: &str) {
+    env.kubectl(&["exec", pod, "--", "sh", "-c", r#"printf '\n%s\n' "$1" > /dev/console"#, "sh", line]);
 }
 
 /// The timestamp of the first line of `stamped` (`kubectl logs --timestamps`)
@@ -114,10 +114,11 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
     env.apply_vm("web", guest_vm_spec(&guest));
     env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
 
     // logs: the boot lines, from the serial console history.
-    wait_for_log_line(&env, "web", BOOTED).await;
-    let full = env.kubectl(&["logs", "web"]);
+    wait_for_log_line(&env, &pod, BOOTED).await;
+    let full = env.kubectl(&["logs", &pod]);
     assert!(full.contains("Linux version"), "kernel boot lines missing:\n{full}");
 
     // exec, over WebSocket (kubectl's default, passed through by the API server
@@ -134,12 +135,12 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
         let before = sessions(transport);
         let out = env
             .wait_for("the guest agent to answer exec", || {
-                let out = kubectl_env(&env, vars, &["exec", "web", "--", "uname", "-r"]);
+                let out = kubectl_env(&env, vars, &["exec", &pod, "--", "uname", "-r"]);
                 async move { out.status.success().then_some(out) }
             })
             .await;
         assert_eq!(stdout(&out).trim(), release, "exec with {vars:?}");
-        let out = kubectl_env(&env, vars, &["exec", "web", "--", "sh", "-c", "echo to-stderr >&2; exit 3"]);
+        let out = kubectl_env(&env, vars, &["exec", &pod, "--", "sh", "-c", "echo to-stderr >&2; exit 3"]);
         assert_eq!(out.status.code(), Some(3), "exit code with {vars:?}: {}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stderr).contains("to-stderr"), "{vars:?}");
         assert!(sessions(transport) >= before + 2, "the execs with {vars:?} did not arrive over {transport}");
@@ -152,28 +153,28 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     // read ending at or after the marker (exactly at it while the guest is
     // quiet).
     let tail_marker = format!("vmlet-tail-{}", env.ns);
-    print_on_console(&env, &tail_marker);
-    wait_for_log_line(&env, "web", &tail_marker).await;
-    let tail5 = env.kubectl(&["logs", "web", "--tail=5"]);
-    let tail1 = env.kubectl(&["logs", "web", "--tail=1"]);
-    let later = env.kubectl(&["logs", "web"]);
+    print_on_console(&env, &pod, &tail_marker);
+    wait_for_log_line(&env, &pod, &tail_marker).await;
+    let tail5 = env.kubectl(&["logs", &pod, "--tail=5"]);
+    let tail1 = env.kubectl(&["logs", &pod, "--tail=1"]);
+    let later = env.kubectl(&["logs", &pod]);
     assert_tail_window(&later, &tail5, 5, &tail_marker);
     assert_tail_window(&later, &tail1, 1, &tail_marker);
 
     // logs --timestamps, --limit-bytes.
-    let stamped = env.kubectl(&["logs", "web", "--timestamps", "--tail=3"]);
+    let stamped = env.kubectl(&["logs", &pod, "--timestamps", "--tail=3"]);
     for line in stamped.lines() {
         let stamp = line.split(' ').next().unwrap();
         assert!(stamp.parse::<Timestamp>().is_ok(), "not a timestamp: {line}");
     }
-    let limited = env.kubectl(&["logs", "web", "--limit-bytes=10"]);
+    let limited = env.kubectl(&["logs", &pod, "--limit-bytes=10"]);
     assert_eq!(limited.len(), 10, "{limited:?}");
 
     // logs -f shows a line the guest writes afterwards: once it has shown the
     // history (so it is connected and following), the guest prints a marker.
     let cluster = common::cluster();
     let mut follow =
-        KillOnDrop(env.kubectl_command().args(["logs", "-f", "web"]).stdout(Stdio::piped()).spawn().expect("kubectl"));
+        KillOnDrop(env.kubectl_command().args(["logs", "-f", &pod]).stdout(Stdio::piped()).spawn().expect("kubectl"));
     let follow_out = follow.0.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
@@ -190,7 +191,7 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     })
     .await;
     let marker = format!("vmlet-follow-{}", env.ns);
-    print_on_console(&env, &marker);
+    print_on_console(&env, &pod, &marker);
     env.wait_for("`kubectl logs -f` to show the new line", || {
         let seen = rx.try_iter().any(|l| l.contains(&marker));
         async move { seen.then_some(()) }
@@ -204,23 +205,23 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     // vmlet answers). Each try takes N from the lines' own timestamps and
     // counts only if it tells: the request ended within N of the later line,
     // and the boot line was older than N when it started.
-    let boot_time = stamp_of(&env.kubectl(&["logs", "web", "--timestamps"]), BOOTED);
+    let boot_time = stamp_of(&env.kubectl(&["logs", &pod, "--timestamps"]), BOOTED);
     env.wait_for("the boot line to be older than 11 s", || {
         let old = Timestamp::now().duration_since(boot_time).as_secs() > 11;
         async move { old.then_some(()) }
     })
     .await;
     let recent = format!("vmlet-recent-{}", env.ns);
-    print_on_console(&env, &recent);
-    wait_for_log_line(&env, "web", &recent).await;
-    let recent_time = stamp_of(&env.kubectl(&["logs", "web", "--timestamps"]), &recent);
+    print_on_console(&env, &pod, &recent);
+    wait_for_log_line(&env, &pod, &recent).await;
+    let recent_time = stamp_of(&env.kubectl(&["logs", &pod, "--timestamps"]), &recent);
     let since = env
         .wait_for("a `kubectl logs --since` that answers within its window", || {
             let asked = Timestamp::now();
             // At least 5 s of room after the later line; the boot line is more
             // than 11 s older than it, so outside.
             let seconds = asked.duration_since(recent_time).as_secs().max(0) + 6;
-            let since = env.kubectl(&["logs", "web", &format!("--since={seconds}s")]);
+            let since = env.kubectl(&["logs", &pod, &format!("--since={seconds}s")]);
             let answered = Timestamp::now();
             let tells = answered.duration_since(recent_time).as_secs_f64() <= seconds as f64
                 && asked.duration_since(boot_time).as_secs_f64() > seconds as f64;
@@ -235,7 +236,7 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     // on it is a bounded `wait_for`.
     let session = TmuxSession(format!("vmlet-{}", env.ns));
     let attach = format!(
-        "KUBECONFIG={} {} -n {} attach -it web",
+        "KUBECONFIG={} {} -n {} attach -it {pod}",
         cluster.kubeconfig.display(),
         cluster.bin.join("kubectl").display(),
         env.ns
@@ -263,11 +264,11 @@ async fn logs_exec_and_attach_reach_a_real_guest_through_the_api_server() {
     // [`KUBECTL`] to finish.
     let pid = env.vmlet_pid();
     let attach_once = |env: &TestEnv| {
-        run_with_stdin(env.kubectl_command().args(["attach", "-i", "web"]), b"true\n", KUBECTL)
+        run_with_stdin(env.kubectl_command().args(["attach", "-i", &pod]), b"true\n", KUBECTL)
             .unwrap_or_else(|timed_out| panic!("{timed_out}"))
     };
     let cycle = |env: &TestEnv| {
-        let out = env.kubectl_output(&["exec", "web", "--", "true"]);
+        let out = env.kubectl_output(&["exec", &pod, "--", "true"]);
         assert!(out.status.success(), "exec: {}", String::from_utf8_lossy(&out.stderr));
         let out = attach_once(env);
         assert!(out.status.success(), "attach: {}", String::from_utf8_lossy(&out.stderr));
@@ -301,19 +302,20 @@ async fn a_test_driver_vm_answers_logs_and_exec_with_what_its_backend_lacks() {
     env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
     env.apply_vm("web", json!({}));
     env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
 
-    let exec = env.kubectl_output(&["exec", "web", "--", "uname", "-r"]);
+    let exec = env.kubectl_output(&["exec", &pod, "--", "uname", "-r"]);
     let stderr = String::from_utf8_lossy(&exec.stderr);
     assert!(!exec.status.success());
     assert!(stderr.contains("agent") || stderr.contains("exec"), "exec error does not say what is missing: {stderr}");
     assert!(stderr.contains("not supported") || stderr.contains("no "), "{stderr}");
 
-    let logs = env.kubectl_output(&["logs", "web"]);
+    let logs = env.kubectl_output(&["logs", &pod]);
     let stderr = String::from_utf8_lossy(&logs.stderr);
     assert!(!logs.status.success(), "logs of a console-less VM succeeded: {}", stdout(&logs));
     assert!(stderr.contains("console"), "logs error does not name the console: {stderr}");
 
-    let attach = env.kubectl_output(&["attach", "web"]);
+    let attach = env.kubectl_output(&["attach", &pod]);
     assert!(!attach.status.success());
     assert!(String::from_utf8_lossy(&attach.stderr).contains("console"), "{}", String::from_utf8_lossy(&attach.stderr));
 }
@@ -326,7 +328,8 @@ async fn attach_sessions_whose_stdin_closes_at_once_all_return_and_a_hung_one_hi
     env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
     env.apply_vm("web", guest_vm_spec(&guest));
     env.wait_vm_phase("web", "Running").await;
-    wait_for_log_line(&env, "web", BOOTED).await;
+    let pod = env.pod_of("web").await;
+    wait_for_log_line(&env, &pod, BOOTED).await;
 
     // `kubectl attach -i` whose stdin is empty: it closes at once, often
     // before vmlet has the console open. Half over WebSocket (kubectl's
@@ -337,7 +340,7 @@ async fn attach_sessions_whose_stdin_closes_at_once_all_return_and_a_hung_one_hi
         if spdy {
             cmd.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", "false");
         }
-        let out = run_with_stdin(cmd.args(["attach", "-i", "web"]), b"", KUBECTL)
+        let out = run_with_stdin(cmd.args(["attach", "-i", &pod]), b"", KUBECTL)
             .unwrap_or_else(|timed_out| panic!("{timed_out}"));
         assert!(out.status.success(), "attach (spdy: {spdy}): {}", String::from_utf8_lossy(&out.stderr));
     };
@@ -359,7 +362,7 @@ async fn attach_sessions_whose_stdin_closes_at_once_all_return_and_a_hung_one_hi
     let hang = std::time::Duration::from_secs(5);
     let mut hung = env
         .kubectl_command()
-        .args(["attach", "-i", "web"])
+        .args(["attach", "-i", &pod])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -371,7 +374,7 @@ async fn attach_sessions_whose_stdin_closes_at_once_all_return_and_a_hung_one_hi
     drop(stdin);
     // Its session ends with the client's connection; then the console is free.
     env.wait_for("the console to be free after the hung client was killed", || {
-        let out = run_with_stdin(env.kubectl_command().args(["attach", "-i", "web"]), b"", KUBECTL);
+        let out = run_with_stdin(env.kubectl_command().args(["attach", "-i", &pod]), b"", KUBECTL);
         let free = out.is_ok_and(|out| out.status.success());
         async move { free.then_some(()) }
     })
@@ -402,7 +405,8 @@ async fn a_tenant_copying_another_namespaces_vm_pod_reaches_nothing_of_that_vm()
     env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
     env.apply_vm("web", guest_vm_spec(&guest));
     let vm = env.wait_vm_phase("web", "Running").await;
-    wait_for_log_line(&env, "web", BOOTED).await;
+    let pod = env.pod_of("web").await;
+    wait_for_log_line(&env, &pod, BOOTED).await;
     let domain_uuid = vm.status.as_ref().and_then(|s| s.provider_id.clone()).expect("providerID");
 
     // The attacker: a namespace of its own and a ServiceAccount limited to it.
@@ -434,7 +438,7 @@ async fn a_tenant_copying_another_namespaces_vm_pod_reaches_nothing_of_that_vm()
     // (A copy of its ownerReference too is deleted by the garbage collector
     // within moments, as its owner is not in the copy's namespace; the unit
     // tests of crate::identity cover that case.)
-    let victim = env.pods().get("web").await.unwrap();
+    let victim = env.pods().get(&pod).await.unwrap();
     let mut copy: Pod = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "innocent", "namespace": attacker},
         "spec": victim.spec.clone().unwrap(),
@@ -500,7 +504,7 @@ async fn a_tenant_copying_another_namespaces_vm_pod_reaches_nothing_of_that_vm()
     .await;
     let vm = env.wait_vm_phase("web", "Running").await;
     assert_eq!(vm.status.and_then(|s| s.provider_id), Some(domain_uuid), "the same domain runs");
-    let pod = env.pods().get("web").await.unwrap();
+    let pod = env.pods().get(&pod).await.unwrap();
     let container = &pod.status.unwrap().container_statuses.unwrap()[0];
     assert_eq!(container.restart_count, 0, "the victim's VM was not powered off");
     let _ = env.kubectl_output(&["delete", "namespace", &attacker, "--wait=false"]);
@@ -524,4 +528,84 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         }
     }
     files
+}
+
+/// `virsh -c qemu:///system <args>`: (success, trimmed stdout).
+fn virsh(args: &[&str]) -> (bool, String) {
+    let out =
+        output_within(Command::new("virsh").arg("-c").arg(common::qemu_uri()).args(args), common::deadline::VIRSH);
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// `restartPolicy: OnFailure`, on a real guest: `poweroff` in the guest leaves
+/// the VM off (phase Stopped, reason GuestPoweredOff, `spec.replicas` still 1,
+/// an Event saying how to start it); a scale to 0 and back to 1 starts it; a
+/// `virsh destroy` from the host counts as a failure and the VM is started
+/// again by itself.
+#[tokio::test]
+async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed_one() {
+    let mut env = TestEnv::new("onfailure").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    let mut spec = guest_vm_spec(&guest);
+    spec["restartPolicy"] = json!("OnFailure");
+    env.apply_vm("web", spec);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    wait_for_log_line(&env, &pod, BOOTED).await;
+    let domain = format!("{}_web", env.ns);
+
+    // The guest powers itself off (the exec may end with the guest).
+    let _ = env.kubectl_output(&["exec", &pod, "--", "poweroff", "-f"]);
+    let vm = env.wait_vm_phase("web", "Stopped").await;
+    assert_eq!(vm.spec.replicas, 1, "vmlet never writes the spec");
+    let status = vm.status.unwrap();
+    assert_eq!(status.ready_replicas, 0);
+    let ready = status.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "GuestPoweredOff"));
+    assert!(ready.message.contains("kubectl scale vm/web --replicas=0"), "{}", ready.message);
+    assert_eq!(virsh(&["domstate", &domain]).1, "shut off", "left off");
+    let ended = env.pods().get(&pod).await.unwrap().status.unwrap();
+    assert_eq!((ended.phase.as_deref(), ended.reason.as_deref()), (Some("Succeeded"), Some("GuestPoweredOff")));
+    let events = env.kubectl(&[
+        "get",
+        "events",
+        "--field-selector",
+        "reason=LeftOff",
+        "-o",
+        "jsonpath={.items[*].message}{.items[*].note}",
+    ]);
+    assert!(events.contains("--replicas=1"), "no LeftOff event saying how to start it: {events:?}");
+    assert_eq!(env.pod_of("web").await, pod, "the ended pod is not replaced");
+
+    // Scale to 0 and back to 1: it runs again.
+    env.kubectl(&["scale", "vm/web", "--replicas=0"]);
+    env.wait_vm_pods_gone("web").await;
+    env.kubectl(&["scale", "vm/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    assert_eq!(virsh(&["domstate", &domain]).1, "running");
+
+    // Destroyed from the host: a failure, so OnFailure starts it again.
+    let (_, before) = virsh(&["domid", &domain]);
+    assert!(virsh(&["destroy", &domain]).0, "virsh destroy {domain}");
+    let pods = env.pods();
+    let restarted = env
+        .wait_for("the destroyed VM to run again", || {
+            let pods = pods.clone();
+            let pod = pod.clone();
+            let before = before.clone();
+            let domain = domain.clone();
+            async move {
+                let status = pods.get(&pod).await.ok()?.status?;
+                let container = status.container_statuses?.into_iter().next()?;
+                let running = container.state.as_ref()?.running.is_some() && container.restart_count == 1;
+                let (ok, now) = virsh(&["domid", &domain]);
+                (running && ok && now != before && now != "-").then_some(container)
+            }
+        })
+        .await;
+    let last = restarted.last_state.and_then(|s| s.terminated).expect("the destroyed run, as last state");
+    assert_eq!(last.reason.as_deref(), Some("PoweredOff"));
+    env.wait_vm_phase("web", "Running").await;
 }

@@ -101,7 +101,7 @@ async fn stop_keeps_the_domain_start_runs_the_same_one_and_delete_undefines_it()
 
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
     env.wait_vm_phase("web", "Stopped").await;
-    env.wait_pod_gone("web").await;
+    env.wait_vm_pods_gone("web").await;
     assert_eq!(domstate(&env, "web"), "shut off", "stopped, not undefined");
     assert_eq!(domuuid(&env, "web").as_deref(), Some(uuid.as_str()));
 
@@ -168,7 +168,8 @@ async fn a_killed_vmlet_restarts_and_adopts_running_domains_without_touching_the
             let text = std::fs::read_to_string(&log).ok()?;
             let after_restart = text.rsplit("vmlet running").next()?;
             let synced = |n: &String| {
-                after_restart.lines().any(|l| l.contains(&format!("pod.name={n}}}")) && l.contains("pod in sync"))
+                // The pod of VM `n` is `<n>-<suffix>`.
+                after_restart.lines().any(|l| l.contains(&format!("pod.name={n}-")) && l.contains("pod in sync"))
             };
             names.iter().all(synced).then_some(())
         }
@@ -309,9 +310,11 @@ async fn a_vm_whose_image_is_outside_the_storage_roots_is_never_defined() {
     env.apply_vm("outside", json!({"resources": {"cpu": 1, "memory": "64Mi"}, "image": outside}));
 
     let env_ref = &env;
+    let outside_pod = env.pod_of("outside").await;
+    let pod_ref = outside_pod.as_str();
     let (reason, message) = env
-        .wait_for("pod outside to wait with reason StorageNotAllowed", || async move {
-            waiting_of(env_ref, "outside").await.filter(|(reason, _)| reason == "StorageNotAllowed")
+        .wait_for("the pod of VM outside to wait with reason StorageNotAllowed", || async move {
+            waiting_of(env_ref, pod_ref).await.filter(|(reason, _)| reason == "StorageNotAllowed")
         })
         .await;
     assert_eq!(reason, "StorageNotAllowed");
@@ -330,11 +333,13 @@ async fn a_vm_whose_image_is_outside_the_storage_roots_is_never_defined() {
     let log = env.dir.join("vmlet.log");
     let passes = |text: &str| {
         text.lines()
-            .filter(|l| l.contains("pod.name=outside}") && l.contains("storage refusal already reported"))
+            .filter(|l| {
+                l.contains(&format!("pod.name={outside_pod}}}")) && l.contains("storage refusal already reported")
+            })
             .count()
     };
     let before = passes(&std::fs::read_to_string(&log).unwrap_or_default());
-    env.kubectl(&["label", "pod", "outside", "looked-at=again"]);
+    env.kubectl(&["label", "pod", &outside_pod, "looked-at=again"]);
     env.wait_for("another pass over the refused pod", || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         async move { (passes(&text) > before).then_some(()) }
@@ -359,7 +364,7 @@ async fn a_vm_whose_image_is_outside_the_storage_roots_is_never_defined() {
     assert_eq!(refusals.len(), 1, "{refusals:?}");
     let event = &refusals[0];
     assert_eq!(event.type_.as_deref(), Some("Warning"));
-    assert_eq!(event.regarding.as_ref().and_then(|r| r.name.as_deref()), Some("outside"));
+    assert_eq!(event.regarding.as_ref().and_then(|r| r.name.as_deref()), Some(outside_pod.as_str()));
     assert_eq!(event.note.as_deref(), Some(message.as_str()));
     assert!(event.series.is_none(), "published more than once: {:?}", event.series);
 
@@ -368,4 +373,50 @@ async fn a_vm_whose_image_is_outside_the_storage_roots_is_never_defined() {
     for dir in [root, outside.parent().unwrap().to_owned()] {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// The restart policy after `virsh destroy` behind vmlet's back: `Always`
+/// (the default) starts the same domain again by itself; `Never` leaves it
+/// off, the VM Stopped with reason Destroyed, its pod Failed, its spec as
+/// it was.
+#[tokio::test]
+async fn a_vm_destroyed_behind_vmlet_restarts_under_always_and_stays_off_under_never() {
+    let mut env = TestEnv::new("qpolicy").await;
+    env.start_vmlet(&qemu_host());
+    env.apply_vm("always", SMALL());
+    let mut never = SMALL();
+    never["restartPolicy"] = json!("Never");
+    env.apply_vm("never", never);
+    env.wait_vm_phase("always", "Running").await;
+    env.wait_vm_phase("never", "Running").await;
+    let (always_pod, never_pod) = (env.pod_of("always").await, env.pod_of("never").await);
+    let (_, always_id) = virsh(&["domid", &domain(&env, "always")]);
+    let uuid = domuuid(&env, "always").unwrap();
+
+    assert!(virsh(&["destroy", &domain(&env, "always")]).0);
+    assert!(virsh(&["destroy", &domain(&env, "never")]).0);
+
+    let pods = env.pods();
+    env.wait_for("the Always VM to run again", || {
+        let pods = pods.clone();
+        let (pod, before) = (always_pod.clone(), always_id.clone());
+        let name = domain(&env, "always");
+        async move {
+            let container = pods.get(&pod).await.ok()?.status?.container_statuses?.into_iter().next()?;
+            let (ok, now) = virsh(&["domid", &name]);
+            (container.restart_count == 1 && container.state?.running.is_some() && ok && now != before && now != "-")
+                .then_some(())
+        }
+    })
+    .await;
+    assert_eq!(domuuid(&env, "always").as_deref(), Some(uuid.as_str()), "the same domain");
+
+    let vm = env.wait_vm_phase("never", "Stopped").await;
+    assert_eq!(vm.spec.replicas, 1);
+    let ready = vm.status.unwrap().conditions.into_iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!(ready.reason, "Destroyed");
+    let pod = env.pods().get(&never_pod).await.unwrap().status.unwrap();
+    assert_eq!((pod.phase.as_deref(), pod.reason.as_deref()), (Some("Failed"), Some("Destroyed")));
+    assert_eq!(domstate(&env, "never"), "shut off");
+    assert_eq!(env.pod_of("never").await, never_pod, "not replaced");
 }

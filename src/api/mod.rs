@@ -245,16 +245,10 @@ impl Server {
     }
 }
 
-/// The HTTP status for a provider error kind (the API's one mapping).
+/// The HTTP status for a provider error kind ([`crate::failure::handling`]).
 pub fn http_status(kind: ErrorKind) -> axum::http::StatusCode {
-    use axum::http::StatusCode;
-    match kind {
-        ErrorKind::NotFound => StatusCode::NOT_FOUND,
-        ErrorKind::InvalidInput => StatusCode::BAD_REQUEST,
-        ErrorKind::Unsupported => StatusCode::NOT_IMPLEMENTED,
-        ErrorKind::Transient => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorKind::Permanent => StatusCode::INTERNAL_SERVER_ERROR,
-    }
+    axum::http::StatusCode::from_u16(crate::failure::handling(kind).http_status)
+        .unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR)
 }
 
 #[cfg(test)]

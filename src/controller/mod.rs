@@ -1,31 +1,39 @@
 //! The VirtualMachine controller: one pod per running VM, status mirrored back.
 //!
-//! Expected flow, level-triggered on every VM and VM-pod change:
+//! Expected flow, level-triggered on every VM and VM-pod change (the shared
+//! watches of [`crate::watches`]); the VM's pods are found by label and
+//! owner, never by name, and its *current* pod is the one its `status.podName`
+//! names (what to do is decided by [`decide::next_step`]):
 //! - a live VM gets the finalizer [`FINALIZER`];
-//! - `replicas: 1` and no pod → create the pod ([`crate::vmpod::pod_for_vm`]);
-//!   a terminal pod (Failed/Succeeded) is deleted so the next pass replaces it;
+//! - `replicas: 1` and no current pod → name a new pod `<vm>-<suffix>` in
+//!   `status.podName`, then create it ([`crate::vmpod::pod_for_vm`]); a
+//!   terminal pod (Failed/Succeeded) is deleted so the next pass replaces it;
+//!   earlier pods still terminating are left to their agents;
 //! - `replicas: 0` and a pod → delete the pod; the node agent shuts the VM down
 //!   and completes the deletion;
-//! - a deleted VM → delete its pod, then release the finalizer: at once for
-//!   `deletionPolicy: Retain` or a VM that never reached a host; otherwise the
-//!   agent of `status.nodeName` undefines the domain and releases it;
+//! - a deleted VM → delete its pods, then release the finalizer at once for
+//!   `deletionPolicy: Retain`; otherwise the release loop
+//!   ([`crate::node::release`]) undefines the VM wherever a host holds it and
+//!   releases it;
 //! - always write status ([`status::status_from_pod`]) when it changed, then
 //!   return the error of the sync, if any, so the VM requeues with backoff.
 //!
 //! The controller never talks to a provider: only the node agents do.
 
+pub mod decide;
 pub mod status;
 
 use crate::conditions::same_conditions;
 use crate::events::{EventSink, Reason};
-use crate::v1alpha1::{DeletionPolicy, VirtualMachine, VirtualMachineStatus, FINALIZER, VM_LABEL};
-use crate::vmpod::pod_for_vm;
+use crate::v1alpha1::{DeletionPolicy, VirtualMachine, VirtualMachineStatus, FINALIZER};
+use crate::vmpod::{new_pod_name, pod_for_vm};
+use crate::watches::{no_objects, Triggers, Watches};
+use decide::Step;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -51,35 +59,43 @@ pub enum Error {
     /// The VM's spec cannot become a pod.
     #[error("VirtualMachine {0}: {1}")]
     InvalidSpec(String, String),
-    /// A pod of the VM's name exists but belongs to something else.
-    #[error("pod {0} exists and is not owned by this VirtualMachine; rename or delete that pod")]
-    PodNameTaken(String),
 }
 
 struct Context {
     client: Client,
+    watches: Watches,
     events: EventSink,
     /// The scope label value VM pods select (see `Config::scope`).
     scope: String,
 }
 
 /// Run the controller until `shutdown` is cancelled, over the VirtualMachines of
-/// `namespace` (all namespaces when `None`).
-pub async fn run(client: Client, namespace: Option<String>, shutdown: CancellationToken) {
-    let (vms, pods): (Api<VirtualMachine>, Api<Pod>) = match &namespace {
-        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
+/// `namespace` (all namespaces when `None`), fed by the process's shared
+/// watches ([`crate::watches`]).
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    watches: Watches,
+    triggers: Triggers<VirtualMachine>,
+    shutdown: CancellationToken,
+) {
     let scope = namespace.clone().unwrap_or_else(|| crate::config::ALL_NAMESPACES_SCOPE.to_owned());
-    let ctx = Arc::new(Context { events: EventSink::new(client.clone(), FIELD_MANAGER), client, scope });
+    let ctx = Arc::new(Context {
+        events: EventSink::new(client.clone(), FIELD_MANAGER),
+        client,
+        watches: watches.clone(),
+        scope,
+    });
     info!("VirtualMachine controller starting");
-    Controller::new(vms, watcher::Config::default())
-        .owns(pods, watcher::Config::default().labels(VM_LABEL))
+    Controller::for_stream(no_objects(), watches.vms.clone())
+        .reconcile_on(triggers)
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
-            if let Err(e) = result {
-                warn!(error = %e, "reconcile failed");
+            match result {
+                // A VM deleted meanwhile: nothing to do.
+                Err(kube::runtime::controller::Error::ObjectNotFound(_)) | Ok(_) => {}
+                Err(e) => warn!(error = %e, "reconcile failed"),
             }
         })
         .await;
@@ -99,18 +115,11 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
     let kube_err = |action, source| Error::Kube { action, object: format!("{namespace}/{name}"), source };
 
-    let pod = pods.get_opt(&name).await.map_err(|e| kube_err("get pod", e))?;
-    if let Some(p) = &pod {
-        let owned = p.owner_references().iter().any(|o| Some(&o.uid) == vm.uid().as_ref());
-        if !owned {
-            let error = Error::PodNameTaken(format!("{namespace}/{name}"));
-            ctx.events.publish(&*vm, Reason::InvalidSpec, &error.to_string()).await;
-            return Err(error);
-        }
-    }
+    let owned = ctx.watches.pods_of_vm(&namespace, &name, &vm.uid().unwrap_or_default());
+    let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
 
     if vm.metadata.deletion_timestamp.is_some() {
-        return cleanup(&vm, pod.as_ref(), &pods, &vms, &ctx).await;
+        return cleanup(&vm, &owned, current.as_deref(), &pods, &vms, &ctx).await;
     }
 
     if !vm.finalizers().iter().any(|f| f == FINALIZER) {
@@ -120,53 +129,90 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         finalizers.push(FINALIZER.to_owned());
         let patch =
             serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": vm.resource_version()}});
-        vms.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(|e| kube_err("add finalizer", e))?;
+        match vms.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => return Ok(Action::requeue(CONFLICT_RETRY)),
+            Err(e) => return Err(kube_err("add finalizer", e)),
+        }
+        // The finalizer's own watch event brings the next pass.
+        return Ok(Action::await_change());
     }
 
-    let sync = sync_pod(&vm, pod.as_ref(), &pods, &ctx).await;
-    // Re-read after our own change so the status reflects it.
-    let pod = match &sync {
-        Ok(true) => pods.get_opt(&name).await.map_err(|e| kube_err("get pod", e))?,
-        _ => pod,
-    };
-    write_status(&vm, pod.as_ref(), &vms).await?;
-    if let Err(Error::InvalidSpec(_, message)) = &sync {
-        ctx.events.publish(&*vm, Reason::InvalidSpec, message).await;
+    match decide::next_step(&vm, current.as_deref()) {
+        Step::CreatePod => create_pod(&vm, &pods, &vms, &ctx).await,
+        Step::DeletePod(why) => {
+            let pod = current.as_deref().expect("deleting means a current pod");
+            delete_pod(pod, &pods, &ctx, &vm, why).await?;
+            Ok(Action::requeue(Duration::from_secs(300)))
+        }
+        Step::Observe => {
+            let designated = current.as_ref().map(|p| p.name_any());
+            if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms).await? {
+                return Ok(Action::requeue(CONFLICT_RETRY));
+            }
+            Ok(Action::requeue(Duration::from_secs(300)))
+        }
     }
-    sync?;
-    Ok(Action::requeue(Duration::from_secs(300)))
 }
 
-/// Create or delete the VM's pod to match `spec.replicas`. Returns whether it
-/// changed anything.
-async fn sync_pod(vm: &VirtualMachine, pod: Option<&Pod>, pods: &Api<Pod>, ctx: &Context) -> Result<bool, Error> {
-    let name = vm.name_any();
-    let object = || format!("{}/{}", vm.namespace().unwrap_or_default(), name);
-    let deleting = pod.is_some_and(|p| p.metadata.deletion_timestamp.is_some());
-    let terminal = pod
-        .and_then(|p| p.status.as_ref())
-        .and_then(|s| s.phase.as_deref())
-        .is_some_and(|phase| phase == "Failed" || phase == "Succeeded");
-    match (vm.spec.replicas, pod) {
-        (1, None) => {
-            let home = vm.status.as_ref().and_then(|s| s.node_name.as_deref());
-            let new_pod = pod_for_vm(vm, &ctx.scope, home).map_err(|e| Error::InvalidSpec(object(), e.to_string()))?;
-            match pods.create(&PostParams::default(), &new_pod).await {
-                Ok(_) => {
-                    info!(vm.home = home, "created pod");
-                    ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name}")).await;
-                    Ok(true)
-                }
-                Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-                Err(e) => Err(Error::Kube { action: "create pod", object: object(), source: e }),
-            }
-        }
-        (1, Some(p)) if terminal && !deleting => delete_pod(p, pods, ctx, vm, "pod ended; replacing it").await,
-        (0, Some(p)) if !deleting => delete_pod(p, pods, ctx, vm, "spec.replicas is 0: stopping the VM").await,
-        _ => Ok(false),
+/// How soon a pass that lost a write race (409 Conflict: the object changed
+/// since the cache showed it) runs again.
+const CONFLICT_RETRY: Duration = Duration::from_millis(200);
+
+/// The VM's current pod: the one named by `status.podName`, among the pods it
+/// owns (`owned`, from the watch cache), or read from the API server when the
+/// cache does not hold it yet. `None` when it has none or that pod is gone
+/// (or was replaced by a pod of the same name that the VM does not own).
+async fn current_pod(
+    vm: &VirtualMachine,
+    owned: &[Arc<Pod>],
+    pods: &Api<Pod>,
+) -> Result<Option<Arc<Pod>>, kube::Error> {
+    let Some(name) = vm.status.as_ref().and_then(|s| s.pod_name.clone()) else { return Ok(None) };
+    if let Some(pod) = owned.iter().find(|p| p.name_any() == name) {
+        return Ok(Some(pod.clone()));
     }
+    let uid = vm.uid().unwrap_or_default();
+    Ok(pods.get_opt(&name).await?.filter(|p| crate::identity::vm_owner(p).is_some_and(|o| o.uid == uid)).map(Arc::new))
+}
+
+/// Name a new pod in the VM's status, then create it. The name is written
+/// first, guarded by the resourceVersion the pass read: of two passes that both
+/// saw no pod, only one writes a name, and only the pod named there ever drives
+/// the VM ([`crate::identity`]).
+async fn create_pod(
+    vm: &VirtualMachine,
+    pods: &Api<Pod>,
+    vms: &Api<VirtualMachine>,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let object = || format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any());
+    let name = new_pod_name(&vm.name_any());
+    // A placed VM's pod is pinned to the host that holds it.
+    let home =
+        vm.status.as_ref().and_then(|s| s.placement.as_ref().map(|p| p.node_name.clone()).or(s.node_name.clone()));
+    let new_pod = match pod_for_vm(vm, &name, &ctx.scope, home.as_deref()) {
+        Ok(pod) => pod,
+        Err(e) => {
+            let error = Error::InvalidSpec(object(), e.to_string());
+            ctx.events.publish(vm, Reason::InvalidSpec, &error.to_string()).await;
+            return Err(error);
+        }
+    };
+    if !write_status(vm, None, Some(&name), vms).await? {
+        return Ok(Action::requeue(CONFLICT_RETRY));
+    }
+    match pods.create(&PostParams::default(), &new_pod).await {
+        Ok(_) => {
+            info!(pod.name = %name, vm.home = home, "created pod");
+            ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name}")).await;
+        }
+        // Taken by a pod the VM does not own: the next pass finds no current
+        // pod under that name and names another.
+        Err(kube::Error::Api(s)) if s.code == 409 => warn!(pod.name = %name, "pod name taken; choosing another"),
+        Err(e) => return Err(Error::Kube { action: "create pod", object: object(), source: e }),
+    }
+    Ok(Action::requeue(Duration::from_secs(300)))
 }
 
 async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachine, why: &str) -> Result<bool, Error> {
@@ -176,8 +222,8 @@ async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachi
     };
     match pods.delete(&pod.name_any(), &params).await {
         Ok(_) => {
-            info!(why, "deleted pod");
-            ctx.events.publish(vm, Reason::DeletedPod, why).await;
+            info!(pod.name = %pod.name_any(), why, "deleted pod");
+            ctx.events.publish(vm, Reason::DeletedPod, &format!("{why} (pod {})", pod.name_any())).await;
             Ok(true)
         }
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(false),
@@ -187,7 +233,8 @@ async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachi
 
 async fn cleanup(
     vm: &VirtualMachine,
-    pod: Option<&Pod>,
+    owned: &[Arc<Pod>],
+    current: Option<&Pod>,
     pods: &Api<Pod>,
     vms: &Api<VirtualMachine>,
     ctx: &Context,
@@ -195,26 +242,26 @@ async fn cleanup(
     if !vm.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(Action::await_change());
     }
-    if let Some(pod) = pod {
-        if pod.metadata.deletion_timestamp.is_none() {
-            delete_pod(pod, pods, ctx, vm, "VirtualMachine deleted: stopping the VM").await?;
+    if !owned.is_empty() || current.is_some() {
+        for pod in owned.iter().map(|p| &**p).chain(current) {
+            if pod.metadata.deletion_timestamp.is_none() {
+                delete_pod(pod, pods, ctx, vm, "VirtualMachine deleted: stopping the VM").await?;
+            }
         }
-        write_status(vm, Some(pod), vms).await?;
-        // The pod's disappearance triggers the next pass.
+        let designated = current.map(|p| p.name_any());
+        write_status(vm, current, designated.as_deref(), vms).await?;
+        // The pods' disappearance triggers the next pass.
         return Ok(Action::requeue(Duration::from_secs(30)));
     }
-    let home = vm.status.as_ref().and_then(|s| s.node_name.clone());
-    match (vm.spec.deletion_policy, home) {
-        (DeletionPolicy::Delete, Some(host)) => {
-            // The agent of `host` undefines the domain and releases the finalizer.
-            info!(node.name = %host, "waiting for the host's agent to undefine the VM");
+    match vm.spec.deletion_policy {
+        DeletionPolicy::Delete => {
+            // The release loop of the process serving the VM's host undefines
+            // it wherever a host holds it, then releases the finalizer.
+            info!("waiting for the VM to be undefined");
             Ok(Action::requeue(Duration::from_secs(60)))
         }
-        (policy, _) => {
-            let why = match policy {
-                DeletionPolicy::Retain => "deletionPolicy Retain: the VM stays defined on its host",
-                DeletionPolicy::Delete => "the VM never reached a host: nothing to undefine",
-            };
+        DeletionPolicy::Retain => {
+            let why = "deletionPolicy Retain: the VM stays defined on its host";
             ctx.events.publish(vm, Reason::ReleasedVm, why).await;
             release_finalizer(vms, vm).await.map_err(|e| Error::Kube {
                 action: "remove finalizer",
@@ -238,21 +285,30 @@ pub async fn release_finalizer(vms: &Api<VirtualMachine>, vm: &VirtualMachine) -
     }
 }
 
-async fn write_status(vm: &VirtualMachine, pod: Option<&Pod>, vms: &Api<VirtualMachine>) -> Result<(), Error> {
-    let new = status::status_from_pod(vm, pod);
+/// Write the status that `pod` (the VM's current pod, if any) and
+/// `designated` (the name in `status.podName`) give, when it changed: the
+/// whole status, guarded by the resourceVersion the pass read, so a write
+/// based on a stale view (the cache lagging behind another writer: a pass of
+/// this controller, an agent's placement record) is refused. Returns false on
+/// such a conflict; the pass runs again soon.
+async fn write_status(
+    vm: &VirtualMachine,
+    pod: Option<&Pod>,
+    designated: Option<&str>,
+    vms: &Api<VirtualMachine>,
+) -> Result<bool, Error> {
+    let new = status::status_from_pod(vm, pod, designated);
     let old = vm.status.clone().unwrap_or_default();
     if same_status(&old, &new) {
-        return Ok(());
+        return Ok(true);
     }
-    let patch = serde_json::json!({
-        "apiVersion": VirtualMachine::api_version(&()),
-        "kind": VirtualMachine::kind(&()),
-        "status": new,
-    });
-    let params = PatchParams::apply(FIELD_MANAGER).force();
-    match vms.patch_status(&vm.name_any(), &params, &Patch::Apply(&patch)).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+    let mut updated = vm.clone();
+    updated.status = Some(new);
+    let params = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..PostParams::default() };
+    match vms.replace_status(&vm.name_any(), &params, &updated).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(true),
         Err(e) => Err(Error::Kube { action: "write status", object: vm.name_any(), source: e }),
     }
 }

@@ -6,18 +6,22 @@ use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::ResourceExt;
 
-/// The status a VM should have given its current pod (`None` when it has none).
+/// The status a VM should have given its current pod (`None` when it has none,
+/// or it is named but not created yet) and `designated`, the name of that pod
+/// (`status.podName`; `None` once a stopped VM's pod is gone).
 ///
 /// Keeps `nodeName` from the previous status while the VM has no pod: a stopped
 /// VM's definition stays on that host and its next start goes back there.
-pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachineStatus {
+pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Option<&str>) -> VirtualMachineStatus {
     let previous = vm.status.clone().unwrap_or_default();
     let generation = vm.metadata.generation;
     let mut status = VirtualMachineStatus {
         observed_generation: generation,
         selector: Some(format!("{VM_LABEL}={}", vm.name_any())),
-        node_name: previous.node_name.clone(),
+        node_name: previous.placement.as_ref().map(|p| p.node_name.clone()).or(previous.node_name.clone()),
         provider_id: previous.provider_id.clone(),
+        pod_name: designated.map(str::to_owned),
+        placement: previous.placement.clone(),
         conditions: previous.conditions.clone(),
         ..VirtualMachineStatus::default()
     };
@@ -41,7 +45,6 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachine
 
     status.replicas = 1;
     status.ready_replicas = i32::from(ready);
-    status.pod_name = Some(pod.name_any());
     if node.is_some() {
         status.node_name = node.clone();
     }
@@ -71,7 +74,18 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachine
     } else {
         status.conditions.retain(|c| c.type_ != "EvictionHeld");
     }
-    let phase = if pod.metadata.deletion_timestamp.is_some() && !held {
+    // Left off by its restart policy: stopped, with the reason and how to
+    // start it again.
+    let left_off = pod_status
+        .reason
+        .as_deref()
+        .filter(|r| crate::node::restart::LEFT_OFF_REASONS.contains(r))
+        .filter(|_| matches!(pod_status.phase.as_deref(), Some("Succeeded" | "Failed")));
+    let phase = if let Some(reason) = left_off {
+        let message = pod_status.message.clone().unwrap_or_default();
+        set_condition(&mut status.conditions, condition("Ready", false, reason, &message, generation));
+        VmPhase::Stopped
+    } else if pod.metadata.deletion_timestamp.is_some() && !held {
         VmPhase::Stopping
     } else if node.is_none() {
         VmPhase::Scheduling
@@ -110,6 +124,7 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachine
     }
 
     let (reason, message) = match phase {
+        VmPhase::Stopped => return status,
         VmPhase::Running => ("Running", "the VM runs and its pod is Ready".to_owned()),
         VmPhase::Stopping => ("Stopping", "the VM is shutting down".to_owned()),
         VmPhase::Scheduling => (
@@ -125,6 +140,21 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>) -> VirtualMachine
         },
     };
     set_condition(&mut status.conditions, condition("Ready", ready, reason, &message, generation));
+    // The host does not answer: the VM is shown as last known, with why.
+    let silent = pod_condition(&pod_conditions, crate::failure::HOST_RESPONDING).filter(|c| c.status == "False");
+    set_condition(
+        &mut status.conditions,
+        match silent {
+            Some(c) => condition(
+                "HostResponding",
+                false,
+                "HostNotResponding",
+                c.message.as_deref().unwrap_or("the host does not answer"),
+                generation,
+            ),
+            None => condition("HostResponding", true, "HostResponding", "the VM's host answers", generation),
+        },
+    );
     let provider_failed = waiting.filter(|w| w.reason.as_deref() == Some("ProviderFailed"));
     set_condition(
         &mut status.conditions,
@@ -158,7 +188,7 @@ mod tests {
     #[test]
     fn stopped_vm_without_pod_is_stopped_and_keeps_its_home_host() {
         let vm = VmBuilder::new("web").stopped().on_host("host-b").build();
-        let status = status_from_pod(&vm, None);
+        let status = status_from_pod(&vm, None, None);
         assert_eq!(status.phase, Some(VmPhase::Stopped));
         assert_eq!((status.replicas, status.ready_replicas), (0, 0));
         assert_eq!(status.node_name.as_deref(), Some("host-b"));
@@ -171,7 +201,7 @@ mod tests {
         let vm = VmBuilder::new("big").cpu(512).build();
         let msg = "0/3 nodes are available: 3 Insufficient cpu.";
         let pod = PodBuilder::for_vm(&vm).unschedulable(msg).build();
-        let status = status_from_pod(&vm, Some(&pod));
+        let status = status_from_pod(&vm, Some(&pod), Some("web-x7k2p"));
         assert_eq!(status.phase, Some(VmPhase::Scheduling));
         let scheduled = find(&status, "Scheduled");
         assert_eq!((scheduled.status.as_str(), scheduled.reason.as_str()), ("False", "Unschedulable"));
@@ -183,11 +213,11 @@ mod tests {
     fn running_ready_pod_makes_a_running_vm_with_its_node_and_ip() {
         let vm = VmBuilder::new("web").build();
         let pod = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.10").build();
-        let status = status_from_pod(&vm, Some(&pod));
+        let status = status_from_pod(&vm, Some(&pod), Some("web-x7k2p"));
         assert_eq!(status.phase, Some(VmPhase::Running));
         assert_eq!((status.replicas, status.ready_replicas), (1, 1));
         assert_eq!(status.node_name.as_deref(), Some("host-a"));
-        assert_eq!(status.pod_name.as_deref(), Some("web"));
+        assert_eq!(status.pod_name.as_deref(), Some("web-x7k2p"));
         assert_eq!(status.addresses, vec!["192.0.2.10".to_owned()]);
         assert_eq!(status.provider_id.as_deref(), Some("libvirt://0b5c3b3e-0000-4000-8000-00000000000a"));
         assert_eq!(find(&status, "Ready").status, "True");
@@ -210,12 +240,12 @@ mod tests {
             }),
             ..ContainerStatus::default()
         }]);
-        let status = status_from_pod(&vm, Some(&pod));
+        let status = status_from_pod(&vm, Some(&pod), Some("web-x7k2p"));
         let error = find(&status, "ProviderError");
         assert_eq!((error.status.as_str(), error.message.as_str()), ("True", "define domain: no space left"));
         assert_eq!(find(&status, "Ready").reason, "ProviderFailed");
         let healthy = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.1").build();
-        assert_eq!(find(&status_from_pod(&vm, Some(&healthy)), "ProviderError").status, "False");
+        assert_eq!(find(&status_from_pod(&vm, Some(&healthy), Some("web-x7k2p")), "ProviderError").status, "False");
     }
 
     #[test]
@@ -228,19 +258,35 @@ mod tests {
             reason: Some("EvictionByEvictionAPI".into()),
             ..PodCondition::default()
         });
-        let status = status_from_pod(&vm, Some(&pod));
+        let status = status_from_pod(&vm, Some(&pod), Some("web-x7k2p"));
         assert_eq!(status.phase, Some(VmPhase::Running));
         assert_eq!(find(&status, "EvictionHeld").status, "True");
         let stopped = VmBuilder::new("web").stopped().build();
-        let status = status_from_pod(&stopped, Some(&pod));
+        let status = status_from_pod(&stopped, Some(&pod), Some("web-x7k2p"));
         assert_eq!(status.phase, Some(VmPhase::Stopping));
         assert!(!status.conditions.iter().any(|c| c.type_ == "EvictionHeld"));
+    }
+
+    #[test]
+    fn a_vm_left_off_by_its_restart_policy_is_stopped_with_the_reason() {
+        let vm = VmBuilder::new("web").build();
+        let mut pod = PodBuilder::for_vm(&vm).on_node("host-a").build();
+        let pod_status = pod.status.as_mut().unwrap();
+        pod_status.phase = Some("Succeeded".into());
+        pod_status.reason = Some("GuestPoweredOff".into());
+        pod_status.message = Some("start it again with kubectl scale".into());
+        let status = status_from_pod(&vm, Some(&pod), Some("web-x7k2p"));
+        assert_eq!(status.phase, Some(VmPhase::Stopped));
+        assert_eq!((status.replicas, status.ready_replicas), (1, 0));
+        let ready = find(&status, "Ready");
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "GuestPoweredOff"));
+        assert!(ready.message.contains("kubectl scale"));
     }
 
     #[test]
     fn deleting_pod_means_stopping() {
         let vm = VmBuilder::new("web").stopped().build();
         let pod = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.10").deleting().build();
-        assert_eq!(status_from_pod(&vm, Some(&pod)).phase, Some(VmPhase::Stopping));
+        assert_eq!(status_from_pod(&vm, Some(&pod), Some("web-x7k2p")).phase, Some(VmPhase::Stopping));
     }
 }

@@ -6,24 +6,26 @@
 //! while the provider answers its ping; on shutdown, report NotReady (the VMs keep
 //! running) and stop.
 
-mod cleanup;
 pub mod console;
 pub mod directory;
 pub mod lease;
+pub mod placement;
 pub mod pod_status;
 mod pods;
+pub use pods::PLACED_ELSEWHERE;
 pub mod registration;
+pub mod release;
+pub mod restart;
 mod storage;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
-use crate::v1alpha1::VirtualMachine;
+use crate::watches::{no_objects, Watches};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::{watcher, Controller};
-use kube::{Api, Client, ResourceExt};
+use k8s_openapi::api::core::v1::Node;
+use kube::runtime::Controller;
+use kube::{Api, Client};
 use registration::Readiness;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -40,16 +42,18 @@ pub struct Agent {
     client: Client,
     provider: Arc<dyn Provider>,
     events: EventSink,
-    /// Root of vmlet's state (console history).
-    state_dir: PathBuf,
-    /// The process's watch cache of VirtualMachines (see [`crate::identity`]).
-    vms: Store<VirtualMachine>,
+    /// The process's watch caches (see [`crate::watches`]).
+    watches: Watches,
+    /// The hosts of this process, asked where a VM is ([`placement`]).
+    hosts: Hosts,
     /// Where VMs' files may come from on this host (see [`crate::storage`]).
     storage: crate::storage::StorageRoots,
     /// Pods (by UID) whose guest was asked to shut down, and when.
     shutdown_sent: Mutex<HashMap<String, Instant>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
     held: Mutex<HashSet<String>>,
+    /// Per-pod backoff of failed passes.
+    backoff: crate::failure::Backoff,
 }
 
 impl Agent {
@@ -61,19 +65,18 @@ impl Agent {
     fn forget(&self, uid: &str) {
         self.shutdown_sent.lock().expect("agent set poisoned").remove(uid);
         self.held.lock().expect("agent set poisoned").remove(uid);
+        self.backoff.succeeded(uid);
     }
 }
 
-/// One host served by this process: what the kubelet API needs to find a pod's
-/// VM.
+/// One host served by this process: what the kubelet API and the release loop
+/// need to reach a pod's VM.
 #[derive(Clone)]
 pub struct HostHandle {
     /// Node name.
     pub name: String,
     /// The host's provider.
     pub provider: Arc<dyn Provider>,
-    /// The pods bound to the host's node (the agent's watch cache).
-    pub pods: Store<Pod>,
 }
 
 /// The hosts this process serves, filled in as their agents start.
@@ -89,11 +92,16 @@ impl Hosts {
     pub fn list(&self) -> Vec<HostHandle> {
         self.0.lock().expect("hosts poisoned").clone()
     }
+
+    /// The host whose node is `name`, once its agent runs.
+    pub fn get(&self, name: &str) -> Option<HostHandle> {
+        self.0.lock().expect("hosts poisoned").iter().find(|h| h.name == name).cloned()
+    }
 }
 
 /// Run the agent of `host` until `shutdown` is cancelled; registers the host in
-/// `hosts` once its pod watch exists. `vms` is the process's VirtualMachine
-/// watch cache, which decides which pods are VM pods ([`crate::identity`]).
+/// `hosts` once it answers. `watches` are the process's shared watch caches:
+/// the agent's queue is fed from them ([`Watches::node_triggers`]).
 #[instrument(skip_all, fields(node.name = %host.name, provider = provider.kind()))]
 pub async fn run(
     client: Client,
@@ -101,7 +109,7 @@ pub async fn run(
     host: HostConfig,
     provider: Arc<dyn Provider>,
     hosts: Hosts,
-    vms: Store<VirtualMachine>,
+    watches: Watches,
     shutdown: CancellationToken,
 ) {
     let Some(info) = probe(&*provider, &shutdown).await else { return };
@@ -115,42 +123,28 @@ pub async fn run(
         client: client.clone(),
         provider: provider.clone(),
         host: host.clone(),
-        state_dir: config.state_dir.clone(),
-        vms: vms.clone(),
+        watches: watches.clone(),
+        hosts: hosts.clone(),
         storage: storage::roots_for(&host, &info),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
+        backoff: Default::default(),
     });
 
-    let pods = Controller::new(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().fields(&format!("spec.nodeName={}", host.name)),
+    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone() });
+    let recorder = record_consoles(
+        provider.clone(),
+        host.name.clone(),
+        watches.clone(),
+        config.state_dir.clone(),
+        shutdown.clone(),
     );
-    // A VirtualMachine change (scale to 0 while its evicted pod is held)
-    // reaches its pod at once rather than at the next requeue.
-    let vm_changes: Api<VirtualMachine> = match &config.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let pods = pods.watches(vm_changes, watcher::Config::default(), |vm: VirtualMachine| {
-        Some(ObjectRef::<Pod>::new(&vm.name_any()).within(&vm.namespace().unwrap_or_default()))
-    });
-    let store = pods.store();
-    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone(), pods: store.clone() });
-    let recorder = record_consoles(provider.clone(), store, vms, config.state_dir.clone(), shutdown.clone());
-    let pods = pods
+    let pods = Controller::for_stream(no_objects(), watches.pods.clone())
+        .reconcile_on(watches.node_triggers(&host.name))
         .graceful_shutdown_on(cancelled(shutdown.clone()))
         .run(pods::reconcile, pods::error_policy, agent.clone())
         .for_each(|_| async {});
-    let vms: Api<VirtualMachine> = match &config.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let cleanup = Controller::new(vms, watcher::Config::default())
-        .graceful_shutdown_on(cancelled(shutdown.clone()))
-        .run(cleanup::reconcile, cleanup::error_policy, agent.clone())
-        .for_each(|_| async {});
-    let loops = tokio::spawn(async move { tokio::join!(pods, cleanup, recorder) });
+    let loops = tokio::spawn(async move { tokio::join!(pods, recorder) });
 
     heartbeat(&client, &config, &host, &*provider, info, &shutdown).await;
     let _ = loops.await;
@@ -163,8 +157,8 @@ pub async fn run(
 /// console.
 async fn record_consoles(
     provider: Arc<dyn Provider>,
-    pods: Store<Pod>,
-    vms: Store<VirtualMachine>,
+    node: String,
+    watches: Watches,
     state_dir: PathBuf,
     shutdown: CancellationToken,
 ) {
@@ -178,8 +172,8 @@ async fn record_consoles(
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
         let Some(console) = provider.console() else { return };
-        for pod in pods.state() {
-            let Ok(vm) = crate::identity::resolve_cached(&pod, &vms) else { continue };
+        for pod in watches.pods_on(&node) {
+            let Ok(vm) = crate::identity::resolve_cached(&pod, &watches.vms) else { continue };
             let dir = console::vm_log_dir(&state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0);
             match console::record(console, &vm.spec.id, &dir).await {
                 Ok(_) => {
@@ -210,6 +204,16 @@ async fn probe(provider: &dyn Provider, shutdown: &CancellationToken) -> Option<
             _ = shutdown.cancelled() => return None,
             _ = tokio::time::sleep(Duration::from_secs(5)) => {}
         }
+    }
+}
+
+/// Whether Node `name` still exists with `uid` (true when it cannot be read:
+/// only a sure "gone" re-registers).
+async fn node_exists(nodes: &Api<Node>, name: &str, uid: &str) -> bool {
+    match nodes.get_metadata_opt(name).await {
+        Ok(Some(node)) => node.metadata.uid.as_deref() == Some(uid),
+        Ok(None) => false,
+        Err(_) => true,
     }
 }
 
@@ -260,11 +264,29 @@ async fn heartbeat(
                         let status = registration::node_status(config, host, &info, Readiness::Ready);
                         match registration::write_status(&nodes, &host.name, &status).await {
                             Ok(()) => last_status = Some(Instant::now()),
+                            Err(kube::Error::Api(s)) if s.code == 404 => {
+                                warn!("the Node was deleted; registering it again");
+                                node_uid = None;
+                                last_status = None;
+                                continue;
+                            }
                             Err(e) => warn!(error = %e, "node status write failed"),
                         }
                     }
-                    if let Err(e) = lease::renew(&leases, &host.name, uid, lease_seconds).await {
-                        warn!(error = %e, "lease renewal failed");
+                    match lease::renew(&leases, &host.name, uid, lease_seconds).await {
+                        // The garbage collector removes the Lease of a deleted
+                        // Node: a Lease that had to be created again is the
+                        // first sign. Then register at once, within one lease
+                        // period of the deletion; the VMs' pods come back to
+                        // the node through their placement records.
+                        Ok(lease::Renewal::Created) if !node_exists(&nodes, &host.name, uid).await => {
+                            warn!("the Node was deleted; registering it again");
+                            node_uid = None;
+                            last_status = None;
+                            continue;
+                        }
+                        Ok(_) => {}
+                        Err(e) => warn!(error = %e, "lease renewal failed"),
                     }
                 }
                 Err(e) => {

@@ -12,6 +12,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use vmlet_provider::{PowerState, VmStatus};
 
+use crate::failure::HOST_RESPONDING;
+use crate::node::restart::Ended;
 use crate::vmpod::{CONTAINER_IMAGE, CONTAINER_NAME};
 
 /// What the agent learned about a pod's VM in this pass.
@@ -31,6 +33,21 @@ pub enum Observed<'a> {
         /// What happened and what to do.
         message: &'a str,
     },
+    /// The host does not answer: nothing is known of the VM now, so the pod
+    /// keeps its last known status (a Running VM stays Running and Ready) and
+    /// gains the condition [`HOST_RESPONDING`] = False with `message`.
+    HostNotResponding {
+        /// What the provider said.
+        message: &'a str,
+    },
+    /// The VM stopped and its restart policy leaves it off: the pod ends
+    /// (phase and reason from `ended`), its container terminated.
+    Ended {
+        /// Phase and reason.
+        ended: Ended,
+        /// What happened and how to start the VM again.
+        message: &'a str,
+    },
 }
 
 /// The status `pod` should have, given what was observed. `host_ip` is the node's
@@ -40,6 +57,18 @@ pub enum Observed<'a> {
 pub fn pod_status(pod: &Pod, host_ip: &str, observed: &Observed<'_>, restarted: bool) -> PodStatus {
     let old = pod.status.clone().unwrap_or_default();
     let now = Time(Timestamp::now());
+    if let Observed::HostNotResponding { message } = observed {
+        let mut conditions = old.conditions.clone().unwrap_or_default();
+        set_pod_condition(&mut conditions, HOST_RESPONDING, false, &now);
+        if let Some(c) = conditions.iter_mut().find(|c| c.type_ == HOST_RESPONDING) {
+            c.reason = Some("HostNotResponding".into());
+            c.message = Some((*message).to_owned());
+        }
+        return PodStatus { conditions: Some(conditions), ..old };
+    }
+    if let Observed::Ended { ended, message } = observed {
+        return ended_status(old, &now, *ended, message);
+    }
     let old_container = old.container_statuses.as_ref().and_then(|c| c.first()).cloned();
     let mut restart_count = old_container.as_ref().map_or(0, |c| c.restart_count);
     if restarted {
@@ -94,9 +123,12 @@ pub fn pod_status(pod: &Pod, host_ip: &str, observed: &Observed<'_>, restarted: 
             old_container.as_ref().and_then(|c| c.container_id.clone()),
             vec![],
         ),
+        Observed::HostNotResponding { .. } | Observed::Ended { .. } => unreachable!("handled above"),
     };
 
     let mut conditions = old.conditions.clone().unwrap_or_default();
+    // The host answered in this pass.
+    conditions.retain(|c| c.type_ != HOST_RESPONDING);
     for (type_, status) in [("PodScheduled", true), ("Initialized", true), ("ContainersReady", ready), ("Ready", ready)]
     {
         // The scheduler owns PodScheduled; only add it when missing.
@@ -127,6 +159,45 @@ pub fn pod_status(pod: &Pod, host_ip: &str, observed: &Observed<'_>, restarted: 
             last_state,
             ..ContainerStatus::default()
         }]),
+        ..old
+    }
+}
+
+/// The status of a pod whose VM was left off: `ended.phase`, not Ready, the
+/// container terminated with `ended.reason` (exit code 0 when Succeeded).
+fn ended_status(old: PodStatus, now: &Time, ended: Ended, message: &str) -> PodStatus {
+    let mut conditions = old.conditions.clone().unwrap_or_default();
+    conditions.retain(|c| c.type_ != HOST_RESPONDING);
+    for type_ in ["ContainersReady", "Ready"] {
+        set_pod_condition(&mut conditions, type_, false, now);
+    }
+    let containers = old.container_statuses.clone().unwrap_or_default().into_iter().map(|c| {
+        let started_at = c.state.as_ref().and_then(|s| s.running.as_ref()).and_then(|r| r.started_at.clone());
+        ContainerStatus {
+            ready: false,
+            started: Some(false),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    exit_code: if ended.phase == "Succeeded" { 0 } else { 1 },
+                    reason: Some(ended.reason.into()),
+                    message: Some(message.into()),
+                    started_at,
+                    finished_at: Some(now.clone()),
+                    ..ContainerStateTerminated::default()
+                }),
+                ..ContainerState::default()
+            }),
+            ..c
+        }
+    });
+    PodStatus {
+        phase: Some(ended.phase.into()),
+        reason: Some(ended.reason.into()),
+        message: Some(message.into()),
+        conditions: Some(conditions),
+        container_statuses: Some(containers.collect()),
+        pod_ip: None,
+        pod_ips: None,
         ..old
     }
 }
@@ -188,6 +259,7 @@ mod tests {
             backend_name: "default_web".into(),
             backend_id: "0b5c3b3e-1111-4000-8000-00000000000a".into(),
             power,
+            stop_reason: None,
             cpus: 2,
             memory_bytes: 1 << 30,
             addresses: vec!["192.0.2.7".parse().unwrap()],
@@ -231,6 +303,31 @@ mod tests {
         assert_eq!(waiting.reason.as_deref(), Some("ProviderFailed"));
         assert_eq!(waiting.message.as_deref(), Some("define domain: boom"));
         assert!(!container.ready);
+    }
+
+    #[test]
+    fn a_host_that_does_not_answer_leaves_a_running_pod_running_and_ready_with_a_condition() {
+        let vm = vm_status(PowerState::Running);
+        let mut pod = bound_pod();
+        pod.status = Some(pod_status(&pod, "127.0.0.1", &Observed::Vm { status: &vm, provider: "libvirt" }, false));
+        let silent = Observed::HostNotResponding { message: "list domains: cannot connect to libvirtd" };
+        let status = pod_status(&pod, "127.0.0.1", &silent, false);
+        assert_eq!(status.phase.as_deref(), Some("Running"));
+        let find = |s: &PodStatus, t: &str| s.conditions.iter().flatten().find(|c| c.type_ == t).cloned();
+        assert_eq!(find(&status, "Ready").unwrap().status, "True");
+        let silent_condition = find(&status, HOST_RESPONDING).unwrap();
+        assert_eq!(silent_condition.status, "False");
+        assert_eq!(silent_condition.message.as_deref(), Some("list domains: cannot connect to libvirtd"));
+        assert_eq!(
+            status.container_statuses,
+            pod.status.as_ref().unwrap().container_statuses,
+            "the container as it was"
+        );
+
+        pod.status = Some(status);
+        let back = pod_status(&pod, "127.0.0.1", &Observed::Vm { status: &vm, provider: "libvirt" }, false);
+        assert!(find(&back, HOST_RESPONDING).is_none(), "the condition clears once the host answers");
+        assert_eq!(back.container_statuses.unwrap()[0].restart_count, 0);
     }
 
     #[test]

@@ -12,15 +12,19 @@
 //! Nothing here undefines a VM, and nothing powers one off unless its pod was
 //! deleted on purpose.
 
+use super::placement::{self, HereState, Recorded, Verdict};
 use super::pod_status::{pod_status, same_pod_status, Observed};
+use super::restart::{self, AfterStop, Ended};
 use super::Agent;
 use crate::events::Reason;
+use crate::failure::{self, PodEffect, Retry};
 use crate::identity::{resolve, Refusal, ResolveError};
-use crate::v1alpha1::{PowerOffMode, VirtualMachine};
+use crate::v1alpha1::{Placement, PowerOffMode, VirtualMachine};
 use crate::vmpod::PodVm;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,27 +58,35 @@ pub enum Error {
     },
 }
 
-/// Requeue after a failed pass.
-pub fn error_policy(pod: Arc<Pod>, error: &Error, _agent: Arc<Agent>) -> Action {
-    warn!(pod.name = %pod.name_any(), pod.namespace = pod.namespace().unwrap_or_default(), %error, "pod sync failed");
-    Action::requeue(Duration::from_secs(5))
+/// Requeue after a failed pass, with the pod's own backoff (1 s doubling to
+/// 5 min, see [`failure::Backoff`]).
+pub fn error_policy(pod: Arc<Pod>, error: &Error, agent: Arc<Agent>) -> Action {
+    let delay = agent.backoff.failed(&pod.uid().unwrap_or_default());
+    warn!(pod.name = %pod.name_any(), pod.namespace = pod.namespace().unwrap_or_default(), %error, retry_seconds = delay.as_secs(), "pod sync failed");
+    Action::requeue(delay)
 }
 
-/// One pass over one pod.
+/// One pass over one pod; a success resets the pod's backoff.
 #[instrument(skip_all, fields(node.name = %agent.host.name, pod.namespace = pod.namespace().unwrap_or_default(), pod.name = %pod.name_any()))]
 pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error> {
+    let action = sync(&pod, &agent).await?;
+    agent.backoff.succeeded(&pod.uid().unwrap_or_default());
+    Ok(action)
+}
+
+async fn sync(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     let deleting = pod.metadata.deletion_timestamp.is_some();
-    let vm = match resolve(&pod, &agent.vms, &agent.client).await {
+    let vm = match resolve(pod, &agent.watches.vms, &agent.client).await {
         Ok(vm) => vm,
         Err(ResolveError::Refused(Refusal::InvalidPod { source, .. })) => {
             let message = source.to_string();
             if deleting {
                 // Nothing of ours to stop.
-                return finish_deletion(&pod, &agent).await;
+                return finish_deletion(pod, agent).await;
             }
-            agent.events.publish(&*pod, Reason::ProviderFailed, &message).await;
-            write_status(&pod, &agent, |p| {
+            agent.events.publish(pod, Reason::ProviderFailed, &message).await;
+            write_status(pod, agent, |p| {
                 pod_status(p, &agent.host_ip, &Observed::Waiting { reason: "InvalidVmPod", message: &message }, false)
             })
             .await?;
@@ -84,17 +96,17 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
             // Not a VirtualMachine's own pod (a plain pod, or one carrying
             // another VM's labels and annotations): it must not start, stop or
             // adopt anything. See crate::identity.
-            return refuse_plain_pod(&pod, &agent, &refusal.to_string()).await;
+            return refuse_plain_pod(pod, agent, &refusal.to_string()).await;
         }
         Err(e @ ResolveError::Kube { .. }) => return Err(Error::Identity(e)),
     };
     if deleting {
-        return stop(&pod, &vm, &agent).await;
+        return stop(pod, &vm, agent).await;
     }
     if matches!(phase, Some("Succeeded" | "Failed")) {
         return Ok(Action::await_change());
     }
-    start(&pod, &vm, &agent).await
+    start(pod, &vm, agent).await
 }
 
 /// What a start pass did.
@@ -105,6 +117,11 @@ enum Started {
     /// The VM no longer wants this pod (the reason): nothing was left defined
     /// or powered on by this pass.
     Abandoned(&'static str),
+    /// The VM lives on another host (the placement record, or another host
+    /// holds it): nothing was defined or powered on here.
+    Elsewhere(String),
+    /// The VM stopped by itself and its restart policy leaves it off.
+    LeftOff { status: VmStatus, ended: Ended },
     /// The VM names a file outside the host's storage roots: nothing was defined.
     Refused(crate::storage::StorageRefusal),
 }
@@ -124,61 +141,118 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             info!(vm.uid = %vm.spec.id, why, "not starting the VM");
             Ok(Action::requeue(TRANSITION * 2))
         }
-        Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
-        Err(Error::Provider(e)) => {
-            let message = e.to_string();
-            agent.events.publish(pod, Reason::ProviderFailed, &message).await;
+        Ok(Started::Elsewhere(node)) => {
+            let message = format!(
+                "VirtualMachine {} lives on host {node} (status.placement): it is not defined or started on {}; \
+                 the controller replaces this pod with one pinned to {node}",
+                vm.spec.name, agent.host.name
+            );
+            warn!(vm.uid = %vm.spec.id, placement = %node, "VM lives on another host; not defining it here");
+            agent.events.publish(pod, Reason::PlacedOnAnotherHost, &message).await;
             write_status(pod, agent, |p| {
-                pod_status(p, &agent.host_ip, &Observed::Waiting { reason: "ProviderFailed", message: &message }, false)
+                pod_status(p, &agent.host_ip, &Observed::Waiting { reason: PLACED_ELSEWHERE, message: &message }, false)
             })
             .await?;
-            Err(e.into())
+            Ok(Action::requeue(RESYNC))
         }
+        Ok(Started::LeftOff { status, ended }) => {
+            let message = format!(
+                "{} stopped ({}); restartPolicy {} leaves it off. spec.replicas stays 1: start it again with \
+                 kubectl scale vm/{} --replicas=0, then --replicas=1",
+                status.backend_name,
+                ended.reason,
+                vm.restart_policy.as_str(),
+                vm.spec.name
+            );
+            info!(vm.uid = %vm.spec.id, domain = %status.backend_name, reason = ended.reason, "left off by its restart policy");
+            agent.events.publish(pod, Reason::LeftOff, &message).await;
+            write_status(pod, agent, |p| {
+                pod_status(p, &agent.host_ip, &Observed::Ended { ended, message: &message }, false)
+            })
+            .await?;
+            Ok(Action::await_change())
+        }
+        Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
+        Err(Error::Provider(e)) => provider_failed(pod, agent, e).await,
         Err(e) => Err(e),
     }
 }
 
-/// Define the VM if the host has none with its identity, then power it on.
+/// Show a failed provider call on the pod as [`failure::handling`] says, with
+/// one Event per cause; then retry with backoff, or wait for a change.
+async fn provider_failed(pod: &Pod, agent: &Agent, e: vmlet_provider::Error) -> Result<Action, Error> {
+    let handling = failure::handling(e.kind);
+    let message = e.to_string();
+    agent.events.publish(pod, handling.reason, &message).await;
+    let reason = handling.reason.as_str();
+    write_status(pod, agent, |p| {
+        let observed = match handling.pod {
+            PodEffect::Waiting => Observed::Waiting { reason, message: &message },
+            PodEffect::KeepLastKnown => Observed::HostNotResponding { message: &message },
+        };
+        pod_status(p, &agent.host_ip, &observed, false)
+    })
+    .await?;
+    match handling.retry {
+        Retry::Backoff => Err(e.into()),
+        Retry::OnChange => Ok(Action::await_change()),
+    }
+}
+
+/// Waiting reason of a pod whose VM lives on another host; the controller
+/// replaces such a pod ([`crate::controller::decide`]).
+pub const PLACED_ELSEWHERE: &str = "PlacedOnAnotherHost";
+
+/// Run the VM here if it may run here ([`placement::verdict`]): define it if
+/// the host has none with its identity, record the placement, power it on.
 ///
 /// Provider calls can take long (a libvirtd busy probing QEMU once took
-/// minutes), and the VM may be deleted or stopped meanwhile. So the
-/// VirtualMachine and the pod are read again from the API server before the
-/// define, after it, and before the power-on; when they no longer want the VM
-/// here, a domain defined by this very pass (never started) is undefined again
-/// and nothing is powered on.
+/// minutes), and the VM may be deleted, stopped or placed elsewhere meanwhile.
+/// So the VirtualMachine and the pod are read again from the API server before
+/// the define and before the power-on; the placement record is written (guarded
+/// by the resourceVersion) after the define and before the power-on; when
+/// any of these says no, a domain defined by this very pass (never started) is
+/// undefined again and nothing is powered on.
 async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error> {
     let provider = &agent.provider;
-    let status = match provider.get(&vm.spec.id).await? {
-        Some(status) => status,
-        None => {
-            if let Some(why) = unwanted(pod, vm, agent).await? {
-                return Ok(Started::Abandoned(why));
-            }
-            if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
-                return Ok(Started::Refused(refusal));
-            }
-            let status = provider.ensure_defined(&vm.spec).await?;
-            if let Some(why) = unwanted(pod, vm, agent).await? {
-                // Defined by this pass a moment ago and never started: nothing
-                // of the user's is lost by removing it again.
-                provider.undefine(&vm.spec.id).await?;
-                warn!(vm.uid = %vm.spec.id, domain = %status.backend_name, why, "undefined a late definition");
-                return Ok(Started::Abandoned(why));
-            }
-            info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "defined");
-            agent
-                .events
-                .publish(pod, Reason::Defined, &format!("defined {} on {}", status.backend_name, agent.host.name))
-                .await;
-            status
+    let here_name = agent.host.name.as_str();
+    let on_host = provider.get(&vm.spec.id).await?;
+    if let Some(status) = on_host.as_ref().filter(|s| s.power.is_active()) {
+        // Steady state: it runs here. The record follows it (from the cache;
+        // a write reads fresh).
+        let cached = agent.watches.vms.get(&ObjectRef::new(&vm.spec.name).within(&vm.spec.namespace));
+        let recorded = cached.as_deref().and_then(placement::recorded_node).map(str::to_owned);
+        if recorded.as_deref() != Some(here_name) {
+            record_here(vm, agent, recorded.as_deref(), status).await?;
         }
+        return Ok(Started::Synced { status: status.clone(), restarted: false });
+    }
+
+    let fresh = match wanted(pod, vm, agent).await? {
+        Ok(fresh) => fresh,
+        Err(why) => return Ok(Started::Abandoned(why)),
     };
-    if status.power.is_active() {
-        return Ok(Started::Synced { status, restarted: false });
-    }
-    if let Some(why) = unwanted(pod, vm, agent).await? {
-        return Ok(Started::Abandoned(why));
-    }
+    let recorded = placement::recorded_node(&fresh).map(str::to_owned);
+    let state = if on_host.is_some() { HereState::Inactive } else { HereState::Absent };
+    let elsewhere = placement::held_elsewhere(&agent.hosts, here_name, &vm.spec.id).await;
+    let ours = |node: &str| agent.hosts.get(node).is_some();
+    let write_record = match placement::verdict(here_name, state, recorded.as_deref(), &elsewhere, ours) {
+        Verdict::LivesElsewhere { node } => {
+            if elsewhere.contains(&node) && recorded.as_deref() != Some(node.as_str()) {
+                // Another host of ours holds it: the record says so from now on.
+                let placement = Placement { node_name: node.clone(), backend_id: None };
+                let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
+                placement::record(&vms, &vm.spec.name, &vm.spec.id.0, recorded.as_deref(), placement)
+                    .await
+                    .map_err(|source| Error::Kube { action: "record the placement of", pod: pod.name_any(), source })?;
+            }
+            return Ok(Started::Elsewhere(node));
+        }
+        Verdict::RunHere { record } => record,
+    };
+
+    // The pod saw the VM running: it stopped by itself (the guest powered
+    // off, or it was destroyed behind vmlet). Its restart policy decides.
     let restarted = pod
         .status
         .as_ref()
@@ -186,6 +260,32 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
         .and_then(|c| c.first())
         .and_then(|c| c.state.as_ref())
         .is_some_and(|s| s.running.is_some());
+    if let (Some(status), true) = (&on_host, restarted) {
+        if let AfterStop::LeaveOff(ended) = restart::after_stop(vm.restart_policy, status.stop_reason) {
+            return Ok(Started::LeftOff { status: status.clone(), ended });
+        }
+    }
+    let (status, defined_now) = match on_host {
+        Some(status) => (status, false),
+        None => {
+            // Only files under the host's storage roots; a VM defined
+            // already is never checked (nothing running is stopped).
+            if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
+                return Ok(Started::Refused(refusal));
+            }
+            (provider.ensure_defined(&vm.spec).await?, true)
+        }
+    };
+    if write_record && !record_here(vm, agent, recorded.as_deref(), &status).await? {
+        return abandon(vm, agent, &status, defined_now, "the placement record changed meanwhile").await;
+    }
+    if let Err(why) = wanted(pod, vm, agent).await? {
+        return abandon(vm, agent, &status, defined_now, why).await;
+    }
+    if defined_now {
+        info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "defined");
+        agent.events.publish(pod, Reason::Defined, &format!("defined {} on {}", status.backend_name, here_name)).await;
+    }
     provider.start(&vm.spec.id).await?;
     info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "started");
     agent.events.publish(pod, Reason::Started, &format!("powered on {}", status.backend_name)).await;
@@ -193,31 +293,64 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
     Ok(Started::Synced { status, restarted })
 }
 
-/// Why the VM of `pod` must not be defined or powered on now, read fresh from
-/// the API server (not from a watch cache, which may lag): its VirtualMachine
-/// is gone, replaced (another UID), being deleted or scaled to 0, or the pod is
-/// gone or being deleted. `None` when it still wants to run here. Errors: the
-/// API server could not be read (the pass retries; nothing was done).
-async fn unwanted(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Option<&'static str>, Error> {
+/// Give up this pass: a definition made by it (never started) is removed
+/// again, so nothing of it is left on this host; an earlier one is kept.
+async fn abandon(
+    vm: &PodVm,
+    agent: &Agent,
+    status: &VmStatus,
+    defined_now: bool,
+    why: &'static str,
+) -> Result<Started, Error> {
+    if defined_now {
+        agent.provider.undefine(&vm.spec.id).await?;
+        warn!(vm.uid = %vm.spec.id, domain = %status.backend_name, why, "undefined a late definition");
+    }
+    Ok(Started::Abandoned(why))
+}
+
+/// Record that this host holds the VM (`status.placement`), if the record
+/// still names `expected`. Returns false when it changed meanwhile.
+async fn record_here(vm: &PodVm, agent: &Agent, expected: Option<&str>, status: &VmStatus) -> Result<bool, Error> {
+    let placement = Placement { node_name: agent.host.name.clone(), backend_id: Some(status.backend_id.clone()) };
+    let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
+    let done = placement::record(&vms, &vm.spec.name, &vm.spec.id.0, expected, placement)
+        .await
+        .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
+    if done == Recorded::Done {
+        info!(vm.uid = %vm.spec.id, node.name = %agent.host.name, "placement recorded");
+    }
+    Ok(done == Recorded::Done)
+}
+
+/// The pod's VirtualMachine, read fresh from the API server (not from a watch
+/// cache, which may lag), when it still wants to run through this pod; else
+/// why not: its VirtualMachine is gone, replaced (another UID), being deleted,
+/// scaled to 0 or has another current pod, or the pod is gone or being deleted.
+/// Errors: the API server could not be read (the pass retries; nothing was
+/// done).
+async fn wanted(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Result<VirtualMachine, &'static str>, Error> {
     let namespace = pod.namespace().unwrap_or_default();
     let kube_err = |action| move |source| Error::Kube { action, pod: pod.name_any(), source };
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
-    let why = match vms.get_opt(&vm.spec.name).await.map_err(kube_err("read the VirtualMachine of"))? {
-        None => Some("its VirtualMachine was deleted"),
-        Some(v) if v.uid().as_deref() != Some(vm.spec.id.0.as_str()) => Some("its VirtualMachine was replaced"),
-        Some(v) if v.metadata.deletion_timestamp.is_some() => Some("its VirtualMachine is being deleted"),
-        Some(v) if v.spec.replicas == 0 => Some("its VirtualMachine was scaled to 0"),
-        Some(_) => None,
+    let fresh = match vms.get_opt(&vm.spec.name).await.map_err(kube_err("read the VirtualMachine of"))? {
+        None => return Ok(Err("its VirtualMachine was deleted")),
+        Some(v) if v.uid().as_deref() != Some(vm.spec.id.0.as_str()) => {
+            return Ok(Err("its VirtualMachine was replaced"))
+        }
+        Some(v) if v.metadata.deletion_timestamp.is_some() => return Ok(Err("its VirtualMachine is being deleted")),
+        Some(v) if v.spec.replicas == 0 => return Ok(Err("its VirtualMachine was scaled to 0")),
+        Some(v) if v.status.as_ref().and_then(|s| s.pod_name.as_deref()) != Some(pod.name_any().as_str()) => {
+            return Ok(Err("its VirtualMachine has another current pod"))
+        }
+        Some(v) => v,
     };
-    if why.is_some() {
-        return Ok(why);
-    }
     let pods: Api<Pod> = Api::namespaced(agent.client.clone(), &namespace);
     Ok(match pods.get_opt(&pod.name_any()).await.map_err(kube_err("read"))? {
-        None => Some("the pod was deleted"),
-        Some(p) if p.uid() != pod.uid() => Some("the pod was replaced"),
-        Some(p) if p.metadata.deletion_timestamp.is_some() => Some("the pod is being deleted"),
-        Some(_) => None,
+        None => Err("the pod was deleted"),
+        Some(p) if p.uid() != pod.uid() => Err("the pod was replaced"),
+        Some(p) if p.metadata.deletion_timestamp.is_some() => Err("the pod is being deleted"),
+        Some(_) => Ok(fresh),
     })
 }
 

@@ -222,6 +222,8 @@ pub struct TestEnv {
     pub client: Client,
     pub dir: PathBuf,
     vmlet: Option<Child>,
+    /// A second vmlet that runs only the controller ([`TestEnv::start_split`]).
+    controller: Option<Child>,
     nodes: Vec<String>,
     /// Port of this vmlet's kubelet API on 127.0.0.1.
     pub kubelet_port: u16,
@@ -237,7 +239,7 @@ impl TestEnv {
         namespaces.create(&PostParams::default(), &namespace).await.expect("create namespace");
         let dir = repo().join("target/it").join(&ns);
         std::fs::create_dir_all(&dir).unwrap();
-        TestEnv { ns, client, dir, vmlet: None, nodes: vec![], kubelet_port: 0 }
+        TestEnv { ns, client, dir, vmlet: None, controller: None, nodes: vec![], kubelet_port: 0 }
     }
 
     /// The node name of a host suffix.
@@ -249,6 +251,61 @@ impl TestEnv {
     /// namespace only, VM files only from the test's [`storage_root`]) and
     /// start vmlet with it; its log is `<dir>/vmlet.log`.
     pub fn start_vmlet(&mut self, hosts: &[Host<'_>]) {
+        let config = self.vmlet_config(hosts, true);
+        std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
+        self.restart_vmlet();
+    }
+
+    /// Like [`TestEnv::start_vmlet`], but the controller runs in a second
+    /// vmlet process ([`TestEnv::start_controller`], log
+    /// `<dir>/controller.log`), so that a test can stop the controller alone.
+    /// That process needs a host of its own: node `<ns>-ctl`, tainted so that
+    /// no VM is scheduled there.
+    pub fn start_split(&mut self, hosts: &[Host<'_>]) {
+        let config = self.vmlet_config(hosts, false);
+        std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
+        self.restart_vmlet();
+        let port = self.kubelet_port;
+        let mut controller = self.vmlet_config(&[Host::new("ctl", test_driver_uri("host-a.xml"))], true);
+        controller["hosts"][0]["taints"] = json!([{"key": "vmlet.io/controller-only", "effect": "NoSchedule"}]);
+        controller["stateDir"] = json!(self.dir.join("controller-state"));
+        self.kubelet_port = port;
+        self.nodes = hosts.iter().map(|h| self.node(h.suffix)).chain([self.node("ctl")]).collect();
+        std::fs::write(self.dir.join("controller.yaml"), serde_yaml::to_string(&controller).unwrap()).unwrap();
+        self.start_controller();
+    }
+
+    /// Start the controller process of [`TestEnv::start_split`] (again).
+    pub fn start_controller(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("controller.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_vmlet"))
+            .args(["run", "--config"])
+            .arg(self.dir.join("controller.yaml"))
+            .env("KUBECONFIG", &cluster().kubeconfig)
+            .env("VMLET_LOG", "info,vmlet=debug,kube=warn")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start the vmlet controller");
+        self.controller = Some(child);
+    }
+
+    /// kill -9 the controller process of [`TestEnv::start_split`] and reap it.
+    pub fn kill_controller(&mut self) {
+        if let Some(mut child) = self.controller.take() {
+            let pid = child.id();
+            if kill_and_reap(&mut child, VMLET_EXIT).is_none() && !std::thread::panicking() {
+                panic!("the vmlet controller (pid {pid}) was not gone {VMLET_EXIT:?} after SIGKILL");
+            }
+        }
+    }
+
+    /// The config of a vmlet serving `hosts` (labelled `vmlet.io/test=<ns>`,
+    /// VMs of this namespace only), with a kubelet API port of its own (the
+    /// API server reaches it through the Node's daemonEndpoints and checks
+    /// its serving certificate against the cluster CA).
+    fn vmlet_config(&mut self, hosts: &[Host<'_>], controller: bool) -> serde_json::Value {
         let hosts_yaml: Vec<_> = hosts
             .iter()
             .map(|h| {
@@ -262,14 +319,12 @@ impl TestEnv {
             })
             .collect();
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
-        // Each test's vmlet has a kubelet API port of its own; the API server
-        // reaches it through the Node's daemonEndpoints and checks its serving
-        // certificate against the cluster CA.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         self.kubelet_port = port;
         let pki = cluster().kubeconfig.parent().unwrap().join("pki");
-        let config = json!({
+        json!({
             "namespace": self.ns,
+            "controller": controller,
             "stateDir": self.dir.join("state"),
             "kubeletPort": port,
             "kubeletApi": {
@@ -279,10 +334,7 @@ impl TestEnv {
                 "clientCaFile": pki.join("ca.crt"),
             },
             "hosts": hosts_yaml,
-        });
-        let path = self.dir.join("vmlet.yaml");
-        std::fs::write(&path, serde_yaml::to_string(&config).unwrap()).unwrap();
-        self.restart_vmlet();
+        })
     }
 
     /// Start vmlet again with the same config (after [`TestEnv::kill_vmlet`]).
@@ -442,12 +494,64 @@ impl TestEnv {
         .await
     }
 
-    /// Wait until pod `name` is gone.
-    pub async fn wait_pod_gone(&self, name: &str) {
+    /// The name of VM `vm`'s current pod (`status.podName`, `<vm>-<suffix>`),
+    /// once the controller has named one and the pod exists.
+    pub async fn pod_of(&self, vm: &str) -> String {
+        let (vms, pods) = (self.vms(), self.pods());
+        self.wait_for(&format!("a pod of VirtualMachine {vm}"), || {
+            let (vms, pods) = (vms.clone(), pods.clone());
+            async move {
+                let name = vms.get_opt(vm).await.ok()??.status?.pod_name?;
+                pods.get_opt(&name).await.ok()??;
+                Some(name)
+            }
+        })
+        .await
+    }
+
+    /// VM `vm`'s current pod, once it has one.
+    pub async fn vm_pod(&self, vm: &str) -> Pod {
+        let name = self.pod_of(vm).await;
+        self.pods().get(&name).await.expect("the VM's current pod")
+    }
+
+    /// Wait until Node `name` exists and is Ready; returns it.
+    pub async fn wait_node_ready(&self, name: &str) -> Node {
+        let nodes = self.nodes_api();
+        self.wait_for(&format!("node {name} Ready"), || {
+            let nodes = nodes.clone();
+            async move {
+                let node = nodes.get_opt(name).await.ok()??;
+                let ready =
+                    node.status.as_ref()?.conditions.as_ref()?.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+                ready.then_some(node)
+            }
+        })
+        .await
+    }
+
+    /// Wait until pod `name` is Running on a node; returns the node.
+    pub async fn wait_pod_running(&self, name: &str) -> String {
         let pods = self.pods();
-        self.wait_for(&format!("pod {name} gone"), || {
+        self.wait_for(&format!("pod {name} Running"), || {
             let pods = pods.clone();
-            async move { pods.get_opt(name).await.ok().and_then(|p| p.is_none().then_some(())) }
+            async move {
+                let pod = pods.get_opt(name).await.ok()??;
+                let running = pod.status.as_ref()?.phase.as_deref() == Some("Running");
+                running.then_some(pod.spec?.node_name?)
+            }
+        })
+        .await
+    }
+
+    /// Wait until VM `vm` has no pod left (label `vmlet.io/vm=<vm>`).
+    pub async fn wait_vm_pods_gone(&self, vm: &str) {
+        let pods = self.pods();
+        let selector = format!("vmlet.io/vm={vm}");
+        self.wait_for(&format!("the pods of VirtualMachine {vm} gone"), || {
+            let pods = pods.clone();
+            let params = kube::api::ListParams::default().labels(&selector);
+            async move { pods.list(&params).await.ok().and_then(|l| l.items.is_empty().then_some(())) }
         })
         .await
     }
@@ -486,6 +590,7 @@ impl Drop for TestEnv {
             self.cleanup_kubectl(&["delete", "virtualmachines", "--all", "--wait=true", "--timeout=90s"]);
         }
         self.kill_vmlet();
+        self.kill_controller();
         let leftover = self.cleanup_kubectl(&["get", "virtualmachines", "-o", "name"]).map(|out| out.stdout);
         for vm in String::from_utf8_lossy(&leftover.unwrap_or_default()).lines() {
             self.cleanup_kubectl(&["patch", vm, "--type=merge", "-p", r#"{"metadata":{"finalizers":null}}"#]);

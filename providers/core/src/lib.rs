@@ -98,6 +98,20 @@ impl PowerState {
     }
 }
 
+/// Why an inactive VM stopped, as far as the back end knows; the core decides
+/// from it whether a VM restarts (its restart policy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The guest powered itself off (`poweroff`, an ACPI shutdown it honoured).
+    GuestShutdown,
+    /// Powered off from the host (libvirt `destroy`, a hard stop).
+    Destroyed,
+    /// The guest or the hypervisor process crashed.
+    Crashed,
+    /// Never started since defined, or the back end does not say.
+    Unknown,
+}
+
 /// What a provider reports about one of vmlet's VMs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VmStatus {
@@ -110,12 +124,31 @@ pub struct VmStatus {
     pub backend_id: String,
     /// Current power state.
     pub power: PowerState,
+    /// Why it stopped, for an inactive VM (`None` while active).
+    pub stop_reason: Option<StopReason>,
     /// Virtual CPUs currently configured.
     pub cpus: u32,
     /// Memory currently configured, in bytes.
     pub memory_bytes: u64,
     /// Guest addresses, as far as the backend knows them (may be empty).
     pub addresses: Vec<IpAddr>,
+}
+
+/// Where a back end holds a VM, as far as one provider can see
+/// ([`Provider::locate`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// On this provider's host, in this state.
+    ThisHost(VmStatus),
+    /// On another host of the same back end, named as the back end names it
+    /// (a Nova hypervisor's hostname, a vSphere HostSystem's name): back ends
+    /// that move VMs by themselves see the whole back end.
+    OtherHost(String),
+    /// Not on this host; this provider sees no other host (libvirt: one
+    /// connection, one host).
+    NotOnThisHost,
+    /// Nowhere in the back end (a provider that sees the whole back end).
+    Nowhere,
 }
 
 /// Capacity and identity of the hypervisor host, probed from the backend.
@@ -169,6 +202,18 @@ pub trait Provider: Send + Sync + 'static {
 
     /// The VM with this identity, or `None` when the host has none.
     async fn get(&self, id: &VmId) -> Result<Option<VmStatus>>;
+
+    /// Where the back end holds the VM with this identity: "where is VM X".
+    /// The default, for providers that see only their own host, is
+    /// [`Location::ThisHost`] or [`Location::NotOnThisHost`] from
+    /// [`Provider::get`]; back ends that move VMs by themselves (Nova,
+    /// vSphere) answer for the whole back end. Errors: `Transient`.
+    async fn locate(&self, id: &VmId) -> Result<Location> {
+        Ok(match self.get(id).await? {
+            Some(status) => Location::ThisHost(status),
+            None => Location::NotOnThisHost,
+        })
+    }
 
     /// Define the VM if the host has none with this identity; an existing one is
     /// returned unchanged (no resize, no restart). Errors: `InvalidInput` when the

@@ -7,7 +7,7 @@ use std::sync::{Mutex, PoisonError};
 use virt::connect::Connect;
 use virt::domain::{Domain, DomainState, DomainStateEnum};
 use virt::error::Error as VirtError;
-use vmlet_provider::{PowerState, Result, VmId, VmStatus};
+use vmlet_provider::{PowerState, Result, StopReason, VmId, VmStatus};
 
 use crate::error::{from_libvirt, is_no_domain, is_no_metadata};
 use crate::xml::{parse_identity, Identity, METADATA_NS};
@@ -102,11 +102,18 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
     let backend_name = domain.name().map_err(|e| from_libvirt("read domain name", e))?;
     let power = power_from_libvirt(info.state);
     let addresses = if power.is_active() { lease_addresses(domain) } else { Vec::new() };
+    let stop_reason = if power.is_active() {
+        None
+    } else {
+        let (_, reason) = domain.state().map_err(|e| from_libvirt("read domain state", e))?;
+        Some(stop_reason_from_libvirt(reason))
+    };
     Ok(VmStatus {
         id: identity.id,
         backend_name,
         backend_id,
         power,
+        stop_reason,
         cpus: info.nr_virt_cpu,
         memory_bytes: info.max_mem.saturating_mul(1024),
         addresses,
@@ -122,6 +129,21 @@ pub(crate) fn power_from_libvirt(state: DomainStateEnum) -> PowerState {
         DomainStateEnum::Known(DomainState::Shutoff) => PowerState::Off,
         DomainStateEnum::Known(DomainState::Crashed) => PowerState::Crashed,
         DomainStateEnum::Known(DomainState::NoState) | DomainStateEnum::Unknown(_) => PowerState::Unknown,
+    }
+}
+
+/// Why an inactive domain stopped, from libvirt's state reason
+/// (`virDomainShutoffReason`, `virDomainCrashedReason`).
+pub(crate) fn stop_reason_from_libvirt(reason: virt::domain::DomainStateReasonEnum) -> StopReason {
+    use virt::domain::{DomainShutoffReason as Off, DomainStateReason as R};
+    use virt::enumutil::Enum;
+    match reason {
+        Enum::Known(R::Shutoff(Enum::Known(Off::Shutdown))) => StopReason::GuestShutdown,
+        Enum::Known(R::Shutoff(Enum::Known(Off::Destroyed))) => StopReason::Destroyed,
+        Enum::Known(R::Shutoff(Enum::Known(Off::Crashed | Off::Failed))) | Enum::Known(R::Crashed(_)) => {
+            StopReason::Crashed
+        }
+        _ => StopReason::Unknown,
     }
 }
 

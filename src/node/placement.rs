@@ -1,0 +1,229 @@
+//! The placement record (`status.placement` of a VirtualMachine): where a VM
+//! lives, and the agent's decision to define or power on a VM here or not.
+//!
+//! "Not on this host" never means "define it here" by itself: before an agent
+//! defines or powers on a VM, it reads the record fresh, asks the other hosts
+//! of this process ("where is VM X", [`Provider::locate`]), and lets
+//! [`verdict`] decide. The record is written before power-on, guarded by the
+//! VirtualMachine's resourceVersion, so two agents never both claim a VM.
+
+use super::Hosts;
+use crate::v1alpha1::{Placement, VirtualMachine};
+use kube::api::PostParams;
+use kube::{Api, ResourceExt};
+use tracing::{debug, warn};
+use vmlet_provider::{Location, VmId};
+
+/// What the agent of host `here` may do with a VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Define it here if needed and run it here; `record` when the placement
+    /// record must first say this host.
+    RunHere {
+        /// Whether `status.placement` must be (re)written to this host.
+        record: bool,
+    },
+    /// Do not define or power it on here: it lives on `node`.
+    LivesElsewhere {
+        /// The node that holds the VM (or that the record names).
+        node: String,
+    },
+}
+
+/// What one host knows about a VM, for [`verdict`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HereState {
+    /// This host has no definition of the VM.
+    Absent,
+    /// Defined here and powered off (or crashed).
+    Inactive,
+    /// Defined here and running (or paused, shutting down).
+    Active,
+}
+
+/// Decide whether host `here` may run a VM, from what the host reports
+/// (`state`), the placement record (`record`: its node, if any), the other
+/// hosts of this process that hold a definition (`held_elsewhere`), and
+/// whether a node is served by this process (`ours`: its answer is then
+/// complete, so a record naming it can be checked).
+///
+/// - A VM that runs here runs here: the record follows it.
+/// - A definition elsewhere, or a record naming a host this process cannot
+///   check, wins over defining or powering on here.
+/// - A record naming one of our hosts that no longer holds the VM (undefined
+///   behind vmlet) no longer binds it.
+pub fn verdict(
+    here: &str,
+    state: HereState,
+    record: Option<&str>,
+    held_elsewhere: &[String],
+    ours: impl Fn(&str) -> bool,
+) -> Verdict {
+    let elsewhere = |node: &str| Verdict::LivesElsewhere { node: node.to_owned() };
+    let run_here = Verdict::RunHere { record: record != Some(here) };
+    match state {
+        HereState::Active => run_here,
+        _ if record == Some(here) && state == HereState::Inactive => run_here,
+        _ => {
+            if let Some(node) = held_elsewhere.first() {
+                return elsewhere(node);
+            }
+            match record {
+                Some(node) if node != here && !ours(node) => elsewhere(node),
+                _ => run_here,
+            }
+        }
+    }
+}
+
+/// The nodes of this process, other than `here`, whose host holds the VM
+/// `id`, plus back-end hosts a provider names (Nova, vSphere). A host that
+/// does not answer is left out (logged): the record still guards it.
+pub async fn held_elsewhere(hosts: &Hosts, here: &str, id: &VmId) -> Vec<String> {
+    let mut nodes = Vec::new();
+    for host in hosts.list().into_iter().filter(|h| h.name != here) {
+        match host.provider.locate(id).await {
+            Ok(Location::ThisHost(_)) => nodes.push(host.name),
+            Ok(Location::OtherHost(name)) if name != here && !nodes.contains(&name) => nodes.push(name),
+            Ok(_) => {}
+            Err(e) => debug!(node.name = %host.name, vm.uid = %id, error = %e, "host did not answer where the VM is"),
+        }
+    }
+    nodes
+}
+
+/// Every host of this process that holds VM `id`, asked by UID. Errors: the
+/// host `recorded` (the placement record's node) does not answer, so the
+/// caller cannot conclude "nowhere"; another host that does not answer is
+/// left out (logged), so that one host down does not hold up every VM.
+pub async fn holders(
+    hosts: &Hosts,
+    id: &VmId,
+    recorded: Option<&str>,
+) -> Result<Vec<super::HostHandle>, vmlet_provider::Error> {
+    let mut found = Vec::new();
+    for host in hosts.list() {
+        match host.provider.locate(id).await {
+            Ok(Location::ThisHost(_)) => found.push(host),
+            Ok(_) => {}
+            Err(e) if recorded == Some(host.name.as_str()) => return Err(e),
+            Err(e) => {
+                warn!(node.name = %host.name, vm.uid = %id, error = %e, "host did not answer whether it holds the VM")
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// The node the record of `vm` names.
+pub fn recorded_node(vm: &VirtualMachine) -> Option<&str> {
+    vm.status.as_ref().and_then(|s| s.placement.as_ref()).map(|p| p.node_name.as_str())
+}
+
+/// How [`record`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    /// The record now names the node.
+    Done,
+    /// The record changed meanwhile to name another node (or the VM was
+    /// deleted or replaced); nothing was written.
+    Changed,
+}
+
+/// Write `placement` into the VM's status, if the record still names
+/// `expected` (what the caller decided from). Reads the VirtualMachine fresh
+/// and writes its whole status guarded by that resourceVersion; retries on a
+/// conflict with another writer (up to 5 times). Errors: the API server.
+pub async fn record(
+    vms: &Api<VirtualMachine>,
+    name: &str,
+    uid: &str,
+    expected: Option<&str>,
+    placement: Placement,
+) -> Result<Recorded, kube::Error> {
+    for _ in 0..5 {
+        let Some(mut vm) = vms.get_opt(name).await? else { return Ok(Recorded::Changed) };
+        if vm.uid().as_deref() != Some(uid) {
+            return Ok(Recorded::Changed);
+        }
+        let current = recorded_node(&vm).map(str::to_owned);
+        if current.as_deref() == Some(placement.node_name.as_str())
+            && vm.status.as_ref().and_then(|s| s.placement.as_ref()) == Some(&placement)
+        {
+            return Ok(Recorded::Done);
+        }
+        if current.as_deref() != expected && current.as_deref() != Some(placement.node_name.as_str()) {
+            return Ok(Recorded::Changed);
+        }
+        vm.status.get_or_insert_with(Default::default).placement = Some(placement.clone());
+        let params = PostParams { field_manager: Some("vmlet-agent".into()), ..PostParams::default() };
+        match vms.replace_status(name, &params, &vm).await {
+            Ok(_) => return Ok(Recorded::Done),
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Recorded::Changed),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Recorded::Changed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ours(node: &str) -> bool {
+        node.starts_with("host-")
+    }
+
+    fn elsewhere(node: &str) -> Verdict {
+        Verdict::LivesElsewhere { node: node.into() }
+    }
+
+    #[test]
+    fn a_new_vm_is_defined_here_and_recorded_first() {
+        assert_eq!(verdict("host-a", HereState::Absent, None, &[], ours), Verdict::RunHere { record: true });
+    }
+
+    #[test]
+    fn a_vm_recorded_on_another_host_is_never_defined_here() {
+        let b = ["host-b".to_owned()];
+        assert_eq!(verdict("host-a", HereState::Absent, Some("host-b"), &b, ours), elsewhere("host-b"));
+        // A host of another vmlet process cannot be asked: its record binds.
+        assert_eq!(verdict("host-a", HereState::Absent, Some("kvm-9"), &[], ours), elsewhere("kvm-9"));
+    }
+
+    #[test]
+    fn a_vm_that_another_host_holds_is_not_defined_here_even_without_a_record() {
+        let b = ["host-b".to_owned()];
+        assert_eq!(verdict("host-a", HereState::Absent, None, &b, ours), elsewhere("host-b"));
+        assert_eq!(verdict("host-a", HereState::Absent, Some("host-a"), &b, ours), elsewhere("host-b"));
+        assert_eq!(verdict("host-a", HereState::Inactive, None, &b, ours), elsewhere("host-b"));
+    }
+
+    #[test]
+    fn a_vm_running_here_stays_here_and_the_record_follows_it() {
+        assert_eq!(verdict("host-a", HereState::Active, None, &[], ours), Verdict::RunHere { record: true });
+        assert_eq!(verdict("host-a", HereState::Active, Some("host-b"), &[], ours), Verdict::RunHere { record: true });
+        assert_eq!(verdict("host-a", HereState::Active, Some("host-a"), &[], ours), Verdict::RunHere { record: false });
+    }
+
+    #[test]
+    fn a_stopped_vm_recorded_here_starts_here() {
+        let b = ["host-b".to_owned()];
+        assert_eq!(
+            verdict("host-a", HereState::Inactive, Some("host-a"), &b, ours),
+            Verdict::RunHere { record: false }
+        );
+        assert_eq!(verdict("host-a", HereState::Absent, Some("host-a"), &[], ours), Verdict::RunHere { record: false });
+    }
+
+    #[test]
+    fn a_record_naming_our_host_that_lost_the_vm_no_longer_binds_it() {
+        assert_eq!(verdict("host-a", HereState::Absent, Some("host-b"), &[], ours), Verdict::RunHere { record: true });
+    }
+
+    #[test]
+    fn a_stopped_definition_here_recorded_on_a_host_we_cannot_ask_is_not_started() {
+        assert_eq!(verdict("host-a", HereState::Inactive, Some("kvm-9"), &[], ours), elsewhere("kvm-9"));
+    }
+}

@@ -1,0 +1,236 @@
+//! The process's watches: ONE pod watch and ONE VirtualMachine watch, whatever
+//! the number of hosts, shared by the controller and every host agent.
+//!
+//! Each watch feeds a reflector store (the watch cache) and then a dispatcher
+//! that turns every change into work-queue entries for whoever acts on it:
+//! - a pod change → the queue of the agent of the pod's node, and the queue of
+//!   the VirtualMachine that controls the pod (controller, release loop);
+//! - a VirtualMachine change → its own queue entry, and the queues of the
+//!   agents whose nodes hold its pods.
+//!
+//! Memory grows with pods + VMs, never with hosts × VMs: before this, every
+//! host agent kept its own VirtualMachine watch (twice), and 100 hosts with
+//! 2,000 VMs held 2.26 GB.
+//!
+//! The pod store keeps only the pods vmlet may act on: those bound to one of
+//! this process's nodes (any namespace: a pod that is not a VM's must still be
+//! refused) and VM pods (label [`VM_LABEL`]) of the namespaces it serves.
+
+use crate::config::Config;
+use crate::v1alpha1::{VirtualMachine, VM_LABEL};
+use futures::channel::mpsc;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client, ResourceExt};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use tokio_util::sync::CancellationToken;
+
+/// The write sides of the [`Watches`] stores, consumed by [`Watches::start`].
+pub struct Writers {
+    vms: reflector::store::Writer<VirtualMachine>,
+    pods: reflector::store::Writer<Pod>,
+}
+
+/// A work queue's input: object references, merged by the queue.
+pub type Triggers<K> = mpsc::UnboundedReceiver<ObjectRef<K>>;
+
+/// The shared watch caches and the subscriptions that route changes to queues.
+#[derive(Clone)]
+pub struct Watches {
+    /// Every VirtualMachine of the namespaces served.
+    pub vms: Store<VirtualMachine>,
+    /// Pods bound to this process's nodes, and VM pods of the namespaces served.
+    pub pods: Store<Pod>,
+    routes: Arc<Routes>,
+}
+
+#[derive(Default)]
+struct Routes {
+    /// Node name → the queue of its agent.
+    nodes: Mutex<HashMap<String, mpsc::UnboundedSender<ObjectRef<Pod>>>>,
+    /// Queues keyed by VirtualMachine (controller, release loop).
+    vms: Mutex<Vec<mpsc::UnboundedSender<ObjectRef<VirtualMachine>>>>,
+    /// Queue outputs of the configured nodes, made before the first event,
+    /// until each agent takes its own.
+    pending: Mutex<HashMap<String, Triggers<Pod>>>,
+}
+
+impl Watches {
+    /// The stores and routes for the nodes of `config.hosts`, before any watch
+    /// runs. Subscribe ([`Watches::vm_triggers`]) before [`Watches::start`]: a
+    /// change is routed only to the queues that exist when it arrives. The
+    /// nodes' queues exist from here on, so the initial list reaches every
+    /// agent, however late it starts.
+    pub fn new(config: &Config) -> (Self, Writers) {
+        let (vms, vm_writer) = reflector::store();
+        let (pods, pod_writer) = reflector::store();
+        let watches = Watches { vms, pods, routes: Arc::new(Routes::default()) };
+        for host in &config.hosts {
+            let rx = watches.subscribe_node(&host.name);
+            watches.routes.pending.lock().expect("routes poisoned").insert(host.name.clone(), rx);
+        }
+        (watches, Writers { vms: vm_writer, pods: pod_writer })
+    }
+
+    /// Open the two watches (all namespaces, or `config.namespace`); the stores
+    /// fill and the routes run in the background until `shutdown`.
+    pub fn start(&self, writers: Writers, client: &Client, config: &Config, shutdown: CancellationToken) {
+        let Writers { vms: vm_writer, pods: pod_writer } = writers;
+        let watches = self;
+
+        let served_namespace = config.namespace.clone();
+        let nodes: HashSet<String> = config.hosts.iter().map(|h| h.name.clone()).collect();
+        let vm_api: Api<VirtualMachine> = match &config.namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        };
+        let vm_events = watcher(vm_api, watcher::Config::default()).default_backoff().reflect(vm_writer);
+        let router = watches.clone();
+        let vm_loop = vm_events.for_each(move |event| {
+            if let Ok(event) = event {
+                for vm in touched(&event) {
+                    router.route_vm(vm);
+                }
+            }
+            std::future::ready(())
+        });
+
+        // Pods: all namespaces, because a pod of any namespace may be bound to
+        // our nodes; filtered before it reaches the store.
+        let pod_api: Api<Pod> = Api::all(client.clone());
+        let keep = Arc::new(move |pod: &Pod| {
+            let on_our_node = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some_and(|n| nodes.contains(n));
+            let vm_pod = pod.labels().contains_key(VM_LABEL)
+                && served_namespace.as_deref().is_none_or(|ns| pod.namespace().as_deref() == Some(ns));
+            on_our_node || vm_pod
+        });
+        let filter = keep.clone();
+        let pod_events = watcher(pod_api, watcher::Config::default())
+            .default_backoff()
+            .filter_map(move |event| std::future::ready(event.map(|e| only_kept(e, &*filter)).transpose()))
+            .reflect(pod_writer);
+        let router = watches.clone();
+        let pod_loop = pod_events.for_each(move |event| {
+            if let Ok(event) = event {
+                // A change that removed a pod from the store (see `only_kept`)
+                // concerns nobody here.
+                for pod in touched(&event).into_iter().filter(|p| keep(p)) {
+                    router.route_pod(pod);
+                }
+            }
+            std::future::ready(())
+        });
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = vm_loop => {}
+                _ = pod_loop => {}
+                _ = shutdown.cancelled() => {}
+            }
+        });
+    }
+
+    /// The queue input of node `name`'s agent: the pods bound to it, and the
+    /// pods of VMs that changed. Taken once per node (see [`Watches::start`]).
+    pub fn node_triggers(&self, name: &str) -> Triggers<Pod> {
+        let taken = self.routes.pending.lock().expect("routes poisoned").remove(name);
+        taken.unwrap_or_else(|| self.subscribe_node(name))
+    }
+
+    fn subscribe_node(&self, name: &str) -> Triggers<Pod> {
+        let (tx, rx) = mpsc::unbounded();
+        self.routes.nodes.lock().expect("routes poisoned").insert(name.to_owned(), tx);
+        rx
+    }
+
+    /// A queue input keyed by VirtualMachine: every VM change and every change
+    /// of a pod a VM controls. Subscribe before [`Watches::start`].
+    pub fn vm_triggers(&self) -> Triggers<VirtualMachine> {
+        let (tx, rx) = mpsc::unbounded();
+        self.routes.vms.lock().expect("routes poisoned").push(tx);
+        rx
+    }
+
+    /// The pods in the store bound to node `node`.
+    pub fn pods_on(&self, node: &str) -> Vec<Arc<Pod>> {
+        self.pods.state().into_iter().filter(|p| node_of(p) == Some(node)).collect()
+    }
+
+    /// The pods of the VirtualMachine `name` in `namespace` (label
+    /// `vmlet.io/vm=<name>`, controlled by a VirtualMachine with `uid`), in the
+    /// store: the live one and any still terminating.
+    pub fn pods_of_vm(&self, namespace: &str, name: &str, uid: &str) -> Vec<Arc<Pod>> {
+        self.pods
+            .state()
+            .into_iter()
+            .filter(|p| {
+                p.namespace().as_deref() == Some(namespace)
+                    && p.labels().get(VM_LABEL).map(String::as_str) == Some(name)
+                    && crate::identity::vm_owner(p).is_some_and(|o| o.uid == uid)
+            })
+            .collect()
+    }
+
+    fn route_pod(&self, pod: &Pod) {
+        let pod_ref = ObjectRef::from_obj(pod);
+        if let Some(node) = node_of(pod) {
+            if let Some(tx) = self.routes.nodes.lock().expect("routes poisoned").get(node) {
+                let _ = tx.unbounded_send(pod_ref);
+            }
+        }
+        if let Some(owner) = crate::identity::vm_owner(pod) {
+            let vm_ref = ObjectRef::new(&owner.name).within(&pod.namespace().unwrap_or_default());
+            self.send_vm(vm_ref);
+        }
+    }
+
+    fn route_vm(&self, vm: &VirtualMachine) {
+        self.send_vm(ObjectRef::from_obj(vm));
+        let namespace = vm.namespace().unwrap_or_default();
+        let name = vm.name_any();
+        let nodes = self.routes.nodes.lock().expect("routes poisoned");
+        for pod in self.pods.state() {
+            if pod.namespace().as_deref() == Some(namespace.as_str()) && pod.labels().get(VM_LABEL) == Some(&name) {
+                if let Some(tx) = node_of(&pod).and_then(|n| nodes.get(n)) {
+                    let _ = tx.unbounded_send(ObjectRef::from_obj(&*pod));
+                }
+            }
+        }
+    }
+
+    fn send_vm(&self, vm_ref: ObjectRef<VirtualMachine>) {
+        let mut queues = self.routes.vms.lock().expect("routes poisoned");
+        queues.retain(|tx| tx.unbounded_send(vm_ref.clone()).is_ok());
+    }
+}
+
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
+/// The objects a watch event is about (none for the list markers).
+fn touched<K>(event: &watcher::Event<K>) -> Vec<&K> {
+    match event {
+        watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o) => vec![o],
+        watcher::Event::Init | watcher::Event::InitDone => vec![],
+    }
+}
+
+/// The event as the store should see it: objects vmlet does not keep are left
+/// out of a list, and a change that makes a stored object one it does not keep
+/// (a label removed) removes it.
+fn only_kept<K>(event: watcher::Event<K>, keep: &impl Fn(&K) -> bool) -> Option<watcher::Event<K>> {
+    match event {
+        watcher::Event::Apply(o) if !keep(&o) => Some(watcher::Event::Delete(o)),
+        watcher::Event::InitApply(o) | watcher::Event::Delete(o) if !keep(&o) => None,
+        other => Some(other),
+    }
+}
+
+/// A stream that never yields: the object-trigger input of a queue that is
+/// fed only through [`Triggers`].
+pub fn no_objects<K: Send + 'static>() -> impl Stream<Item = Result<K, watcher::Error>> + Send + 'static {
+    futures::stream::pending()
+}
