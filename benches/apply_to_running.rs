@@ -1,5 +1,5 @@
 //! Benchmark: how fast N VirtualMachines go from create to `status.phase:
-//! Running` under vmlet.
+//! Running` under vmlet, next to what the control plane alone takes for N pods.
 //!
 //!   cargo bench --bench apply_to_running                  # N = 100 VMs, 3 hosts
 //!   VMLET_BENCH_VMS=300 VMLET_BENCH_HOSTS=3 cargo bench --bench apply_to_running
@@ -7,33 +7,45 @@
 //!
 //! Uses the real local control plane (`hack/cluster.sh up`, reused when running;
 //! `VMLET_CLUSTER_DIR`, `APISERVER_PORT` and `ETCD_PORT` select another one, as
-//! for the script). Prints figures; asserts no timing. Everything lives in a
-//! fresh namespace `bench-<random>`: one vmlet process (this build's binary)
-//! serving `VMLET_BENCH_HOSTS` libvirt test-driver hosts, nodes
-//! `bench-<random>-h000`, `-h001`, … labelled `vmlet.io/bench=<namespace>`,
-//! whose inventories are generated under target/bench/<namespace>/ with room
-//! for twice their even share of the VMs (kube-scheduler spreads them). N
-//! one-CPU 64Mi VirtualMachines are created, then all deleted at once.
+//! for the script). Prints figures; asserts no timing. Two runs, one after the
+//! other, with the same N and the same number of create calls in flight:
 //!
-//! Printed: the time the create calls took; create→Running latency per VM
-//! (p50/p95/max, from a watch); throughput (VMs Running per second, first
-//! create to last Running); VMs per host (min/max, and each host's count for up
-//! to ten hosts); vmlet's RSS once all VMs are Running (VmRSS, and the peak so
-//! far, VmHWM, from /proc/<pid>/status, in MiB); the time from deleting all VMs
-//! until no VirtualMachine is left (finalizers released) next to the
-//! create→all-Running time; and the peak RSS of the whole run.
+//! 1. **Baseline** (`apply_to_running/baseline.rs`), in namespace
+//!    `bench-<random>-baseline`: N plain pods with the VM pods' requests (1 cpu,
+//!    64Mi) placed by kube-scheduler on a Node of the same name that the bench
+//!    creates (Ready, its Lease renewed by the bench) and that no agent serves;
+//!    the bench writes each pod's status Running and Ready as soon as it sees
+//!    the pod bound. Its namespace, Node and Lease are removed before step 2.
+//! 2. **vmlet**, in namespace `bench-<random>`: one vmlet process (this build's
+//!    binary) serving `VMLET_BENCH_HOSTS` libvirt test-driver hosts, nodes
+//!    `bench-<random>-h000`, `-h001`, … labelled `vmlet.io/bench=<namespace>`,
+//!    whose inventories are generated under target/bench/<namespace>/ with room
+//!    for twice their even share of the VMs (kube-scheduler spreads them). N
+//!    one-CPU 64Mi VirtualMachines are created, then all deleted at once.
+//!
+//! Printed for each run: the time the create calls took; create→Running
+//! latency per object (p50/p95/max, from a watch); throughput (objects Running
+//! per second, first create to last Running). For vmlet also: VMs per host
+//! (min/max, and each host's count for up to ten hosts), vmlet's RSS once all
+//! VMs are Running (VmRSS, and the peak so far, VmHWM, from /proc/<pid>/status,
+//! in MiB), the time from deleting all VMs until no VirtualMachine is left
+//! (finalizers released) next to the create→all-Running time, and the peak RSS
+//! of the whole run. Last, vmlet against the baseline: p50 ratio (target ≤ 2×)
+//! and throughput ratio (target ≥ 0.7×).
 //!
 //! Environment: `VMLET_BENCH_VMS` (N, default 100), `VMLET_BENCH_HOSTS` (test-driver
 //! hosts, 1..=999, default 3), `VMLET_BENCH_CONCURRENCY` (create calls in flight,
 //! default 8), `VMLET_BENCH_TIMEOUT` (seconds each wait may take, default 900:
-//! the VMs Running, the VMs gone). Every external command runs under a deadline
-//! (tests/support/deadline.rs). Exits 1 after cleaning up when not all N VMs
-//! reached Running within the timeout (printing how many did) or the VMs were
-//! not gone in time.
+//! the baseline's pods Running, the VMs Running, the VMs gone). Every external
+//! command runs under a deadline (tests/support/deadline.rs). Exits 1 after
+//! cleaning up when a run did not reach Running for all N within the timeout
+//! (printing how many did) or the VMs were not gone in time.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+#[path = "apply_to_running/baseline.rs"]
+mod baseline;
 #[path = "apply_to_running/measure.rs"]
 mod measure;
 
@@ -49,8 +61,10 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use vmlet::v1alpha1::{VirtualMachine, VmPhase};
 
-/// Memory of every VM.
+/// Memory of every VM, and request of every baseline pod.
 pub const VM_MEMORY: &str = "64Mi";
+/// [`VM_MEMORY`] in MiB.
+pub const VM_MEMORY_MIB: u64 = 64;
 /// Node label tying the bench's VMs to its vmlet's nodes.
 const BENCH_LABEL: &str = "vmlet.io/bench";
 /// How long vmlet may take to exit after SIGTERM before it is killed.
@@ -62,11 +76,11 @@ const PLACEMENT_LISTED_UP_TO: usize = 10;
 
 /// What to run, from the environment.
 pub struct Settings {
-    /// N: how many VMs (`VMLET_BENCH_VMS`).
+    /// N: VMs, and pods of the baseline (`VMLET_BENCH_VMS`).
     pub vms: usize,
     /// Test-driver hosts of the vmlet run (`VMLET_BENCH_HOSTS`).
     pub hosts: usize,
-    /// Create calls in flight (`VMLET_BENCH_CONCURRENCY`).
+    /// Create calls in flight, in both runs (`VMLET_BENCH_CONCURRENCY`).
     pub concurrency: usize,
     /// Limit of each wait (`VMLET_BENCH_TIMEOUT`, seconds).
     pub timeout: Duration,
@@ -104,14 +118,40 @@ async fn main() {
     let cluster = common::cluster();
     let client = common::client().await;
     let ns = format!("bench-{}", unique_suffix());
+    let baseline_ns = format!("{ns}-baseline");
     println!(
         "apply_to_running: N = {n}, {concurrency} create calls in flight, timeout {:?} per wait",
         settings.timeout
     );
+
+    println!(
+        "baseline: {n} pods (1 cpu, {VM_MEMORY}) on Node {baseline_ns} that no agent serves, namespace {baseline_ns}"
+    );
+    let baseline = baseline::run(cluster, &client, &baseline_ns, &settings).await;
+    baseline.print("pods", concurrency);
+
     println!("vmlet: {n} VMs (1 CPU, {VM_MEMORY} each) on {hosts} test-driver hosts, namespace {ns}");
     let vmlet = run_vmlet(cluster, &client, &ns, &settings).await;
 
+    if let (Some(vmlet), Some(baseline)) = (vmlet.timeline.figures(), baseline.figures()) {
+        println!("vmlet / baseline (same N, same create concurrency):");
+        println!(
+            "  p50 create→Running:    {:.2}× ({} / {}; target ≤ 2×)",
+            vmlet.p50.as_secs_f64() / baseline.p50.as_secs_f64().max(1e-6),
+            ms(vmlet.p50),
+            ms(baseline.p50)
+        );
+        println!(
+            "  throughput:            {:.2}× ({:.1} VMs/s / {:.1} pods/s; target ≥ 0.7×)",
+            vmlet.per_second / baseline.per_second,
+            vmlet.per_second,
+            baseline.per_second
+        );
+    }
     let mut failures = Vec::new();
+    if !baseline.all_running() {
+        failures.push(format!("{} of {n} baseline pods reached Running", baseline.reached()));
+    }
     if !vmlet.timeline.all_running() {
         failures.push(format!("{} of {n} VMs reached Running", vmlet.timeline.reached()));
     }

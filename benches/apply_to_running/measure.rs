@@ -1,4 +1,5 @@
-//! Create→Running timing: create N objects with a fixed number of create calls in
+//! Create→Running timing, the same for vmlet's VirtualMachines and the
+//! baseline's pods: create N objects with a fixed number of create calls in
 //! flight, note when a watch first sees each one Running, and turn that into
 //! figures (p50/p95/max latency, throughput).
 
@@ -32,6 +33,16 @@ pub struct Timeline {
     creates_took: Option<Duration>,
     /// The time limit both waits had.
     limit: Duration,
+}
+
+/// The two figures vmlet is compared on with the baseline.
+#[derive(Debug, Clone, Copy)]
+pub struct Figures {
+    /// Median create→Running latency.
+    pub p50: Duration,
+    /// Objects Running per second, from the first create call to the last
+    /// object seen Running.
+    pub per_second: f64,
 }
 
 /// Create `objects` through `api` with `concurrency` create calls in flight
@@ -157,6 +168,15 @@ impl Timeline {
         latencies
     }
 
+    /// The figures vmlet is compared on, if any object reached Running.
+    pub fn figures(&self) -> Option<Figures> {
+        let span = self.span()?;
+        Some(Figures {
+            p50: percentile(&self.latencies(), 50.0),
+            per_second: self.reached() as f64 / span.as_secs_f64().max(1e-3),
+        })
+    }
+
     /// Print the create call time, a line naming how many reached Running when
     /// not all did, create→Running p50/p95/max and the throughput; `noun` is
     /// what was created (`VMs`, `pods`).
@@ -183,10 +203,10 @@ impl Timeline {
         println!("  create→Running p50:    {}", ms(percentile(&latencies, 50.0)));
         println!("  create→Running p95:    {}", ms(percentile(&latencies, 95.0)));
         println!("  create→Running max:    {}", ms(latencies.last().copied().unwrap_or_default()));
-        if let Some(span) = self.span() {
+        if let (Some(span), Some(figures)) = (self.span(), self.figures()) {
             println!(
                 "  throughput:            {:.1} {noun}/s ({} {noun} from first create to last Running in {})",
-                self.reached() as f64 / span.as_secs_f64().max(1e-3),
+                figures.per_second,
                 self.reached(),
                 ms(span)
             );
