@@ -1,38 +1,108 @@
-//! Benchmark: how fast N VirtualMachines go from create to `status.phase: Running`.
+//! Benchmark: how fast N VirtualMachines go from create to `status.phase:
+//! Running` under vmlet, next to what the control plane alone takes for N pods.
 //!
-//!   cargo bench --bench apply_to_running            # N = 100
-//!   VMLET_BENCH_VMS=300 cargo bench --bench apply_to_running
+//!   cargo bench --bench apply_to_running                  # N = 100 VMs, 3 hosts
+//!   VMLET_BENCH_VMS=300 VMLET_BENCH_HOSTS=3 cargo bench --bench apply_to_running
+//!   VMLET_BENCH_VMS=2000 VMLET_BENCH_HOSTS=100 cargo bench --bench apply_to_running
 //!
-//! Uses the real local control plane (`hack/cluster.sh up`, reused when running)
-//! and one vmlet process (this build's binary) serving three libvirt test-driver
-//! hosts whose inventories are generated under target/bench/ big enough for N
-//! one-CPU VMs. Everything lives in a fresh namespace `bench-<random>` with nodes
-//! `<namespace>-{a,b,c}` labelled `vmlet.io/bench=<namespace>`, so a bench can run
-//! beside the tests. Prints figures; asserts no timing.
+//! Uses the real local control plane (`hack/cluster.sh up`, reused when running;
+//! `VMLET_CLUSTER_DIR`, `APISERVER_PORT` and `ETCD_PORT` select another one, as
+//! for the script). Prints figures; asserts no timing. Two runs, one after the
+//! other, with the same N and the same number of create calls in flight:
 //!
-//! Figures: create→Running latency per VM (p50/p95/max, seen through a watch on
-//! the namespace's VirtualMachines), throughput from the first create to the last
-//! Running, the time to delete them all, and vmlet's peak RSS (VmHWM).
+//! 1. **Baseline** (`apply_to_running/baseline.rs`), in namespace
+//!    `bench-<random>-baseline`: N plain pods with the VM pods' requests (1 cpu,
+//!    64Mi) placed by kube-scheduler on a Node of the same name that the bench
+//!    creates (Ready, its Lease renewed by the bench) and that no agent serves;
+//!    the bench writes each pod's status Running and Ready as soon as it sees
+//!    the pod bound. Its namespace, Node and Lease are removed before step 2.
+//! 2. **vmlet**, in namespace `bench-<random>`: one vmlet process (this build's
+//!    binary) serving `VMLET_BENCH_HOSTS` libvirt test-driver hosts, nodes
+//!    `bench-<random>-h000`, `-h001`, … labelled `vmlet.io/bench=<namespace>`,
+//!    whose inventories are generated under target/bench/<namespace>/ with room
+//!    for twice their even share of the VMs (kube-scheduler spreads them). N
+//!    one-CPU 64Mi VirtualMachines are created, then all deleted at once.
 //!
-//! Environment: `VMLET_BENCH_VMS` (default 100), `VMLET_BENCH_CONCURRENCY` (create
-//! calls in flight, default 8), `VMLET_BENCH_TIMEOUT` (seconds to wait for all
-//! VMs, default 900).
+//! Printed for each run: the time the create calls took; create→Running
+//! latency per object (p50/p95/max, from a watch); throughput (objects Running
+//! per second, first create to last Running). For vmlet also: VMs per host
+//! (min/max, and each host's count for up to ten hosts), vmlet's RSS once all
+//! VMs are Running (VmRSS, and the peak so far, VmHWM, from /proc/<pid>/status,
+//! in MiB), the time from deleting all VMs until no VirtualMachine is left
+//! (finalizers released) next to the create→all-Running time, and the peak RSS
+//! of the whole run. Last, vmlet against the baseline: p50 ratio (target ≤ 2×)
+//! and throughput ratio (target ≥ 0.7×).
+//!
+//! Environment: `VMLET_BENCH_VMS` (N, default 100), `VMLET_BENCH_HOSTS` (test-driver
+//! hosts, 1..=999, default 3), `VMLET_BENCH_CONCURRENCY` (create calls in flight,
+//! default 8), `VMLET_BENCH_TIMEOUT` (seconds each wait may take, default 900:
+//! the baseline's pods Running, the VMs Running, the VMs gone). Every external
+//! command runs under a deadline (tests/support/deadline.rs). Exits 1 after
+//! cleaning up when a run did not reach Running for all N within the timeout
+//! (printing how many did) or the VMs were not gone in time.
 
-use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Node};
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+#[path = "apply_to_running/baseline.rs"]
+mod baseline;
+#[path = "apply_to_running/measure.rs"]
+mod measure;
+
+use common::deadline::{self, kill_and_reap, wait_within};
+use common::ClusterEnv;
+use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
+use kube::Client;
+use measure::{ms, Timeline};
 use serde_json::json;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use vmlet::v1alpha1::{VirtualMachine, VmPhase};
 
-const HOSTS: [&str; 3] = ["a", "b", "c"];
+/// Memory of every VM, and request of every baseline pod.
+pub const VM_MEMORY: &str = "64Mi";
+/// [`VM_MEMORY`] in MiB.
+pub const VM_MEMORY_MIB: u64 = 64;
+/// Node label tying the bench's VMs to its vmlet's nodes.
+const BENCH_LABEL: &str = "vmlet.io/bench";
+/// How long vmlet may take to exit after SIGTERM before it is killed.
+const VMLET_STOP: Duration = Duration::from_secs(20);
+/// How long a killed vmlet may take to be reaped.
+const VMLET_REAP: Duration = Duration::from_secs(10);
+/// Hosts up to this many get their VM count printed one by one.
+const PLACEMENT_LISTED_UP_TO: usize = 10;
 
+/// What to run, from the environment.
+pub struct Settings {
+    /// N: VMs, and pods of the baseline (`VMLET_BENCH_VMS`).
+    pub vms: usize,
+    /// Test-driver hosts of the vmlet run (`VMLET_BENCH_HOSTS`).
+    pub hosts: usize,
+    /// Create calls in flight, in both runs (`VMLET_BENCH_CONCURRENCY`).
+    pub concurrency: usize,
+    /// Limit of each wait (`VMLET_BENCH_TIMEOUT`, seconds).
+    pub timeout: Duration,
+}
+
+impl Settings {
+    /// Read the settings; panics naming a variable whose value is unusable.
+    fn from_env() -> Settings {
+        let settings = Settings {
+            vms: env_or("VMLET_BENCH_VMS", 100),
+            hosts: env_or("VMLET_BENCH_HOSTS", 3),
+            concurrency: env_or("VMLET_BENCH_CONCURRENCY", 8),
+            timeout: Duration::from_secs(env_or("VMLET_BENCH_TIMEOUT", 900)),
+        };
+        assert!(settings.vms > 0, "VMLET_BENCH_VMS must be at least 1");
+        assert!((1..=999).contains(&settings.hosts), "VMLET_BENCH_HOSTS must be 1..=999 (node names end in -h000)");
+        assert!(settings.concurrency > 0, "VMLET_BENCH_CONCURRENCY must be at least 1");
+        settings
+    }
+}
+
+/// The number in variable `name`, or `default` when it is unset.
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     match std::env::var(name) {
         Ok(v) => v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a valid number")),
@@ -40,72 +110,199 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     }
 }
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+#[tokio::main]
+async fn main() {
+    // `cargo bench` passes `--bench`; any other argument (e.g. a filter) is ignored.
+    let settings = Settings::from_env();
+    let (n, hosts, concurrency) = (settings.vms, settings.hosts, settings.concurrency);
+    let cluster = common::cluster();
+    let client = common::client().await;
+    let ns = format!("bench-{}", unique_suffix());
+    let baseline_ns = format!("{ns}-baseline");
+    println!(
+        "apply_to_running: N = {n}, {concurrency} create calls in flight, timeout {:?} per wait",
+        settings.timeout
+    );
 
-/// KUBECONFIG and the directory of kubectl, from `hack/cluster.sh env`.
-struct Cluster {
-    kubeconfig: PathBuf,
-    bin: PathBuf,
-}
+    println!(
+        "baseline: {n} pods (1 cpu, {VM_MEMORY}) on Node {baseline_ns} that no agent serves, namespace {baseline_ns}"
+    );
+    let baseline = baseline::run(cluster, &client, &baseline_ns, &settings).await;
+    baseline.print("pods", concurrency);
 
-fn cluster_up() -> Cluster {
-    let script = repo().join("hack/cluster.sh");
-    let up = Command::new(&script).arg("up").status().expect("run hack/cluster.sh up");
-    assert!(up.success(), "hack/cluster.sh up failed");
-    let out = Command::new(&script).arg("env").output().expect("run hack/cluster.sh env");
-    let text = String::from_utf8(out.stdout).expect("utf-8 env");
-    let var = |name: &str| {
-        text.split_whitespace()
-            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
-            .unwrap_or_else(|| panic!("{name} missing from `hack/cluster.sh env`: {text}"))
-            .to_owned()
-    };
-    let bin = PathBuf::from(var("PATH").split(':').next().expect("PATH entry"));
-    let cluster = Cluster { kubeconfig: var("KUBECONFIG").into(), bin };
-    cluster.kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &repo().join("crds").display().to_string()]);
-    cluster.kubectl(&["wait", "--for=condition=established", "--timeout=60s", "crd/virtualmachines.vmlet.io"]);
-    cluster
-}
+    println!("vmlet: {n} VMs (1 CPU, {VM_MEMORY} each) on {hosts} test-driver hosts, namespace {ns}");
+    let vmlet = run_vmlet(cluster, &client, &ns, &settings).await;
 
-impl Cluster {
-    fn kubectl(&self, args: &[&str]) -> String {
-        let out = Command::new(self.bin.join("kubectl"))
-            .env("KUBECONFIG", &self.kubeconfig)
-            .args(args)
-            .output()
-            .expect("run kubectl");
-        assert!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
+    if let (Some(vmlet), Some(baseline)) = (vmlet.timeline.figures(), baseline.figures()) {
+        println!("vmlet / baseline (same N, same create concurrency):");
+        println!(
+            "  p50 create→Running:    {:.2}× ({} / {}; target ≤ 2×)",
+            vmlet.p50.as_secs_f64() / baseline.p50.as_secs_f64().max(1e-6),
+            ms(vmlet.p50),
+            ms(baseline.p50)
+        );
+        println!(
+            "  throughput:            {:.2}× ({:.1} VMs/s / {:.1} pods/s; target ≥ 0.7×)",
+            vmlet.per_second / baseline.per_second,
+            vmlet.per_second,
+            baseline.per_second
+        );
     }
-
-    fn kubectl_quiet(&self, args: &[&str]) -> String {
-        Command::new(self.bin.join("kubectl"))
-            .env("KUBECONFIG", &self.kubeconfig)
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
+    let mut failures = Vec::new();
+    if !baseline.all_running() {
+        failures.push(format!("{} of {n} baseline pods reached Running", baseline.reached()));
     }
-
-    async fn client(&self) -> Client {
-        let kubeconfig = kube::config::Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.expect("kubeconfig");
-        Client::try_from(config).expect("client")
+    if !vmlet.timeline.all_running() {
+        failures.push(format!("{} of {n} VMs reached Running", vmlet.timeline.reached()));
+    }
+    if let Err(left) = vmlet.deleted {
+        failures.push(format!("{left} VMs were still present after the delete"));
+    }
+    if !failures.is_empty() {
+        eprintln!("apply_to_running: {}; vmlet log: {}", failures.join("; "), vmlet.log.display());
+        std::process::exit(1);
     }
 }
 
-fn unique_suffix() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    format!("{:06x}", h.finish() & 0xff_ffff)
+/// What the vmlet run measured beyond what it printed.
+struct VmletOutcome {
+    /// Create→Running of the VMs.
+    timeline: Timeline,
+    /// Time from the delete call until no VM was left, or how many were left
+    /// at the timeout.
+    deleted: Result<Duration, usize>,
+    /// vmlet's log.
+    log: std::path::PathBuf,
+}
+
+/// The vmlet run in namespace `ns`: start vmlet on the generated hosts, create
+/// the VMs, print the figures, delete the VMs, stop vmlet and remove
+/// everything it created.
+async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, settings: &Settings) -> VmletOutcome {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap())
+        .await
+        .expect("create namespace");
+    let nodes: Vec<String> = (0..settings.hosts).map(|i| format!("{ns}-h{i:03}")).collect();
+    let mut under_test = VmletUnderTest { cluster, ns: ns.to_owned(), nodes: nodes.clone(), vmlet: None };
+
+    let dir = common::repo().join("target/bench").join(ns);
+    std::fs::create_dir_all(&dir).expect("create bench dir");
+    let config_path = write_vmlet_config(&dir, ns, &nodes, settings.vms);
+    let log = dir.join("vmlet.log");
+    let log_file = std::fs::File::create(&log).expect("create vmlet log");
+    let child = Command::new(env!("CARGO_BIN_EXE_vmlet"))
+        .args(["run", "--config"])
+        .arg(&config_path)
+        .env("KUBECONFIG", &cluster.kubeconfig)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .expect("start vmlet");
+    let pid = child.id();
+    under_test.vmlet = Some(child);
+    println!("  vmlet: {} (pid {pid}), log {}", env!("CARGO_BIN_EXE_vmlet"), log.display());
+
+    // The clock starts once the nodes are schedulable: Ready and without the
+    // not-ready taint the API server puts on new nodes.
+    let started = Instant::now();
+    let startup_limit = Duration::from_secs(180 + settings.hosts as u64);
+    let what = format!("vmlet's nodes (log: {})", log.display());
+    wait_nodes_schedulable(client, &format!("{BENCH_LABEL}={ns}"), nodes.len(), startup_limit, &what).await;
+    println!("  nodes schedulable after {}", ms(started.elapsed()));
+    wait_default_service_account(client, ns, Duration::from_secs(60)).await;
+
+    let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), ns);
+    let objects = (0..settings.vms).map(|i| vm_object(&format!("vm-{i:04}"), ns)).collect();
+    let timeline =
+        measure::create_until_running(&vms, objects, settings.concurrency, settings.timeout, vm_is_running).await;
+    timeline.print("VMs", settings.concurrency);
+    print_placement(&vms, &nodes).await;
+    if let (Some(now), Some(peak)) = (proc_status_mib(pid, "VmRSS"), proc_status_mib(pid, "VmHWM")) {
+        println!("  vmlet RSS:             {now:.1} MiB now (VmRSS, all Running), {peak:.1} MiB peak (VmHWM)");
+    }
+
+    // Teardown through the product: delete every VM and wait until all are gone.
+    let deleted = delete_all_until_gone(&vms, settings.timeout).await;
+    match (deleted, timeline.span()) {
+        (Ok(took), Some(created)) => println!(
+            "  delete all → gone:     {} for {} VMs ({:.2}× the {} from first create to last Running)",
+            ms(took),
+            timeline.reached(),
+            took.as_secs_f64() / created.as_secs_f64().max(1e-3),
+            ms(created)
+        ),
+        (Ok(took), None) => println!("  delete all → gone:     {}", ms(took)),
+        (Err(left), _) => {
+            println!("  delete all → gone:     NOT DONE: {left} VMs still present after {:?}", settings.timeout)
+        }
+    }
+    if let Some(peak) = proc_status_mib(pid, "VmHWM") {
+        println!("  vmlet peak RSS:        {peak:.1} MiB (VmHWM, whole run)");
+    }
+    under_test.stop_vmlet();
+    drop(under_test);
+    VmletOutcome { timeline, deleted, log }
+}
+
+/// Whether the VM reports `status.phase: Running`.
+fn vm_is_running(vm: &VirtualMachine) -> bool {
+    vm.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Running)
+}
+
+/// VirtualMachine `name`: one CPU, [`VM_MEMORY`], hard power-off, on the
+/// bench's nodes of namespace `ns` only.
+fn vm_object(name: &str, ns: &str) -> VirtualMachine {
+    serde_json::from_value(json!({
+        "apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",
+        "metadata": {"name": name},
+        "spec": {"replicas": 1, "resources": {"cpu": 1, "memory": VM_MEMORY},
+                 "powerOffMode": "Hard", "shutdownTimeoutSeconds": 0,
+                 "nodeSelector": {BENCH_LABEL: ns}},
+    }))
+    .expect("VirtualMachine")
+}
+
+/// CPUs of each generated host: twice its even share of `vms` (at least 8),
+/// so that all fit and kube-scheduler places them by spreading, not by what
+/// is left.
+fn cpus_per_host(vms: usize, hosts: usize) -> usize {
+    (2 * vms.div_ceil(hosts)).max(8)
+}
+
+/// Write one test-driver inventory per node in `nodes` and vmlet's config
+/// (namespace `ns`, a kubelet API port of its own) into `dir`; returns the
+/// config's path.
+fn write_vmlet_config(dir: &std::path::Path, ns: &str, nodes: &[String], vms: usize) -> std::path::PathBuf {
+    let cpus = cpus_per_host(vms, nodes.len());
+    let hosts: Vec<_> = nodes
+        .iter()
+        .map(|node| {
+            let file = dir.join(format!("{node}.xml"));
+            std::fs::write(&file, inventory(cpus, cpus.max(16))).expect("write inventory");
+            json!({"name": node, "provider": "libvirt", "uri": format!("test://{}", file.display()),
+                   "labels": {BENCH_LABEL: ns}, "maxPods": cpus.max(110)})
+        })
+        .collect();
+    // Self-signed kubelet API: the bench uses no logs or exec.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let config = json!({
+        "namespace": ns,
+        "stateDir": dir.join("state"),
+        "kubeletPort": port,
+        "kubeletApi": {"listen": format!("127.0.0.1:{port}")},
+        "hosts": hosts,
+    });
+    let path = dir.join("vmlet.yaml");
+    std::fs::write(&path, serde_yaml::to_string(&config).unwrap()).expect("write config");
+    path
 }
 
 /// A libvirt test-driver inventory (format of test-vms/hosts/host-a.xml) with
 /// `cpus` logical CPUs and `gib` GiB of memory.
-fn inventory(cpus: u32, gib: u64) -> String {
+fn inventory(cpus: usize, gib: usize) -> String {
     format!(
         r#"<?xml version="1.0"?>
 <!-- generated by benches/apply_to_running.rs: {cpus} CPUs, {gib} GiB -->
@@ -126,322 +323,179 @@ fn inventory(cpus: u32, gib: u64) -> String {
     )
 }
 
-/// vmlet's peak resident set size in MiB (VmHWM), if the process still exists.
-fn peak_rss_mib(pid: u32) -> Option<f64> {
+/// Print how many VMs each node of `nodes` runs: hosts used, fewest and most,
+/// and each host's count when there are few.
+async fn print_placement(vms: &Api<VirtualMachine>, nodes: &[String]) {
+    let mut per_node: BTreeMap<&str, usize> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
+    let mut elsewhere = 0;
+    let list = match vms.list(&ListParams::default()).await {
+        Ok(list) => list,
+        Err(e) => return println!("  placement:             unknown (listing VMs: {e})"),
+    };
+    for node in list.items.iter().filter_map(|vm| vm.status.as_ref()?.node_name.as_deref()) {
+        match per_node.get_mut(node) {
+            Some(count) => *count += 1,
+            None => elsewhere += 1,
+        }
+    }
+    let used = per_node.values().filter(|c| **c > 0).count();
+    let (fewest, most) = (per_node.values().min().unwrap_or(&0), per_node.values().max().unwrap_or(&0));
+    let mut line = format!("{used} of {} hosts used, {fewest}..{most} VMs per host", nodes.len());
+    if elsewhere > 0 {
+        line += &format!(", {elsewhere} on other nodes");
+    }
+    if nodes.len() <= PLACEMENT_LISTED_UP_TO {
+        let each: Vec<String> = per_node.iter().map(|(node, count)| format!("{node}: {count}")).collect();
+        line += &format!(" ({})", each.join(", "));
+    }
+    println!("  placement:             {line}");
+}
+
+/// Delete every VirtualMachine of `vms` in one call and poll (every 200 ms, one
+/// item per list) until none is left, for up to `limit`. Returns the time
+/// from the call until then, or how many were left at the limit.
+async fn delete_all_until_gone(vms: &Api<VirtualMachine>, limit: Duration) -> Result<Duration, usize> {
+    let started = Instant::now();
+    vms.delete_collection(&DeleteParams::default(), &ListParams::default()).await.expect("delete VMs");
+    let mut left = usize::MAX;
+    while started.elapsed() < limit {
+        if let Ok(page) = vms.list_metadata(&ListParams::default().limit(1)).await {
+            let remaining = page.metadata.remaining_item_count.unwrap_or(0).max(0) as usize;
+            left = page.items.len() + remaining;
+            if left == 0 {
+                return Ok(started.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(left)
+}
+
+/// A memory figure of process `pid` in MiB from /proc/<pid>/status: `field`
+/// is `VmRSS` (now) or `VmHWM` (peak). `None` once the process is gone.
+fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 =
-        status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
+    let kib: f64 = line.trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kib / 1024.0)
 }
 
-/// Everything the bench created; dropping it cleans up even after a panic.
-struct Bench {
-    cluster: Cluster,
+/// Six random hex digits for the namespace name.
+fn unique_suffix() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    format!("{:06x}", h.finish() & 0xff_ffff)
+}
+
+/// Run kubectl for cleanup, within its deadline (`common::kubectl_deadline`):
+/// a timeout or a failure is reported on stderr and cleanup goes on.
+pub fn cleanup_kubectl(cluster: &ClusterEnv, args: &[&str]) -> Option<Output> {
+    let mut kubectl = Command::new(cluster.bin.join("kubectl"));
+    kubectl.env("KUBECONFIG", &cluster.kubeconfig).args(args);
+    match deadline::run(&mut kubectl, common::kubectl_deadline(args)) {
+        Ok(out) if out.status.success() => Some(out),
+        Ok(out) => {
+            eprintln!("cleanup: kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr).trim());
+            Some(out)
+        }
+        Err(timed_out) => {
+            eprintln!("cleanup: {timed_out}");
+            None
+        }
+    }
+}
+
+/// The vmlet run's namespace, nodes and process; dropping it cleans up, even
+/// after a panic.
+struct VmletUnderTest {
+    cluster: &'static ClusterEnv,
     ns: String,
     nodes: Vec<String>,
     vmlet: Option<Child>,
 }
 
-impl Bench {
+impl VmletUnderTest {
+    /// SIGTERM vmlet (it reports its nodes NotReady and exits), wait up to
+    /// [`VMLET_STOP`], then SIGKILL it.
     fn stop_vmlet(&mut self) {
-        if let Some(mut child) = self.vmlet.take() {
-            // SIGTERM: vmlet reports its nodes NotReady and exits; VMs stay (they are gone already).
-            let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+        let Some(mut child) = self.vmlet.take() else { return };
+        let term =
+            deadline::run(Command::new("kill").args(["-TERM", &child.id().to_string()]), Duration::from_secs(10));
+        if let Err(timed_out) = term {
+            eprintln!("stopping vmlet: {timed_out}");
+        }
+        if wait_within(&mut child, VMLET_STOP).is_none() && kill_and_reap(&mut child, VMLET_REAP).is_none() {
+            eprintln!("vmlet (pid {}) still not reaped {VMLET_REAP:?} after SIGKILL", child.id());
         }
     }
 }
 
-impl Drop for Bench {
+impl Drop for VmletUnderTest {
+    /// Delete the VMs while vmlet still runs (it undefines their domains), stop
+    /// vmlet, release what is left, delete the namespace and the nodes.
     fn drop(&mut self) {
-        let ns = self.ns.clone();
+        let (cluster, ns) = (self.cluster, self.ns.clone());
+        let ns = ns.as_str();
         if self.vmlet.is_some() {
-            let _ = self.cluster.kubectl_quiet(&[
-                "-n",
-                &ns,
-                "delete",
-                "virtualmachines",
-                "--all",
-                "--wait=true",
-                "--timeout=120s",
-            ]);
+            cleanup_kubectl(
+                cluster,
+                &["-n", ns, "delete", "virtualmachines", "--all", "--wait=true", "--timeout=120s"],
+            );
         }
         self.stop_vmlet();
-        let leftover = self.cluster.kubectl_quiet(&["-n", &ns, "get", "virtualmachines", "-o", "name"]);
-        for vm in leftover.lines() {
-            let _ = self.cluster.kubectl_quiet(&[
-                "-n",
-                &ns,
-                "patch",
-                vm,
-                "--type=merge",
-                "-p",
-                r#"{"metadata":{"finalizers":null}}"#,
-            ]);
+        let leftover = cleanup_kubectl(cluster, &["-n", ns, "get", "virtualmachines", "-o", "name"]);
+        for vm in String::from_utf8_lossy(&leftover.map(|o| o.stdout).unwrap_or_default()).lines() {
+            let release = r#"{"metadata":{"finalizers":null}}"#;
+            cleanup_kubectl(cluster, &["-n", ns, "patch", vm, "--type=merge", "-p", release]);
         }
-        let _ = self.cluster.kubectl_quiet(&["delete", "namespace", &ns, "--wait=false"]);
-        for node in &self.nodes {
-            let _ = self.cluster.kubectl_quiet(&["delete", "node", node, "--wait=false"]);
+        cleanup_kubectl(cluster, &["delete", "namespace", ns, "--wait=false"]);
+        if !self.nodes.is_empty() {
+            let mut delete_nodes = vec!["delete", "node", "--ignore-not-found", "--wait=false"];
+            delete_nodes.extend(self.nodes.iter().map(String::as_str));
+            cleanup_kubectl(cluster, &delete_nodes);
         }
     }
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
-}
-
-#[tokio::main]
-async fn main() {
-    // `cargo bench` passes `--bench`; any other argument (e.g. a filter) is ignored.
-    let n: usize = env_or("VMLET_BENCH_VMS", 100);
-    let concurrency: usize = env_or("VMLET_BENCH_CONCURRENCY", 8);
-    let timeout = Duration::from_secs(env_or("VMLET_BENCH_TIMEOUT", 900));
-    assert!(n > 0, "VMLET_BENCH_VMS must be at least 1");
-
-    let cluster = cluster_up();
-    let client = cluster.client().await;
-    let ns = format!("bench-{}", unique_suffix());
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap())
-        .await
-        .expect("create namespace");
-    let nodes: Vec<String> = HOSTS.iter().map(|h| format!("{ns}-{h}")).collect();
-    let mut bench = Bench { cluster, ns: ns.clone(), nodes: nodes.clone(), vmlet: None };
-
-    // Each host alone could hold every VM: the scheduler, not capacity, decides.
-    let dir = repo().join("target/bench").join(&ns);
-    std::fs::create_dir_all(&dir).expect("create bench dir");
-    let cpus = (n as u32).max(64);
-    let max_pods = (n as u32).max(110);
-    let hosts: Vec<_> = HOSTS
-        .iter()
-        .zip(&nodes)
-        .map(|(h, node)| {
-            let file = dir.join(format!("bench-{h}.xml"));
-            std::fs::write(&file, inventory(cpus, 256)).expect("write inventory");
-            json!({"name": node, "provider": "libvirt", "uri": format!("test://{}", file.display()),
-                   "labels": {"vmlet.io/bench": ns}, "maxPods": max_pods})
-        })
-        .collect();
-    let config_path = dir.join("vmlet.yaml");
-    // A kubelet API port of its own (self-signed: the bench uses no logs or exec).
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let config = json!({
-        "namespace": ns,
-        "stateDir": dir.join("state"),
-        "kubeletPort": port,
-        "kubeletApi": {"listen": format!("127.0.0.1:{port}")},
-        "hosts": hosts,
-    });
-    std::fs::write(&config_path, serde_yaml::to_string(&config).unwrap()).expect("write config");
-    let log_path = dir.join("vmlet.log");
-    let log = std::fs::File::create(&log_path).expect("create vmlet log");
-    let child = Command::new(env!("CARGO_BIN_EXE_vmlet"))
-        .args(["run", "--config"])
-        .arg(&config_path)
-        .env("KUBECONFIG", &bench.cluster.kubeconfig)
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("start vmlet");
-    let pid = child.id();
-    bench.vmlet = Some(child);
-    println!("apply_to_running: {n} VMs (1 CPU, 64Mi each) on 3 test-driver hosts, namespace {ns}");
-    println!("  vmlet: {} (pid {pid}), log {}", env!("CARGO_BIN_EXE_vmlet"), log_path.display());
-
-    // The clock starts once the nodes are schedulable: Ready and without the
-    // not-ready taint the node lifecycle controller puts on new nodes.
-    let started = Instant::now();
-    wait_nodes_schedulable(&client, &nodes, Duration::from_secs(180), &log_path).await;
-    println!("  nodes schedulable after {}", ms(started.elapsed()));
-
-    let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), &ns);
-    let created_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let running_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-
-    // Watch before the first create so no transition is missed.
-    let (synced_tx, synced_rx) = tokio::sync::oneshot::channel();
-    let (done_tx, mut done_rx) = tokio::sync::watch::channel(0usize);
-    let watch = {
-        let running_at = running_at.clone();
-        let vms = vms.clone();
-        tokio::spawn(async move {
-            let mut synced = Some(synced_tx);
-            let mut stream = watcher(vms, watcher::Config::default()).boxed();
-            while let Some(event) = stream.next().await {
-                let vm = match event {
-                    Ok(watcher::Event::InitDone) => {
-                        if let Some(tx) = synced.take() {
-                            let _ = tx.send(());
-                        }
-                        continue;
-                    }
-                    Ok(watcher::Event::Apply(vm) | watcher::Event::InitApply(vm)) => vm,
-                    Ok(_) => continue,
-                    Err(e) => {
-                        eprintln!("  watch error (retrying): {e}");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        continue;
-                    }
-                };
-                if vm.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Running) {
-                    let now = Instant::now();
-                    let mut running = running_at.lock().unwrap();
-                    running.entry(vm.name_any()).or_insert(now);
-                    let _ = done_tx.send(running.len());
-                }
-            }
-        })
-    };
-    synced_rx.await.expect("watch VirtualMachines");
-
-    let first_create = Instant::now();
-    futures::stream::iter(0..n)
-        .map(|i| {
-            let vms = vms.clone();
-            let created_at = created_at.clone();
-            let ns = ns.clone();
-            async move {
-                let name = format!("vm-{i:04}");
-                let vm: VirtualMachine = serde_json::from_value(json!({
-                    "apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",
-                    "metadata": {"name": name},
-                    "spec": {"replicas": 1, "resources": {"cpu": 1, "memory": "64Mi"},
-                             "powerOffMode": "Hard", "shutdownTimeoutSeconds": 0,
-                             "nodeSelector": {"vmlet.io/bench": ns}},
-                }))
-                .expect("VirtualMachine");
-                created_at.lock().unwrap().insert(name.clone(), Instant::now());
-                vms.create(&PostParams::default(), &vm).await.map(|_| ())
-            }
-        })
-        .buffer_unordered(concurrency)
-        .try_collect::<Vec<()>>()
-        .await
-        .expect("create VirtualMachines");
-    let creates_took = first_create.elapsed();
-
-    let all_running =
-        tokio::time::timeout(timeout, done_rx.wait_for(|count| *count >= n)).await.is_ok_and(|r| r.is_ok());
-    watch.abort();
-    let created = created_at.lock().unwrap().clone();
-    let running = running_at.lock().unwrap().clone();
-    let last_running = running.values().max().copied();
-    let mut latencies: Vec<Duration> =
-        running.iter().filter_map(|(name, at)| Some(at.saturating_duration_since(*created.get(name)?))).collect();
-    latencies.sort();
-
-    println!("  create calls:          {} for {n} VMs ({concurrency} in flight)", ms(creates_took));
-    if !all_running {
-        println!(
-            "  NOT ALL RUNNING: {} of {n} reached Running within {timeout:?}; figures below cover those",
-            running.len()
-        );
-    }
-    println!("  create→Running p50:    {}", ms(percentile(&latencies, 50.0)));
-    println!("  create→Running p95:    {}", ms(percentile(&latencies, 95.0)));
-    println!("  create→Running max:    {}", ms(latencies.last().copied().unwrap_or_default()));
-    if let Some(last) = last_running {
-        let span = last.saturating_duration_since(first_create);
-        println!(
-            "  throughput:            {:.1} VMs/s ({} VMs from first create to last Running in {})",
-            running.len() as f64 / span.as_secs_f64().max(1e-3),
-            running.len(),
-            ms(span)
-        );
-    }
-    let mut per_node: HashMap<String, usize> = HashMap::new();
-    for vm in vms.list(&ListParams::default()).await.expect("list VMs") {
-        if let Some(node) = vm.status.and_then(|s| s.node_name) {
-            *per_node.entry(node).or_default() += 1;
-        }
-    }
-    let mut spread: Vec<_> = per_node.into_iter().collect();
-    spread.sort();
-    println!(
-        "  placement:             {}",
-        spread.iter().map(|(node, count)| format!("{node}: {count}")).collect::<Vec<_>>().join(", ")
-    );
-    if let Some(rss) = peak_rss_mib(pid) {
-        println!("  vmlet peak RSS:        {rss:.1} MiB (VmHWM, at all-Running)");
-    }
-
-    // Teardown through the product: delete every VM and wait until all are gone.
-    let delete_started = Instant::now();
-    vms.delete_collection(&DeleteParams::default(), &ListParams::default()).await.expect("delete VMs");
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let left = vms.list(&ListParams::default()).await.map(|l| l.items.len()).unwrap_or(usize::MAX);
-        if left == 0 {
-            println!("  delete all → gone:     {}", ms(delete_started.elapsed()));
-            break;
-        }
-        if Instant::now() > deadline {
-            println!("  delete all → gone:     {left} VMs still present after 300 s (see {})", log_path.display());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    if let Some(rss) = peak_rss_mib(pid) {
-        println!("  vmlet peak RSS:        {rss:.1} MiB (VmHWM, whole run)");
-    }
-    bench.stop_vmlet();
-    drop(bench);
-    if !all_running {
-        eprintln!("apply_to_running: not every VM reached Running; vmlet log: {}", log_path.display());
-        std::process::exit(1);
-    }
-}
-
-/// Wait until every node in `names` is Ready and carries no
-/// `node.kubernetes.io/not-ready` taint.
-async fn wait_nodes_schedulable(client: &Client, names: &[String], limit: Duration, log: &Path) {
+/// Wait until `count` nodes matching label `selector` are Ready and carry no
+/// `node.kubernetes.io/*` taint; panics naming `what` after `limit`.
+pub async fn wait_nodes_schedulable(client: &Client, selector: &str, count: usize, limit: Duration, what: &str) {
     let nodes: Api<Node> = Api::all(client.clone());
     let deadline = Instant::now() + limit;
     loop {
-        let mut ok = 0;
-        for name in names {
-            let Ok(Some(node)) = nodes.get_opt(name).await else { continue };
-            let ready = node
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-            let tainted = node
-                .spec
-                .as_ref()
-                .and_then(|s| s.taints.as_ref())
-                .is_some_and(|t| t.iter().any(|t| t.key.starts_with("node.kubernetes.io/")));
-            if ready && !tainted {
-                ok += 1;
-            }
-        }
-        if ok == names.len() {
+        let listed = nodes.list(&ListParams::default().labels(selector)).await.map(|l| l.items).unwrap_or_default();
+        let schedulable = listed
+            .iter()
+            .filter(|node| {
+                let ready = node
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                let tainted = node
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.taints.as_ref())
+                    .is_some_and(|t| t.iter().any(|t| t.key.starts_with("node.kubernetes.io/")));
+                ready && !tainted
+            })
+            .count();
+        if schedulable >= count {
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "nodes {names:?} not schedulable after {limit:?}; vmlet log: {}",
-            log.display()
-        );
+        assert!(Instant::now() < deadline, "{what}: {schedulable} of {count} schedulable after {limit:?}");
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Wait until namespace `ns` has its `default` ServiceAccount (created by the
+/// controller manager shortly after the namespace): pods are refused before.
+pub async fn wait_default_service_account(client: &Client, ns: &str, limit: Duration) {
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+    let deadline = Instant::now() + limit;
+    while !matches!(accounts.get_opt("default").await, Ok(Some(_))) {
+        assert!(Instant::now() < deadline, "namespace {ns} has no default ServiceAccount after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

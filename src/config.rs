@@ -20,6 +20,7 @@
 //!     cpuAllocationRatio: 4.0  # allocatable cpu = probed cpus x 4 (overcommit)
 //!     memoryAllocationRatio: 1.0
 //!     accelerator: auto        # QEMU hosts: kvm where offered, else tcg (or force kvm | tcg)
+//!     storageRoots: [/var/lib/libvirt/images]  # VM files only from here (default: the backend's)
 //! ```
 //!
 //! [`Config::from_yaml`] resolves defaults and validates everything before any
@@ -140,6 +141,14 @@ pub struct HostConfig {
     /// `vmlet.io/accelerator`.
     #[serde(default)]
     pub accelerator: AcceleratorConfig,
+    /// Directories on the host (absolute, no `..`) under which VMs' disk
+    /// images, kernels and initrds must lie: a boundary between namespaces,
+    /// see [`crate::storage`]. Absent: the backend's default storage roots
+    /// (libvirt: the `default` pool's directory, else
+    /// `/var/lib/libvirt/images`). `[]` allows no file at all; `/` allows
+    /// every file and must be written out.
+    #[serde(default)]
+    pub storage_roots: Option<Vec<String>>,
 }
 
 /// [`HostConfig::accelerator`].
@@ -298,6 +307,11 @@ impl Config {
             if host.max_pods == 0 {
                 return invalid(at("maxPods"), "is 0; a node needs room for at least one pod".into());
             }
+            for (j, root) in host.storage_roots.iter().flatten().enumerate() {
+                if let Err(why) = crate::storage::check_root(root) {
+                    return invalid(at(&format!("storageRoots[{j}]")), format!("{root:?} {why}"));
+                }
+            }
             for (j, taint) in host.effective_taints().iter().enumerate() {
                 if !matches!(taint.effect.as_str(), "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
                     return invalid(
@@ -431,6 +445,37 @@ mod tests {
         );
         assert!(e.starts_with("hosts[0].taints[0].effect:"), "{e}");
         assert!(error_of("hosts: []").starts_with("hosts:"));
+    }
+
+    #[test]
+    fn storage_roots_default_to_the_backends_and_must_be_absolute_directories() {
+        let config =
+            Config::from_yaml("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]", PROVIDERS).unwrap();
+        assert_eq!(config.hosts[0].storage_roots, None, "absent: the backend's default applies");
+        let config = Config::from_yaml(
+            "hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', storageRoots: [/srv/images, /]}]",
+            PROVIDERS,
+        )
+        .unwrap();
+        assert_eq!(config.hosts[0].storage_roots, Some(vec!["/srv/images".to_owned(), "/".to_owned()]));
+        for (root, why) in [
+            ("images", "is not an absolute path"),
+            ("/srv/images/../../etc", "has a '..' component"),
+            ("''", "is empty"),
+            ("\"/srv/a\\tb\"", "contains a control character"),
+        ] {
+            let e = error_of(&format!(
+                "hosts: [{{name: a, provider: libvirt, uri: 'qemu:///system', storageRoots: [/srv/ok, {root}]}}]"
+            ));
+            assert!(e.starts_with("hosts[0].storageRoots[1]: "), "{root}: {e}");
+            assert!(e.contains(why), "{root}: {e}");
+        }
+        let e = error_of("hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', storageRoots: [images]}]");
+        assert_eq!(
+            e,
+            "hosts[0].storageRoots[0]: \"images\" is not an absolute path; write an absolute directory on the host, \
+             e.g. /var/lib/libvirt/images"
+        );
     }
 
     #[test]

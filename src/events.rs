@@ -37,6 +37,8 @@ pub enum Reason {
     ProviderFailed,
     /// A pod that is not a VM pod was bound to a virtual node.
     NotAVirtualMachine,
+    /// A VM names a file outside its host's storage roots; it was not defined.
+    StorageNotAllowed,
     /// A VM's pod was bound to a host other than the one that holds the VM.
     PlacedOnAnotherHost,
     /// The VM's host does not answer (a transient provider failure).
@@ -64,6 +66,7 @@ impl Reason {
             Reason::EvictionHeld => "EvictionHeld",
             Reason::ProviderFailed => "ProviderFailed",
             Reason::NotAVirtualMachine => "NotAVirtualMachine",
+            Reason::StorageNotAllowed => "StorageNotAllowed",
             Reason::PlacedOnAnotherHost => "PlacedOnAnotherHost",
             Reason::HostNotResponding => "HostNotResponding",
             Reason::Unsupported => "Unsupported",
@@ -78,6 +81,7 @@ impl Reason {
                 | Reason::NotAVirtualMachine
                 | Reason::EvictionHeld
                 | Reason::InvalidSpec
+                | Reason::StorageNotAllowed
                 | Reason::PlacedOnAnotherHost
                 | Reason::HostNotResponding
                 | Reason::Unsupported

@@ -14,6 +14,7 @@ pub mod failure;
 pub mod identity;
 pub mod node;
 pub mod quantity;
+pub mod storage;
 pub mod streams;
 pub mod v1alpha1;
 pub mod vmpod;

@@ -50,6 +50,7 @@ impl Provider for FakeProvider {
             architecture: "amd64".into(),
             hypervisor: "fake".into(),
             accelerator: None,
+            storage_roots: vec![],
         })
     }
     async fn list(&self) -> vmlet_provider::Result<Vec<VmStatus>> {

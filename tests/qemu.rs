@@ -8,7 +8,7 @@
 mod common;
 
 use common::deadline::{output_within, VIRSH};
-use common::{qemu_uri, Host, TestEnv};
+use common::{qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 use std::process::Command;
@@ -276,6 +276,103 @@ async fn vms_deleted_while_their_defines_are_in_flight_leave_no_domain_behind() 
         async move { left.is_empty().then_some(()) }
     })
     .await;
+}
+
+/// A raw disk of 1 MiB (sparse) at `path`, in a directory QEMU can enter: the
+/// firmware finds nothing to boot on it and idles, as without a disk.
+fn blank_disk(path: &std::path::Path) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::File::create(path).unwrap().set_len(1 << 20).unwrap();
+}
+
+/// The reason and message the container of pod `name` waits with, if it waits.
+async fn waiting_of(env: &TestEnv, name: &str) -> Option<(String, String)> {
+    let status = env.pods().get_opt(name).await.ok()??.status?;
+    let waiting = status.container_statuses?.first()?.state.clone()?.waiting?;
+    Some((waiting.reason?, waiting.message.unwrap_or_default()))
+}
+
+/// A VM whose image lies outside its host's storage roots (here in a directory
+/// whose name only starts like the root's) is never defined: its pod waits
+/// with reason StorageNotAllowed, naming the field and the roots, one Warning
+/// Event says so however often the pod is looked at again, and libvirt has no
+/// domain for it. A VM whose image is under the root runs beside it.
+#[tokio::test]
+async fn a_vm_whose_image_is_outside_the_storage_roots_is_never_defined() {
+    let mut env = TestEnv::new("qroots").await;
+    let root = storage_root(&env);
+    let inside = root.join("inside.raw");
+    let outside = std::path::PathBuf::from(format!("{}-evil/outside.raw", root.display()));
+    blank_disk(&inside);
+    blank_disk(&outside);
+    env.start_vmlet(&qemu_host());
+    env.apply_vm("inside", json!({"resources": {"cpu": 1, "memory": "64Mi"}, "image": inside}));
+    env.apply_vm("outside", json!({"resources": {"cpu": 1, "memory": "64Mi"}, "image": outside}));
+
+    let env_ref = &env;
+    let outside_pod = env.pod_of("outside").await;
+    let pod_ref = outside_pod.as_str();
+    let (reason, message) = env
+        .wait_for("the pod of VM outside to wait with reason StorageNotAllowed", || async move {
+            waiting_of(env_ref, pod_ref).await.filter(|(reason, _)| reason == "StorageNotAllowed")
+        })
+        .await;
+    assert_eq!(reason, "StorageNotAllowed");
+    assert!(
+        message.starts_with(&format!("spec.image {:?} is not under a storage root;", outside.display().to_string())),
+        "{message}"
+    );
+    assert!(message.contains(&format!("storage roots [{}]", root.display())), "{message}");
+    env.wait_vm_phase("inside", "Running").await;
+    assert_eq!(domstate(&env, "inside"), "running");
+    let (_, xml) = virsh(&["dumpxml", &domain(&env, "inside")]);
+    assert!(xml.contains(&format!("<source file='{}'", inside.display())), "{xml}");
+
+    // Look at the refused pod again (a label change is a pod change) and wait
+    // until the agent has been through it once more.
+    let log = env.dir.join("vmlet.log");
+    let passes = |text: &str| {
+        text.lines()
+            .filter(|l| {
+                l.contains(&format!("pod.name={outside_pod}}}")) && l.contains("storage refusal already reported")
+            })
+            .count()
+    };
+    let before = passes(&std::fs::read_to_string(&log).unwrap_or_default());
+    env.kubectl(&["label", "pod", &outside_pod, "looked-at=again"]);
+    env.wait_for("another pass over the refused pod", || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        async move { (passes(&text) > before).then_some(()) }
+    })
+    .await;
+
+    assert_eq!(domuuid(&env, "outside"), None, "no domain was defined for the refused VM");
+    assert_eq!(namespace_domains(&env), vec![domain(&env, "inside")]);
+    let vm = env.vms().get("outside").await.unwrap().status.unwrap();
+    let ready = vm.conditions.iter().find(|c| c.type_ == "Ready").expect("a Ready condition");
+    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "StorageNotAllowed"));
+    assert_eq!(vm.provider_id, None);
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> = kube::Api::namespaced(env.client.clone(), &env.ns);
+    let refusals: Vec<_> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("StorageNotAllowed"))
+        .collect();
+    assert_eq!(refusals.len(), 1, "{refusals:?}");
+    let event = &refusals[0];
+    assert_eq!(event.type_.as_deref(), Some("Warning"));
+    assert_eq!(event.regarding.as_ref().and_then(|r| r.name.as_deref()), Some(outside_pod.as_str()));
+    assert_eq!(event.note.as_deref(), Some(message.as_str()));
+    assert!(event.series.is_none(), "published more than once: {:?}", event.series);
+
+    // The disks go once the VMs are (libvirt restores their ownership at undefine).
+    drop(env);
+    for dir in [root, outside.parent().unwrap().to_owned()] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// The restart policy after `virsh destroy` behind vmlet's back: `Always`

@@ -16,6 +16,7 @@ pub use pods::PLACED_ELSEWHERE;
 pub mod registration;
 pub mod release;
 pub mod restart;
+mod storage;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
@@ -45,6 +46,8 @@ pub struct Agent {
     watches: Watches,
     /// The hosts of this process, asked where a VM is ([`placement`]).
     hosts: Hosts,
+    /// Where VMs' files may come from on this host (see [`crate::storage`]).
+    storage: crate::storage::StorageRoots,
     /// Pods (by UID) whose guest was asked to shut down, and when.
     shutdown_sent: Mutex<HashMap<String, Instant>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
@@ -122,6 +125,7 @@ pub async fn run(
         host: host.clone(),
         watches: watches.clone(),
         hosts: hosts.clone(),
+        storage: storage::roots_for(&host, &info),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
         backoff: Default::default(),

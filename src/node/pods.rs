@@ -122,6 +122,8 @@ enum Started {
     Elsewhere(String),
     /// The VM stopped by itself and its restart policy leaves it off.
     LeftOff { status: VmStatus, ended: Ended },
+    /// The VM names a file outside the host's storage roots: nothing was defined.
+    Refused(crate::storage::StorageRefusal),
 }
 
 async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
@@ -170,6 +172,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             .await?;
             Ok(Action::await_change())
         }
+        Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
         Err(Error::Provider(e)) => provider_failed(pod, agent, e).await,
         Err(e) => Err(e),
     }
@@ -264,7 +267,14 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
     }
     let (status, defined_now) = match on_host {
         Some(status) => (status, false),
-        None => (provider.ensure_defined(&vm.spec).await?, true),
+        None => {
+            // Only files under the host's storage roots; a VM defined
+            // already is never checked (nothing running is stopped).
+            if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
+                return Ok(Started::Refused(refusal));
+            }
+            (provider.ensure_defined(&vm.spec).await?, true)
+        }
     };
     if write_record && !record_here(vm, agent, recorded.as_deref(), &status).await? {
         return abandon(vm, agent, &status, defined_now, "the placement record changed meanwhile").await;
@@ -471,7 +481,7 @@ async fn refuse_plain_pod(pod: &Pod, agent: &Agent, why: &str) -> Result<Action,
 /// Write the status computed by `derive` from the pod's latest version; skipped
 /// when unchanged; retried on conflict with a fresh read (the current
 /// resourceVersion), up to 5 times.
-async fn write_status(pod: &Pod, agent: &Agent, derive: impl Fn(&Pod) -> PodStatus) -> Result<(), Error> {
+pub(super) async fn write_status(pod: &Pod, agent: &Agent, derive: impl Fn(&Pod) -> PodStatus) -> Result<(), Error> {
     let pods: Api<Pod> = Api::namespaced(agent.client.clone(), &pod.namespace().unwrap_or_default());
     let kube_err = |source| Error::Kube { action: "write status of", pod: pod.name_any(), source };
     let mut current = pod.clone();

@@ -194,6 +194,7 @@ mod tests {
             architecture: "amd64".into(),
             hypervisor: "libvirt 9.0.0 (TEST)".into(),
             accelerator: None,
+            storage_roots: vec!["/var/lib/libvirt/images".into()],
         };
         (config, info)
     }

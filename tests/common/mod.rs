@@ -72,9 +72,15 @@ pub fn qemu_uri() -> String {
         .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
 }
 
-/// The built test guest (cached by test-vms/guest/build.sh), copied where QEMU
-/// (user libvirt-qemu, which cannot enter /root) can read it, with a disk of the
-/// test's own: `/var/lib/vmlet/test-guests/<ns>/`.
+/// Where a test's VM files live: `/var/lib/vmlet/test-guests/<ns>`, a place
+/// QEMU (user libvirt-qemu, which cannot enter /root) can read. It is the one
+/// storage root of every host a test's vmlet serves ([`TestEnv::start_vmlet`]).
+pub fn storage_root(env: &TestEnv) -> PathBuf {
+    PathBuf::from("/var/lib/vmlet/test-guests").join(&env.ns)
+}
+
+/// The built test guest (cached by test-vms/guest/build.sh), copied into the
+/// test's [`storage_root`], with a disk of the test's own.
 pub fn guest_for(env: &TestEnv) -> PathBuf {
     let script = repo().join("test-vms/guest/build.sh");
     // Its progress shows live, as a build's should.
@@ -82,7 +88,7 @@ pub fn guest_for(env: &TestEnv) -> PathBuf {
     assert!(out.status.success(), "{}", failed("test-vms/guest/build.sh", &out));
     let built = PathBuf::from(String::from_utf8(out.stdout).unwrap().lines().last().unwrap().trim());
     probe_accelerator(&built);
-    let dir = PathBuf::from("/var/lib/vmlet/test-guests").join(&env.ns);
+    let dir = storage_root(env);
     std::fs::create_dir_all(&dir).unwrap();
     for file in ["vmlinuz", "initrd.img", "disk.qcow2", "cmdline", "kernel-release", "accelerator"] {
         std::fs::copy(built.join(file), dir.join(file)).unwrap_or_else(|e| panic!("copy {file}: {e}"));
@@ -242,7 +248,8 @@ impl TestEnv {
     }
 
     /// Write a config for `hosts` (labelled `vmlet.io/test=<ns>`, VMs of this
-    /// namespace only) and start vmlet with it; its log is `<dir>/vmlet.log`.
+    /// namespace only, VM files only from the test's [`storage_root`]) and
+    /// start vmlet with it; its log is `<dir>/vmlet.log`.
     pub fn start_vmlet(&mut self, hosts: &[Host<'_>]) {
         let config = self.vmlet_config(hosts, true);
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
@@ -303,7 +310,8 @@ impl TestEnv {
             .iter()
             .map(|h| {
                 let mut host = json!({"name": self.node(h.suffix), "provider": "libvirt", "uri": h.uri,
-                       "labels": {"vmlet.io/test": self.ns}, "cpuAllocationRatio": h.cpu_allocation_ratio});
+                       "labels": {"vmlet.io/test": self.ns}, "cpuAllocationRatio": h.cpu_allocation_ratio,
+                       "storageRoots": [storage_root(self)]});
                 if let Some(accelerator) = h.accelerator {
                     host["accelerator"] = json!(accelerator);
                 }

@@ -45,6 +45,8 @@ pub struct VmSpec {
     /// backend allocates, e.g. KiB for libvirt).
     pub memory_bytes: u64,
     /// Optional boot disk: a path or volume name the backend resolves on the host.
+    /// vmlet's node agent passes only absolute paths under the host's storage
+    /// roots ([`HostInfo::storage_roots`] or the host's config).
     pub image: Option<String>,
     /// Optional direct kernel boot (backends that cannot boot a kernel directly
     /// refuse it with `InvalidInput`).
@@ -166,6 +168,13 @@ pub struct HostInfo {
     /// apply (a simulator) or the backend does not say. Reported as the node
     /// label `vmlet.io/accelerator`.
     pub accelerator: Option<String>,
+    /// The backend's default storage roots: absolute directories on the host
+    /// where its disk images conventionally live (libvirt: the target path of
+    /// the storage pool named `default`, else `/var/lib/libvirt/images`). vmlet
+    /// allows a VM's image, kernel and initrd only under the host's storage
+    /// roots; these apply when the host's config names none. Empty when the
+    /// backend has no such place (then only VMs without files can be defined).
+    pub storage_roots: Vec<String>,
 }
 
 /// One hypervisor host's VMs. Every operation is idempotent: calling it again

@@ -55,3 +55,8 @@ pub(crate) fn is_no_metadata(err: &VirtError) -> bool {
 pub(crate) fn is_no_domain(err: &VirtError) -> bool {
     err.code().is(ErrorNumber::NoDomain)
 }
+
+/// True when `err` says the host has no storage pool of the asked name.
+pub(crate) fn is_no_storage_pool(err: &VirtError) -> bool {
+    err.code().is(ErrorNumber::NoStoragePool)
+}

@@ -10,8 +10,11 @@ use vmlet_provider::{Console, Error, ErrorKind, GuestExec, HostInfo, Provider, R
 
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
-use crate::error::{from_libvirt, is_no_domain, is_operation_invalid, is_unsupported_flags};
-use crate::xml::{console_log_path, domain_xml, Accelerator, DomainKind, CONSOLE_LOG_DIR};
+use crate::error::{from_libvirt, is_no_domain, is_no_storage_pool, is_operation_invalid, is_unsupported_flags};
+use crate::xml::{
+    console_log_path, domain_xml, pool_target_path, Accelerator, DomainKind, CONSOLE_LOG_DIR, DEFAULT_IMAGES_DIR,
+    DEFAULT_POOL,
+};
 
 /// Calls in flight on one connection at most: below libvirtd's default
 /// `max_client_requests` (5), past which libvirtd stops reading the client's
@@ -303,7 +306,39 @@ impl Host {
                 DomainKind::Qemu(accelerator) => Some(accelerator.as_str().to_owned()),
                 DomainKind::Test => None,
             },
+            storage_roots: default_storage_roots(conn)?,
         })
+    }
+}
+
+/// The host's default storage roots: the target path of the storage pool named
+/// [`DEFAULT_POOL`] (active or not), or [`DEFAULT_IMAGES_DIR`] when the host
+/// has no such pool, the pool has no target path, or the driver keeps no
+/// pools. Errors: `Transient` when libvirtd does not answer; other failures
+/// (e.g. an ACL that hides pools) fall back to [`DEFAULT_IMAGES_DIR`], logged
+/// at debug level.
+fn default_storage_roots(conn: &Connect) -> Result<Vec<String>> {
+    const OP: &str = "read the default storage pool";
+    let fallback = || Ok(vec![DEFAULT_IMAGES_DIR.to_owned()]);
+    let xml = conn.lookup_storage_pool_by_name(DEFAULT_POOL).and_then(|pool| pool.xml_desc(0));
+    match xml {
+        Ok(xml) => match pool_target_path(&xml) {
+            Some(path) => Ok(vec![path]),
+            None => fallback(),
+        },
+        Err(err) if is_no_storage_pool(&err) => fallback(),
+        Err(err) => {
+            let err = from_libvirt(OP, err);
+            if err.is_transient() {
+                return Err(err);
+            }
+            tracing::debug!(
+                pool = DEFAULT_POOL,
+                error = %err,
+                "the default storage pool cannot be read; the default images directory is the storage root"
+            );
+            fallback()
+        }
     }
 }
 
@@ -493,7 +528,9 @@ impl Provider for LibvirtProvider {
     }
 
     /// `virNodeGetInfo` (logical CPUs, memory KiB → bytes, CPU model mapped to
-    /// Kubernetes' architecture names) and `libvirt <version> (<driver>)`.
+    /// Kubernetes' architecture names), `libvirt <version> (<driver>)`, and as
+    /// default storage root the target path of the storage pool named `default`
+    /// (`virsh pool-dumpxml default`), `/var/lib/libvirt/images` without one.
     #[instrument(level = "debug", skip(self), fields(provider = "libvirt"))]
     async fn host_info(&self) -> Result<HostInfo> {
         self.blocking("read host info", |host, conn| host.host_info(conn)).await

@@ -71,6 +71,36 @@ async fn host_info_equals_the_inventory() {
 }
 
 #[tokio::test]
+async fn a_host_without_a_default_pool_reports_libvirts_images_directory_as_storage_root() {
+    // The inventories in test-vms/hosts define no pool; test:///default has one
+    // named `default-pool`, which is not the pool named `default`.
+    for uri in [host_uri("host-a"), "test:///default".to_owned()] {
+        let provider = LibvirtProvider::connect(&uri).await.expect("open test driver");
+        let info = provider.host_info().await.expect("host info");
+        assert_eq!(info.storage_roots, vec!["/var/lib/libvirt/images".to_owned()], "{uri}");
+    }
+}
+
+#[tokio::test]
+async fn a_host_with_a_default_pool_reports_its_target_directory_as_storage_root() {
+    // A test-driver inventory whose storage pool `default` targets a directory
+    // with an XML special in its name (libvirt escapes it in the pool's XML).
+    let inventory = std::env::temp_dir().join(format!("vmlet-default-pool-{}.xml", std::process::id()));
+    std::fs::write(
+        &inventory,
+        "<node>\n  <cpu><mhz>2400</mhz><model>x86_64</model><nodes>1</nodes><sockets>1</sockets>\
+         <cores>1</cores><threads>1</threads><active>1</active></cpu>\n  <memory>1048576</memory>\n  \
+         <pool type='dir'>\n    <name>default</name>\n    <target><path>/srv/vm&amp;images</path></target>\n  \
+         </pool>\n</node>\n",
+    )
+    .expect("write inventory");
+    let provider = LibvirtProvider::connect(&format!("test://{}", inventory.display())).await;
+    let _ = std::fs::remove_file(&inventory);
+    let info = provider.expect("open test driver").host_info().await.expect("host info");
+    assert_eq!(info.storage_roots, vec!["/srv/vm&images".to_owned()]);
+}
+
+#[tokio::test]
 async fn ping_answers_while_connected() {
     host("host-b").await.ping().await.expect("ping");
 }

@@ -184,6 +184,30 @@ fn attributes(xml: &str) -> Option<Vec<(String, String)>> {
     }
 }
 
+/// Name of the storage pool whose target directory is a host's default storage
+/// root (what `virsh pool-define-as default dir --target …` and virt-install
+/// create).
+pub(crate) const DEFAULT_POOL: &str = "default";
+
+/// The default storage root of a host without a [`DEFAULT_POOL`] (libvirt's own
+/// default image directory on most distributions).
+pub(crate) const DEFAULT_IMAGES_DIR: &str = "/var/lib/libvirt/images";
+
+/// The text of `<target><path>…</path></target>` in a storage pool's XML
+/// (`virStoragePoolGetXMLDesc`), unescaped and trimmed; `None` when the pool
+/// has no target path or the XML does not parse that far. `<source>` may carry
+/// `<dir path='…'/>` or `<device path='…'/>` attributes: only the element text
+/// inside `<target>` counts.
+pub(crate) fn pool_target_path(pool_xml: &str) -> Option<String> {
+    let start = pool_xml.find("<target>")? + "<target>".len();
+    let target = &pool_xml[start..];
+    let target = &target[..target.find("</target>")?];
+    let path_start = target.find("<path>")? + "<path>".len();
+    let path = &target[path_start..];
+    let path = unescape(path[..path.find("</path>")?].trim());
+    (!path.is_empty()).then_some(path)
+}
+
 /// Directory virtlogd writes QEMU domains' serial-console logs into, one file per
 /// domain named after its UUID ([`console_log_path`]).
 pub(crate) const CONSOLE_LOG_DIR: &str = "/var/log/vmlet/console";
@@ -306,6 +330,17 @@ mod tests {
             image: None,
             kernel_boot: None,
         }
+    }
+
+    #[test]
+    fn a_pools_target_path_is_read_from_its_target_element_only() {
+        let xml = "<pool type='dir'>\n  <name>default</name>\n  <source>\n    <dir path='/not/this'/>\n  </source>\n  \
+                   <target>\n    <path>/srv/vm&amp;images</path>\n    <permissions>\n      <mode>0711</mode>\n    \
+                   </permissions>\n  </target>\n</pool>\n";
+        assert_eq!(pool_target_path(xml).as_deref(), Some("/srv/vm&images"));
+        assert_eq!(pool_target_path("<pool type='rbd'><name>default</name><source/></pool>"), None);
+        assert_eq!(pool_target_path("<pool><target><path>  </path></target></pool>"), None);
+        assert_eq!(pool_target_path("<pool><target><path>/x"), None);
     }
 
     #[test]

@@ -98,3 +98,25 @@ async fn qemu_domain_lifecycle_survives_a_provider_restart() {
     assert_eq!(restarted.get(&spec.id).await.expect("get"), None);
     assert_eq!(provider.get(&spec.id).await.expect("get through the first connection"), None);
 }
+
+/// The default storage root the provider reports is what `virsh` shows: the
+/// target path of the pool named `default`, or `/var/lib/libvirt/images` on a
+/// daemon without one (a fresh hack/libvirtd.sh host has none).
+#[tokio::test]
+async fn the_default_storage_root_is_the_default_pools_target_or_libvirts_images_directory() {
+    let uri = qemu_uri();
+    let provider = LibvirtProvider::connect(&uri).await.expect("connect");
+    let info = provider.host_info().await.expect("host info");
+    let out = output_within(Command::new("virsh").args(["-c", &uri, "pool-dumpxml", "default"]), VIRSH);
+    let expected = if out.status.success() {
+        let xml = String::from_utf8_lossy(&out.stdout).into_owned();
+        let target = &xml[xml.find("<target>").expect("a <target> in the pool XML")..];
+        let path = &target[target.find("<path>").expect("a target <path>") + "<path>".len()..];
+        path[..path.find("</path>").unwrap()].trim().to_owned()
+    } else {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("Storage pool not found"), "virsh pool-dumpxml default: {stderr}");
+        "/var/lib/libvirt/images".to_owned()
+    };
+    assert_eq!(info.storage_roots, vec![expected]);
+}
