@@ -86,6 +86,11 @@ impl Backoff {
     pub fn succeeded(&self, key: &str) {
         self.failures.lock().expect("backoff poisoned").remove(key);
     }
+
+    /// Forget every object's failures (the host answers again).
+    pub fn reset(&self) {
+        self.failures.lock().expect("backoff poisoned").clear();
+    }
 }
 
 #[cfg(test)]

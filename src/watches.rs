@@ -153,6 +153,16 @@ impl Watches {
         rx
     }
 
+    /// Queue every pod bound to `node` for its agent now (e.g. when its host
+    /// answers again after an outage, rather than at each pod's backoff).
+    pub fn requeue_node(&self, node: &str) {
+        if let Some(tx) = self.routes.nodes.lock().expect("routes poisoned").get(node) {
+            for pod in self.pods_on(node) {
+                let _ = tx.unbounded_send(ObjectRef::from_obj(&*pod));
+            }
+        }
+    }
+
     /// The pods in the store bound to node `node`.
     pub fn pods_on(&self, node: &str) -> Vec<Arc<Pod>> {
         self.pods.state().into_iter().filter(|p| node_of(p) == Some(node)).collect()

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{test_driver_uri, Host, TestEnv};
+use common::{pod_condition, test_driver_uri, Host, TestEnv};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
@@ -12,11 +12,6 @@ use serde_json::json;
 
 fn two_hosts() -> [Host<'static>; 2] {
     [Host::new("a", test_driver_uri("host-a.xml")), Host::new("b", test_driver_uri("host-b.xml"))]
-}
-
-fn condition(pod: &Pod, type_: &str) -> Option<(String, String)> {
-    let c = pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == type_)?;
-    Some((c.status.clone(), c.message.clone().unwrap_or_default()))
 }
 
 #[tokio::test]
@@ -106,8 +101,8 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     let pod = env.pods().get(&pod_name).await.unwrap();
     assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some(node.as_str()));
     assert_eq!(pod.status.as_ref().unwrap().phase.as_deref(), Some("Running"));
-    assert_eq!(condition(&pod, "Ready").unwrap().0, "True");
-    assert_eq!(condition(&pod, "PodScheduled").unwrap().0, "True");
+    assert_eq!(pod_condition(&pod, "Ready").unwrap().0, "True");
+    assert_eq!(pod_condition(&pod, "PodScheduled").unwrap().0, "True");
     let container = &pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0];
     assert!(container.ready && container.started == Some(true));
     assert_eq!(container.container_id.as_deref(), Some(provider_id.as_str()));
@@ -188,7 +183,7 @@ async fn oversized_vms_and_plain_pods_stay_off_virtual_nodes() {
             let pods = pods.clone();
             async move {
                 let pod = pods.get("plain").await.ok()?;
-                let (status, message) = condition(&pod, "PodScheduled")?;
+                let (status, message) = pod_condition(&pod, "PodScheduled")?;
                 (status == "False").then_some(message)
             }
         })
@@ -464,7 +459,7 @@ async fn a_vm_placed_while_the_controller_was_down_returns_to_its_host() {
             let second = second.clone();
             async move {
                 let pod = pods.get(&second).await.ok()?;
-                condition(&pod, "PodScheduled").filter(|(status, _)| status == "False")
+                pod_condition(&pod, "PodScheduled").filter(|(status, _)| status == "False")
             }
         })
         .await;

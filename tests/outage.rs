@@ -6,8 +6,7 @@
 mod common;
 
 use common::deadline::{output_within, run, VIRSH};
-use common::{qemu_uri, repo, Host, TestEnv};
-use k8s_openapi::api::core::v1::Pod;
+use common::{pod_condition, qemu_uri, repo, Host, TestEnv};
 use serde_json::json;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -18,11 +17,6 @@ const OUTAGE: Duration = Duration::from_secs(60);
 fn virsh(args: &[&str]) -> (bool, String) {
     let out = output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(args), VIRSH);
     (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
-fn pod_condition(pod: &Pod, type_: &str) -> Option<(String, String)> {
-    let c = pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == type_)?;
-    Some((c.status.clone(), c.message.clone().unwrap_or_default()))
 }
 
 /// Starts libvirtd again (through the script that started it) however the
@@ -39,9 +33,11 @@ impl Drop for RestartLibvirtd {
 }
 
 #[tokio::test]
-async fn a_host_that_stops_answering_for_a_minute_leaves_its_vm_running_and_its_pod_ready() {
+async fn a_host_that_stops_answering_for_a_minute_leaves_its_vm_running_and_nothing_restarted() {
     let mut env = TestEnv::new("outage").await;
-    env.start_vmlet(&[Host::qemu("q")]);
+    // Emulated (TCG): under nested KVM, a firmware-only guest now and then
+    // stops on an emulation failure, which would be another test.
+    env.start_vmlet(&[Host { accelerator: Some("tcg"), ..Host::qemu("q") }]);
     env.apply_vm("web", json!({"resources": {"cpu": 1, "memory": "64Mi"}}));
     env.wait_vm_phase("web", "Running").await;
     let pod_name = env.pod_of("web").await;

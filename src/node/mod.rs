@@ -146,7 +146,13 @@ pub async fn run(
         .for_each(|_| async {});
     let loops = tokio::spawn(async move { tokio::join!(pods, recorder) });
 
-    heartbeat(&client, &config, &host, &*provider, info, &shutdown).await;
+    // When the host answers again after an outage, its pods are synced at
+    // once (their conditions clear) instead of at each one's backoff.
+    let recovered = || {
+        agent.backoff.reset();
+        watches.requeue_node(&host.name);
+    };
+    heartbeat(&client, &config, &host, &*provider, info, &shutdown, recovered).await;
     let _ = loops.await;
     info!("node agent stopped");
 }
@@ -218,7 +224,8 @@ async fn node_exists(nodes: &Api<Node>, name: &str, uid: &str) -> bool {
 }
 
 /// Register the Node, then renew its Lease and refresh its status until
-/// shutdown; finally report NotReady.
+/// shutdown; finally report NotReady. `recovered` runs when the host answers
+/// again after it did not.
 async fn heartbeat(
     client: &Client,
     config: &Config,
@@ -226,6 +233,7 @@ async fn heartbeat(
     provider: &dyn Provider,
     mut info: HostInfo,
     shutdown: &CancellationToken,
+    recovered: impl Fn(),
 ) {
     let nodes: Api<Node> = Api::all(client.clone());
     let leases: Api<Lease> = Api::namespaced(client.clone(), lease::NAMESPACE);
@@ -253,6 +261,7 @@ async fn heartbeat(
                     if !reachable {
                         info!("host answers again; resuming heartbeats");
                         reachable = true;
+                        recovered();
                     }
                     if let Ok(fresh) = provider.host_info().await {
                         if fresh != info {

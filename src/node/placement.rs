@@ -77,12 +77,13 @@ pub fn verdict(
 }
 
 /// The nodes of this process, other than `here`, whose host holds the VM
-/// `id`, plus back-end hosts a provider names (Nova, vSphere). A host that
-/// does not answer is left out (logged): the record still guards it.
-pub async fn held_elsewhere(hosts: &Hosts, here: &str, id: &VmId) -> Vec<String> {
+/// `id` (named `backend_name` by vmlet), plus back-end hosts a provider names
+/// (Nova, vSphere). A host that does not answer is left out (logged): the
+/// record still guards it.
+pub async fn held_elsewhere(hosts: &Hosts, here: &str, id: &VmId, backend_name: &str) -> Vec<String> {
     let mut nodes = Vec::new();
     for host in hosts.list().into_iter().filter(|h| h.name != here) {
-        match host.provider.locate(id).await {
+        match host.provider.locate(id, backend_name).await {
             Ok(Location::ThisHost(_)) => nodes.push(host.name),
             Ok(Location::OtherHost(name)) if name != here && !nodes.contains(&name) => nodes.push(name),
             Ok(_) => {}
@@ -92,18 +93,26 @@ pub async fn held_elsewhere(hosts: &Hosts, here: &str, id: &VmId) -> Vec<String>
     nodes
 }
 
-/// Every host of this process that holds VM `id`, asked by UID. Errors: the
+/// Every host of this process that holds VM `id` (named `backend_name`). Errors: the
 /// host `recorded` (the placement record's node) does not answer, so the
 /// caller cannot conclude "nowhere"; another host that does not answer is
 /// left out (logged), so that one host down does not hold up every VM.
 pub async fn holders(
     hosts: &Hosts,
     id: &VmId,
+    backend_name: &str,
     recorded: Option<&str>,
 ) -> Result<Vec<super::HostHandle>, vmlet_provider::Error> {
     let mut found = Vec::new();
     for host in hosts.list() {
-        match host.provider.locate(id).await {
+        // The recorded host is asked by UID alone (a full look), the others
+        // by the cheaper locate.
+        let answer = if recorded == Some(host.name.as_str()) {
+            host.provider.get(id).await.map(|s| s.map_or(Location::NotOnThisHost, Location::ThisHost))
+        } else {
+            host.provider.locate(id, backend_name).await
+        };
+        match answer {
             Ok(Location::ThisHost(_)) => found.push(host),
             Ok(_) => {}
             Err(e) if recorded == Some(host.name.as_str()) => return Err(e),

@@ -234,7 +234,7 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
     };
     let recorded = placement::recorded_node(&fresh).map(str::to_owned);
     let state = if on_host.is_some() { HereState::Inactive } else { HereState::Absent };
-    let elsewhere = placement::held_elsewhere(&agent.hosts, here_name, &vm.spec.id).await;
+    let elsewhere = placement::held_elsewhere(&agent.hosts, here_name, &vm.spec.id, &vm.spec.backend_name()).await;
     let ours = |node: &str| agent.hosts.get(node).is_some();
     let write_record = match placement::verdict(here_name, state, recorded.as_deref(), &elsewhere, ours) {
         Verdict::LivesElsewhere { node } => {

@@ -96,8 +96,10 @@ async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<A
     }
     let id = VmId(uid);
     // Wherever a host of this process holds it (normally the recorded one
-    // alone); a host that does not answer holds the finalizer back.
-    for host in super::placement::holders(&releaser.hosts, &id, super::placement::recorded_node(&vm)).await? {
+    // alone); the recorded host not answering holds the finalizer back.
+    let backend_name = vmlet_provider::backend_name(&namespace, &vm.name_any());
+    let recorded = super::placement::recorded_node(&vm);
+    for host in super::placement::holders(&releaser.hosts, &id, &backend_name, recorded).await? {
         let Some(status) = host.provider.get(&id).await? else { continue };
         if status.power.is_active() {
             host.provider.destroy(&id).await?;

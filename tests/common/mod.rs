@@ -216,6 +216,24 @@ impl<'a> Host<'a> {
     }
 }
 
+/// Condition `type_` of `pod`: (status, message).
+pub fn pod_condition(pod: &Pod, type_: &str) -> Option<(String, String)> {
+    let c = pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == type_)?;
+    Some((c.status.clone(), c.message.clone().unwrap_or_default()))
+}
+
+/// kill -9 a vmlet process, as a crash would, and reap it (within
+/// [`VMLET_EXIT`]: panics, unless already panicking, if it is still not gone
+/// then).
+fn kill_vmlet_process(child: Option<Child>) {
+    if let Some(mut child) = child {
+        let pid = child.id();
+        if kill_and_reap(&mut child, VMLET_EXIT).is_none() && !std::thread::panicking() {
+            panic!("vmlet (pid {pid}) was not gone {VMLET_EXIT:?} after SIGKILL");
+        }
+    }
+}
+
 /// One test's namespace, hosts and vmlet.
 pub struct TestEnv {
     pub ns: String,
@@ -277,28 +295,27 @@ impl TestEnv {
 
     /// Start the controller process of [`TestEnv::start_split`] (again).
     pub fn start_controller(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("controller.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_vmlet"))
+        self.controller = Some(self.spawn_vmlet("controller.yaml", "controller.log"));
+    }
+
+    /// kill -9 the controller process of [`TestEnv::start_split`] and reap it.
+    pub fn kill_controller(&mut self) {
+        kill_vmlet_process(self.controller.take());
+    }
+
+    /// `vmlet run --config <dir>/<config>`, its log appended to `<dir>/<log>`.
+    fn spawn_vmlet(&self, config: &str, log: &str) -> Child {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join(log)).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_vmlet"))
             .args(["run", "--config"])
-            .arg(self.dir.join("controller.yaml"))
+            .arg(self.dir.join(config))
             .env("KUBECONFIG", &cluster().kubeconfig)
             .env("VMLET_LOG", "info,vmlet=debug,kube=warn")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("start the vmlet controller");
-        self.controller = Some(child);
-    }
-
-    /// kill -9 the controller process of [`TestEnv::start_split`] and reap it.
-    pub fn kill_controller(&mut self) {
-        if let Some(mut child) = self.controller.take() {
-            let pid = child.id();
-            if kill_and_reap(&mut child, VMLET_EXIT).is_none() && !std::thread::panicking() {
-                panic!("the vmlet controller (pid {pid}) was not gone {VMLET_EXIT:?} after SIGKILL");
-            }
-        }
+            .unwrap_or_else(|e| panic!("start vmlet with {config}: {e}"))
     }
 
     /// The config of a vmlet serving `hosts` (labelled `vmlet.io/test=<ns>`,
@@ -339,18 +356,7 @@ impl TestEnv {
 
     /// Start vmlet again with the same config (after [`TestEnv::kill_vmlet`]).
     pub fn restart_vmlet(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("vmlet.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_vmlet"))
-            .args(["run", "--config"])
-            .arg(self.dir.join("vmlet.yaml"))
-            .env("KUBECONFIG", &cluster().kubeconfig)
-            .env("VMLET_LOG", "info,vmlet=debug,kube=warn")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start vmlet");
-        self.vmlet = Some(child);
+        self.vmlet = Some(self.spawn_vmlet("vmlet.yaml", "vmlet.log"));
     }
 
     /// The running vmlet's process id.
@@ -361,12 +367,7 @@ impl TestEnv {
     /// kill -9 vmlet, as a crash would, and reap it (within [`VMLET_EXIT`]:
     /// panics, unless already panicking, if it is still not gone then).
     pub fn kill_vmlet(&mut self) {
-        if let Some(mut child) = self.vmlet.take() {
-            let pid = child.id();
-            if kill_and_reap(&mut child, VMLET_EXIT).is_none() && !std::thread::panicking() {
-                panic!("vmlet (pid {pid}) was not gone {VMLET_EXIT:?} after SIGKILL");
-            }
-        }
+        kill_vmlet_process(self.vmlet.take());
     }
 
     /// Run kubectl in this namespace; panics with its stderr unless it succeeds.

@@ -68,8 +68,14 @@ impl VmSpec {
     /// The backend name vmlet gives the VM: `<namespace>_<name>`. Unique per host
     /// because neither a namespace nor an object name may contain `_`.
     pub fn backend_name(&self) -> String {
-        format!("{}_{}", self.namespace, self.name)
+        backend_name(&self.namespace, &self.name)
     }
+}
+
+/// The backend name vmlet gives the VM `name` of `namespace`:
+/// `<namespace>_<name>` (see [`VmSpec::backend_name`]).
+pub fn backend_name(namespace: &str, name: &str) -> String {
+    format!("{namespace}_{name}")
 }
 
 /// The power state of a VM as the backend reports it, mapped to a few states the
@@ -204,11 +210,15 @@ pub trait Provider: Send + Sync + 'static {
     async fn get(&self, id: &VmId) -> Result<Option<VmStatus>>;
 
     /// Where the back end holds the VM with this identity: "where is VM X".
-    /// The default, for providers that see only their own host, is
-    /// [`Location::ThisHost`] or [`Location::NotOnThisHost`] from
+    /// `backend_name` is the name vmlet gives the VM ([`VmSpec::backend_name`]),
+    /// which a provider may use to answer without listing every VM (a VM
+    /// renamed behind vmlet may then be missed; the placement record still
+    /// guards it). The default, for providers that see only their own host,
+    /// is [`Location::ThisHost`] or [`Location::NotOnThisHost`] from
     /// [`Provider::get`]; back ends that move VMs by themselves (Nova,
     /// vSphere) answer for the whole back end. Errors: `Transient`.
-    async fn locate(&self, id: &VmId) -> Result<Location> {
+    async fn locate(&self, id: &VmId, backend_name: &str) -> Result<Location> {
+        let _ = backend_name;
         Ok(match self.get(id).await? {
             Some(status) => Location::ThisHost(status),
             None => Location::NotOnThisHost,

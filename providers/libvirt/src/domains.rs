@@ -23,7 +23,7 @@ pub(crate) struct UuidCache {
 }
 
 impl UuidCache {
-    fn get(&self, id: &VmId) -> Option<String> {
+    pub(crate) fn get(&self, id: &VmId) -> Option<String> {
         self.by_id.lock().unwrap_or_else(PoisonError::into_inner).get(id).cloned()
     }
 

@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
-use vmlet_provider::{Console, Error, ErrorKind, GuestExec, HostInfo, Provider, Result, Stats, VmId, VmSpec, VmStatus};
+use vmlet_provider::{
+    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Provider, Result, Stats, VmId, VmSpec, VmStatus,
+};
 
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
@@ -186,6 +188,34 @@ impl Host {
             Ok(Some(identity)) => status_of(&domain, identity).map(Some),
             Ok(None) => Ok(None),
             Err(err) if is_no_domain(&err) => Ok(None),
+            Err(err) => Err(from_libvirt("read domain metadata", err)),
+        }
+    }
+
+    /// Whether this host holds VM `id`, found from the cache or by the name
+    /// vmlet gives it: one lookup, never a scan of every domain (asked for
+    /// every VM of every other host when a VM is first placed).
+    fn locate(&self, conn: &Connect, id: &VmId, name: &str) -> Result<Location> {
+        if self.uuids.get(id).is_some() {
+            return Ok(match self.get(conn, id)? {
+                Some(status) => Location::ThisHost(status),
+                None => Location::NotOnThisHost,
+            });
+        }
+        let domain = match conn.lookup_domain_by_name(name) {
+            Ok(domain) => domain,
+            Err(err) if is_no_domain(&err) => return Ok(Location::NotOnThisHost),
+            Err(err) => return Err(from_libvirt("look up domain", err)),
+        };
+        match identity_of(&domain) {
+            Ok(Some(identity)) if identity.id == *id => {
+                if let Ok(uuid) = domain.uuid_string() {
+                    self.uuids.insert(id.clone(), uuid);
+                }
+                status_of(&domain, identity).map(Location::ThisHost)
+            }
+            Ok(_) => Ok(Location::NotOnThisHost),
+            Err(err) if is_no_domain(&err) => Ok(Location::NotOnThisHost),
             Err(err) => Err(from_libvirt("read domain metadata", err)),
         }
     }
@@ -560,6 +590,13 @@ impl Provider for LibvirtProvider {
     async fn get(&self, id: &VmId) -> Result<Option<VmStatus>> {
         let id = id.clone();
         self.blocking("get domain", move |host, conn| host.get(conn, &id)).await
+    }
+
+    /// This host only (one libvirt connection sees one host), from the cache
+    /// or a lookup by `backend_name`, never a scan of every domain.
+    async fn locate(&self, id: &VmId, backend_name: &str) -> Result<Location> {
+        let (id, name) = (id.clone(), backend_name.to_owned());
+        self.blocking("locate domain", move |host, conn| host.locate(conn, &id, &name)).await
     }
 
     /// Defines a persistent domain named [`VmSpec::backend_name`]: `<domain

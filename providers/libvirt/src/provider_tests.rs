@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use vmlet_provider::{ErrorKind, PowerState, Provider, VmId, VmSpec};
+use vmlet_provider::{ErrorKind, Location, PowerState, Provider, VmId, VmSpec};
 
 use super::LibvirtProvider;
 use crate::domains::identity_of;
@@ -330,4 +330,21 @@ async fn test_driver_reports_stats_of_running_vms() {
 
     let err = stats.stats(&VmId("00000000-0000-4000-8000-ffffffffffff".into())).await.expect_err("unknown VM");
     assert_eq!(err.kind, ErrorKind::NotFound);
+}
+
+#[tokio::test]
+async fn locate_finds_a_vm_on_its_host_by_its_name_and_nowhere_else() {
+    let a = host("host-a").await;
+    let b = host("host-b").await;
+    let spec = vm("team-a", "located");
+    a.ensure_defined(&spec).await.expect("define");
+    let name = spec.backend_name();
+    match a.locate(&spec.id, &name).await.expect("locate on a") {
+        Location::ThisHost(status) => assert_eq!(status.id, spec.id),
+        other => panic!("expected ThisHost, got {other:?}"),
+    }
+    assert_eq!(b.locate(&spec.id, &name).await.expect("locate on b"), Location::NotOnThisHost);
+    // The name alone is not enough: the domain must carry the identity.
+    let other = vm("team-a", "other");
+    assert_eq!(a.locate(&other.id, &name).await.expect("locate another id"), Location::NotOnThisHost);
 }
