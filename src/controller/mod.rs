@@ -122,6 +122,7 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         return cleanup(&vm, &owned, current.as_deref(), &pods, &vms, &ctx).await;
     }
 
+    let mut vm = vm;
     if !vm.finalizers().iter().any(|f| f == FINALIZER) {
         // A merge patch replaces the whole list: keep other controllers' finalizers,
         // and guard with the resourceVersion so a concurrent change is not lost.
@@ -130,12 +131,12 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         let patch =
             serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": vm.resource_version()}});
         match vms.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-            Ok(_) => {}
+            // Go on with the object as written (its new resourceVersion), not
+            // a round trip through the watch later.
+            Ok(updated) => vm = Arc::new(updated),
             Err(kube::Error::Api(s)) if s.code == 409 => return Ok(Action::requeue(CONFLICT_RETRY)),
             Err(e) => return Err(kube_err("add finalizer", e)),
         }
-        // The finalizer's own watch event brings the next pass.
-        return Ok(Action::await_change());
     }
 
     match decide::next_step(&vm, current.as_deref()) {
