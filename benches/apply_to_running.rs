@@ -353,10 +353,18 @@ async fn print_placement(vms: &Api<VirtualMachine>, nodes: &[String]) {
 
 /// Delete every VirtualMachine of `vms` in one call and poll (every 200 ms, one
 /// item per list) until none is left, for up to `limit`. Returns the time
-/// from the call until then, or how many were left at the limit.
+/// from the call until then, or how many were left at the limit. A delete
+/// call that fails (with thousands of objects the API server may close it
+/// before it answers, having deleted some) is made again.
 async fn delete_all_until_gone(vms: &Api<VirtualMachine>, limit: Duration) -> Result<Duration, usize> {
     let started = Instant::now();
-    vms.delete_collection(&DeleteParams::default(), &ListParams::default()).await.expect("delete VMs");
+    while let Err(e) = vms.delete_collection(&DeleteParams::default(), &ListParams::default()).await {
+        if started.elapsed() >= limit {
+            panic!("delete VMs: {e}");
+        }
+        eprintln!("  delete VMs: {e}; calling again");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
     let mut left = usize::MAX;
     while started.elapsed() < limit {
         if let Ok(page) = vms.list_metadata(&ListParams::default().limit(1)).await {
