@@ -244,3 +244,40 @@ fn only_kept<K>(event: watcher::Event<K>, keep: &impl Fn(&K) -> bool) -> Option<
 pub fn no_objects<K: Send + 'static>() -> impl Stream<Item = Result<K, watcher::Error>> + Send + 'static {
     futures::stream::pending()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{vm_and_pod, PodBuilder, VmBuilder};
+
+    fn on_node(pod: &Pod, node: &str) -> bool {
+        node_of(pod) == Some(node)
+    }
+
+    #[test]
+    fn a_change_that_makes_a_stored_pod_one_not_kept_removes_it() {
+        let pod = PodBuilder::for_vm(&VmBuilder::new("web").build()).on_node("elsewhere").build();
+        let keep = |p: &Pod| on_node(p, "host-a");
+        assert!(matches!(only_kept(watcher::Event::Apply(pod.clone()), &keep), Some(watcher::Event::Delete(_))));
+        assert!(only_kept(watcher::Event::InitApply(pod.clone()), &keep).is_none(), "left out of a list");
+        assert!(only_kept(watcher::Event::Delete(pod), &keep).is_none());
+    }
+
+    #[test]
+    fn pods_vmlet_keeps_pass_unchanged_and_list_markers_always() {
+        let pod = PodBuilder::for_vm(&VmBuilder::new("web").build()).on_node("host-a").build();
+        let keep = |p: &Pod| on_node(p, "host-a");
+        assert!(matches!(only_kept(watcher::Event::Apply(pod.clone()), &keep), Some(watcher::Event::Apply(_))));
+        assert!(matches!(only_kept(watcher::Event::InitApply(pod), &keep), Some(watcher::Event::InitApply(_))));
+        assert!(matches!(only_kept(watcher::Event::<Pod>::Init, &keep), Some(watcher::Event::Init)));
+        assert!(matches!(only_kept(watcher::Event::<Pod>::InitDone, &keep), Some(watcher::Event::InitDone)));
+    }
+
+    #[test]
+    fn list_markers_touch_no_object_and_changes_touch_theirs() {
+        let (_, pod) = vm_and_pod("team-a", "web");
+        assert_eq!(touched(&watcher::Event::Apply(pod.clone())).len(), 1);
+        assert_eq!(touched(&watcher::Event::Delete(pod)).len(), 1);
+        assert!(touched(&watcher::Event::<Pod>::InitDone).is_empty());
+    }
+}
