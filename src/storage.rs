@@ -415,6 +415,8 @@ mod tests {
             name: "web".into(),
             cpus: 1,
             memory_bytes: 1 << 28,
+            max_cpus: None,
+            max_memory_bytes: None,
             image: None,
             kernel_boot: None,
         }

@@ -245,6 +245,8 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             name,
             cpus: millicores.div_ceil(1000).max(1) as u32,
             memory_bytes,
+            max_cpus: None,
+            max_memory_bytes: None,
             image: annotations.get(IMAGE_ANNOTATION).cloned(),
             kernel_boot,
         },

@@ -262,6 +262,9 @@ mod tests {
             stop_reason: None,
             cpus: 2,
             memory_bytes: 1 << 30,
+            max_cpus: 2,
+            max_memory_bytes: 1 << 30,
+            next_start: None,
             addresses: vec!["192.0.2.7".parse().unwrap()],
         }
     }

@@ -16,7 +16,11 @@ use std::net::IpAddr;
 
 mod capabilities;
 mod error;
+mod migration;
+mod resize;
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
+pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
+pub use resize::{Resize, ResizeScope, Resources};
 pub use error::{Error, ErrorKind, Result};
 
 /// The stable identity of a VM: the UID of its VirtualMachine object
@@ -44,6 +48,12 @@ pub struct VmSpec {
     /// Guest memory in bytes (at least 1 MiB; providers round up to what the
     /// backend allocates, e.g. KiB for libvirt).
     pub memory_bytes: u64,
+    /// Hot-plug ceiling for vCPUs, fixed at definition: a live resize may grow
+    /// the VM up to it. `None` (or less than `cpus`): `cpus` itself.
+    pub max_cpus: Option<u32>,
+    /// Hot-plug ceiling for memory in bytes (libvirt: the balloon's maximum),
+    /// fixed at definition. `None` (or less than `memory_bytes`): `memory_bytes`.
+    pub max_memory_bytes: Option<u64>,
     /// Optional boot disk: a path or volume name the backend resolves on the host.
     /// vmlet's node agent passes only absolute paths under the host's storage
     /// roots ([`HostInfo::storage_roots`] or the host's config).
@@ -132,10 +142,20 @@ pub struct VmStatus {
     pub power: PowerState,
     /// Why it stopped, for an inactive VM (`None` while active).
     pub stop_reason: Option<StopReason>,
-    /// Virtual CPUs currently configured.
+    /// Virtual CPUs the VM has now (online vCPUs of a running VM, the
+    /// definition's of an inactive one).
     pub cpus: u32,
-    /// Memory currently configured, in bytes.
+    /// Memory the VM has now, in bytes (a running VM's current balloon size).
     pub memory_bytes: u64,
+    /// The vCPU ceiling a live resize may grow to (equal to `cpus` when the VM
+    /// was defined without one).
+    pub max_cpus: u32,
+    /// The memory ceiling in bytes a live resize may grow to.
+    pub max_memory_bytes: u64,
+    /// The size the VM's persistent definition gives it at its next start,
+    /// when that differs from what it has now (a resize that waits for a
+    /// restart); `None` when they agree.
+    pub next_start: Option<Resources>,
     /// Guest addresses, as far as the backend knows them (may be empty).
     pub addresses: Vec<IpAddr>,
 }
@@ -255,6 +275,18 @@ pub trait Provider: Send + Sync + 'static {
 
     /// The resource-usage capability, if this backend has one.
     fn stats(&self) -> Option<&dyn Stats> {
+        None
+    }
+
+    /// The capability to change a VM's vCPUs and memory, if this backend has
+    /// one.
+    fn resize(&self) -> Option<&dyn Resize> {
+        None
+    }
+
+    /// The capability to move a VM to another host of the same backend, if
+    /// this backend (and host) has one.
+    fn migration(&self) -> Option<&dyn Migration> {
         None
     }
 

@@ -116,6 +116,11 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
         stop_reason,
         cpus: info.nr_virt_cpu,
         memory_bytes: info.max_mem.saturating_mul(1024),
+        // vmlet's definitions have no hot-plug ceilings yet: the maximum is
+        // the size, and the definition is what runs.
+        max_cpus: info.nr_virt_cpu,
+        max_memory_bytes: info.max_mem.saturating_mul(1024),
+        next_start: None,
         addresses,
     })
 }

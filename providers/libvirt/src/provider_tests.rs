@@ -36,6 +36,8 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
         name: name.into(),
         cpus: 1,
         memory_bytes: 256 * MIB,
+        max_cpus: None,
+        max_memory_bytes: None,
         image: None,
         kernel_boot: None,
     }

@@ -327,6 +327,8 @@ mod tests {
             name: "web.1".into(),
             cpus: 2,
             memory_bytes: 512 * 1024 * 1024 + 1,
+            max_cpus: None,
+            max_memory_bytes: None,
             image: None,
             kernel_boot: None,
         }

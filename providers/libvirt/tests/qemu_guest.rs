@@ -262,6 +262,8 @@ async fn real_guest_serves_logs_exec_attach_and_stats() {
         name,
         cpus: 1,
         memory_bytes: 256 * 1024 * 1024,
+        max_cpus: None,
+        max_memory_bytes: None,
         image: Some(run.path("disk.qcow2")),
         kernel_boot: Some(KernelBoot {
             kernel: run.path("vmlinuz"),

@@ -27,6 +27,8 @@ fn unique_spec() -> VmSpec {
         name: format!("lifecycle-{pid}-{}", nanos % 1_000_000_000),
         cpus: 1,
         memory_bytes: 64 * 1024 * 1024,
+        max_cpus: None,
+        max_memory_bytes: None,
         image: None,
         kernel_boot: None,
     }
