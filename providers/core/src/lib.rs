@@ -19,9 +19,9 @@ mod error;
 mod migration;
 mod resize;
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
+pub use error::{Error, ErrorKind, Result};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
 pub use resize::{Resize, ResizeScope, Resources};
-pub use error::{Error, ErrorKind, Result};
 
 /// The stable identity of a VM: the UID of its VirtualMachine object
 /// (`metadata.uid`, an RFC 4122 UUID string).
