@@ -2,12 +2,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
-    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Provider, Result, Stats, VmId, VmSpec, VmStatus,
+    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Provider, Resize, Result, Stats, VmId, VmSpec, VmStatus,
 };
 
 use crate::connection::Connection;
@@ -56,8 +57,10 @@ pub enum AcceleratorSetting {
 ///
 /// Capabilities: on QEMU the serial console ([`Console`]: history from virtlogd's
 /// log, live attach through `virDomainOpenConsole`), commands in the guest
-/// ([`GuestExec`], through qemu-guest-agent) and [`Stats`]; on the test driver,
-/// which has neither consoles nor agents, only [`Stats`].
+/// ([`GuestExec`], through qemu-guest-agent), [`Stats`] and [`Resize`] (vCPU
+/// hot-plug and the balloon within the ceilings a VM was defined with, or its
+/// definition for the next start); on the test driver, which has neither
+/// consoles nor agents, [`Stats`] and [`Resize`].
 ///
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
@@ -72,8 +75,10 @@ pub(crate) struct Host {
     /// The driver behind the URI (and for QEMU the accelerator), chosen at
     /// connect time.
     pub(crate) kind: DomainKind,
-    /// Permits for calls on `connection` ([`MAX_CALLS_IN_FLIGHT`]).
-    calls: tokio::sync::Semaphore,
+    /// Permits for calls on `connection` ([`MAX_CALLS_IN_FLIGHT`]). A call
+    /// keeps its permit until libvirt returns, even when its caller stopped
+    /// waiting for it.
+    calls: Arc<tokio::sync::Semaphore>,
     /// Permits for guest-agent calls ([`MAX_AGENT_CALLS_IN_FLIGHT`]).
     agent_calls: tokio::sync::Semaphore,
     /// The boot (domain id) whose console output each VM last served while
@@ -122,7 +127,7 @@ impl LibvirtProvider {
                 connection,
                 uuids: UuidCache::default(),
                 kind,
-                calls: tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT),
+                calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT)),
                 agent_calls: tokio::sync::Semaphore::new(MAX_AGENT_CALLS_IN_FLIGHT),
                 boots: Mutex::default(),
             }),
@@ -154,16 +159,49 @@ impl LibvirtProvider {
         T: Send + 'static,
         F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
     {
-        let _permit = self
-            .host
-            .calls
-            .acquire()
+        self.spawn_blocking(operation, f).await?.await.map_err(|e| not_completed(operation, e))?
+    }
+
+    /// [`LibvirtProvider::blocking`], given up with a `Transient` error after
+    /// `deadline` (waiting for a permit included). The call itself cannot be
+    /// cancelled: it goes on in the background, holding its permit, until
+    /// libvirt returns.
+    pub(crate) async fn blocking_within<T, F>(&self, operation: &'static str, deadline: Duration, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
+    {
+        match tokio::time::timeout(deadline, self.blocking(operation, f)).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::new(
+                operation,
+                ErrorKind::Transient,
+                format!("libvirt did not answer within {}s", deadline.as_secs_f32()),
+            )),
+        }
+    }
+
+    /// Start `f` with the host and a live connection on the blocking pool once
+    /// one of the connection's [`MAX_CALLS_IN_FLIGHT`] permits is free; the
+    /// task keeps the permit until `f` returns.
+    pub(crate) async fn spawn_blocking<T, F>(
+        &self,
+        operation: &'static str,
+        f: F,
+    ) -> Result<tokio::task::JoinHandle<Result<T>>>
+    where
+        T: Send + 'static,
+        F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
+    {
+        let permit = Arc::clone(&self.host.calls)
+            .acquire_owned()
             .await
             .map_err(|_| Error::new(operation, ErrorKind::Permanent, "the provider's call queue was closed"))?;
         let host = Arc::clone(&self.host);
-        tokio::task::spawn_blocking(move || host.connection.with(|conn| f(&host, conn)))
-            .await
-            .map_err(|e| not_completed(operation, e))?
+        Ok(tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            host.connection.with(|conn| f(&host, conn))
+        }))
     }
 }
 
@@ -651,6 +689,12 @@ impl Provider for LibvirtProvider {
 
     /// CPU time and memory on every driver (see [`Stats`] for what is measured).
     fn stats(&self) -> Option<&dyn Stats> {
+        Some(self)
+    }
+
+    /// vCPU hot-plug and balloon within the VM's ceilings, or the persistent
+    /// definition for the next start, on every driver (see `resize.rs`).
+    fn resize(&self) -> Option<&dyn Resize> {
         Some(self)
     }
 
