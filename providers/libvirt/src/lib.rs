@@ -27,8 +27,10 @@
 //! `<currentMemory>`. On QEMU the provider offers the
 //! [`Console`](vmlet_provider::Console) (history and live attach),
 //! [`GuestExec`](vmlet_provider::GuestExec) (through the agent),
-//! [`Stats`](vmlet_provider::Stats) and [`Resize`](vmlet_provider::Resize)
-//! capabilities; on the test driver `Stats` and `Resize`.
+//! [`Stats`](vmlet_provider::Stats), [`Resize`](vmlet_provider::Resize) and
+//! [`Migration`](vmlet_provider::Migration) (peer to peer, from this host's
+//! libvirtd to the target's) capabilities; on the test driver `Stats` and
+//! `Resize`.
 //! `test-vms/guest/build.sh` builds a small guest that has all of this.
 //!
 //! How vmlet finds its domains, how the connection survives a libvirtd restart
@@ -47,6 +49,7 @@ mod domains;
 mod error;
 mod event_loop;
 mod exec;
+mod migration;
 mod provider;
 mod resize;
 mod stats;

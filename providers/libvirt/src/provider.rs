@@ -8,7 +8,8 @@ use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
-    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Provider, Resize, Result, Stats, VmId, VmSpec, VmStatus,
+    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result, Stats, VmId, VmSpec,
+    VmStatus,
 };
 
 use crate::connection::Connection;
@@ -59,13 +60,31 @@ pub enum AcceleratorSetting {
 /// log, live attach through `virDomainOpenConsole`), commands in the guest
 /// ([`GuestExec`], through qemu-guest-agent), [`Stats`] and [`Resize`] (vCPU
 /// hot-plug and the balloon within the ceilings a VM was defined with, or its
-/// definition for the next start); on the test driver, which has neither
-/// consoles nor agents, [`Stats`] and [`Resize`].
+/// definition for the next start) and [`Migration`] (peer-to-peer live and
+/// offline migration to another libvirt host: see
+/// [`LibvirtProvider::with_migration_uri`] for how other hosts reach this one);
+/// on the test driver, which has neither consoles nor agents nor migration,
+/// [`Stats`] and [`Resize`].
 ///
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct LibvirtProvider {
     host: Arc<Host>,
+    /// This host as a migration destination and how it migrates
+    /// ([`LibvirtProvider::with_host_name`], [`LibvirtProvider::with_migration_uri`]).
+    pub(crate) migration: Arc<MigrationSettings>,
+}
+
+/// How a host takes part in migrations (see `migration.rs`).
+#[derive(Clone, Debug)]
+pub(crate) struct MigrationSettings {
+    /// This host's name in vmlet.
+    pub(crate) host_name: String,
+    /// The URI other hosts' libvirtd reach this one's with; empty when there is
+    /// none (a local connection URI and no configured one).
+    pub(crate) uri: String,
+    /// Whether live migrations pass `VIR_MIGRATE_UNSAFE`.
+    pub(crate) allow_unsafe: bool,
 }
 
 /// The shared state behind a [`LibvirtProvider`].
@@ -111,17 +130,23 @@ impl LibvirtProvider {
     /// `/dev/kvm` missing or not usable).
     pub async fn connect_with(uri: &str, accelerator: AcceleratorSetting) -> Result<LibvirtProvider> {
         let uri = uri.to_owned();
-        let (connection, kind) = tokio::task::spawn_blocking(move || {
+        let (connection, kind, hostname) = tokio::task::spawn_blocking(move || {
             virt::error::clear_error_callback();
             let connection = Connection::open(&uri)?;
             let kind = connection.with(|conn| domain_kind(conn, accelerator))?;
-            Ok::<_, Error>((connection, kind))
+            let hostname = connection.with(|conn| Ok(conn.hostname().ok()))?;
+            Ok::<_, Error>((connection, kind, hostname))
         })
         .await
         .map_err(|e| not_completed("connect to libvirt", e))??;
         if let DomainKind::Qemu(chosen) = kind {
             tracing::info!(libvirt.uri = %connection.uri(), accelerator = chosen.as_str(), "QEMU host");
         }
+        let migration = MigrationSettings {
+            host_name: hostname.unwrap_or_else(|| connection.uri().to_owned()),
+            uri: if is_local_uri(connection.uri()) { String::new() } else { connection.uri().to_owned() },
+            allow_unsafe: false,
+        };
         Ok(LibvirtProvider {
             host: Arc::new(Host {
                 connection,
@@ -131,7 +156,48 @@ impl LibvirtProvider {
                 agent_calls: tokio::sync::Semaphore::new(MAX_AGENT_CALLS_IN_FLIGHT),
                 boots: Mutex::default(),
             }),
+            migration: Arc::new(migration),
         })
+    }
+
+    /// Name this host as vmlet does (its node name), for
+    /// [`Migration::target`]. Default: the libvirt host's hostname
+    /// (`virConnectGetHostname`), or the connection URI when it has none.
+    #[must_use]
+    pub fn with_host_name(mut self, name: impl Into<String>) -> Self {
+        Arc::make_mut(&mut self.migration).host_name = name.into();
+        self
+    }
+
+    /// The libvirt URI other hosts' libvirtd use to reach this host's libvirtd
+    /// during a peer-to-peer migration to it ([`Migration::target`]), e.g.
+    /// `qemu+tcp://10.0.0.2/system`: the *source daemon* opens it, not vmlet,
+    /// so it must work from the other hosts with the source daemon's
+    /// credentials (for `qemu+ssh://`, root's SSH key on the source host).
+    ///
+    /// Default: the connection URI when it names a remote host
+    /// (`qemu+tcp://kvm-2/system`). A local connection (`qemu:///system`) has
+    /// no usable default, since another host's daemon cannot reach
+    /// `qemu:///system`: without this such a host cannot be a migration
+    /// target (a migration to it fails with `InvalidInput`), but it can still
+    /// migrate its VMs away.
+    #[must_use]
+    pub fn with_migration_uri(mut self, uri: impl Into<String>) -> Self {
+        Arc::make_mut(&mut self.migration).uri = uri.into();
+        self
+    }
+
+    /// Let live migrations from this host pass `VIR_MIGRATE_UNSAFE`: migrate
+    /// VMs whose disks libvirt does not know to be safely shared (a disk on a
+    /// local file system, or shared storage without `cache='none'`). Only for
+    /// disks that both hosts see at the same path on storage they really share
+    /// (two daemons on one machine, as in the tests); with a disk that the
+    /// target holds as a different file, the guest would continue on that file.
+    /// Default: `false`, and such a migration fails with `Unsupported`.
+    #[must_use]
+    pub fn with_unsafe_migration(mut self, allow: bool) -> Self {
+        Arc::make_mut(&mut self.migration).allow_unsafe = allow;
+        self
     }
 
     /// The semaphore that bounds this host's guest-agent calls.
@@ -203,6 +269,11 @@ impl LibvirtProvider {
             host.connection.with(|conn| f(&host, conn))
         }))
     }
+
+    /// The driver behind this provider's connection.
+    pub(crate) fn domain_kind(&self) -> DomainKind {
+        self.host.kind
+    }
 }
 
 /// The error for a blocking task that panicked or was cancelled.
@@ -228,6 +299,13 @@ impl Host {
             Err(err) if is_no_domain(&err) => Ok(None),
             Err(err) => Err(from_libvirt("read domain metadata", err)),
         }
+    }
+
+    /// Forget what this host remembered about VM `id` (its cached UUID and
+    /// console boot): the VM left the host.
+    pub(crate) fn forget(&self, id: &VmId) {
+        self.uuids.remove(id);
+        self.boots.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
     }
 
     /// Whether this host holds VM `id`, found from the cache or by the name
@@ -354,8 +432,7 @@ impl Host {
             Err(err) if is_no_domain(&err) => {}
             Err(err) => return Err(from_libvirt(OP, err)),
         }
-        self.uuids.remove(id);
-        self.boots.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
+        self.forget(id);
         if let (DomainKind::Qemu(_), Some(uuid)) = (self.kind, uuid) {
             remove_console_log(self.connection.uri(), &uuid);
         }
@@ -696,6 +773,12 @@ impl Provider for LibvirtProvider {
     /// definition for the next start, on every driver (see `resize.rs`).
     fn resize(&self) -> Option<&dyn Resize> {
         Some(self)
+    }
+
+    /// Peer-to-peer live and offline migration on QEMU (see `migration.rs`);
+    /// `None` on the test driver, which cannot migrate.
+    fn migration(&self) -> Option<&dyn Migration> {
+        self.host.kind.is_qemu().then_some(self as &dyn Migration)
     }
 
     /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,

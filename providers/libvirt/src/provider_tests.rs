@@ -4,8 +4,12 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
-use vmlet_provider::{ErrorKind, Location, PowerState, Provider, ResizeScope, Resources, VmId, VmSpec, VmStatus};
+use vmlet_provider::{
+    ErrorKind, Location, Migration, MigrationMode, MigrationTarget, PowerState, Provider, ResizeScope, Resources, VmId,
+    VmSpec, VmStatus,
+};
 
 use super::LibvirtProvider;
 use crate::domains::identity_of;
@@ -501,4 +505,17 @@ async fn next_start_resize_lowers_ceilings_and_raises_ceilings_below_the_size() 
         (raised.cpus, raised.memory_bytes, raised.max_cpus, raised.max_memory_bytes),
         (2, 384 * MIB, 2, 384 * MIB)
     );
+}
+
+#[tokio::test]
+async fn test_driver_cannot_migrate() {
+    let provider = host("host-a").await;
+    assert!(provider.migration().is_none(), "the test driver has no migration");
+    let spec = vm("ns", "stay");
+    provider.ensure_defined(&spec).await.expect("define");
+    let to = MigrationTarget { host: "host-b".into(), address: "test:///default".into() };
+    let err =
+        Migration::migrate(&provider, &spec.id, &to, MigrationMode::Cold, Duration::from_secs(5)).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
+    assert!(provider.get(&spec.id).await.expect("get").is_some(), "still here");
 }
