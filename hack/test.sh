@@ -6,9 +6,12 @@
 #
 # Installs missing Debian packages (hack/deps.sh; needs root), starts (or
 # reuses) the local control plane (hack/cluster.sh up; the first run builds it,
-# ~15 min on 2 cores) and libvirtd for qemu:///system with KVM where the machine
-# has it (hack/libvirtd.sh up; needs root), exports VMLET_LIBVIRT_QEMU_URI, then runs
-# `cargo test --workspace --no-fail-fast "$@"`. Both stay running afterwards so
+# ~15 min on 2 cores), libvirtd for qemu:///system with KVM where the machine
+# has it (hack/libvirtd.sh up; needs root) and the two libvirt hosts mig-a and
+# mig-b in namespaces for the migration and resize tests (hack/hosts.sh up; as
+# root only, else those tests skip), exports VMLET_LIBVIRT_QEMU_URI,
+# VMLET_LIBVIRT_MIG_A_URI and VMLET_LIBVIRT_MIG_B_URI, then runs
+# `cargo test --workspace --no-fail-fast "$@"`. All stay running afterwards so
 # the next run is fast, except with CI=true, where they are stopped on exit.
 # On failure it prints where the logs are and the last lines of each.
 set -euo pipefail
@@ -20,7 +23,7 @@ log() { echo "test.sh: $*" >&2; }
 
 if [[ ${CI:-} == true ]]; then
   # Stop what this run started, whatever happens.
-  trap 'log "CI=true: stopping the control plane and libvirtd"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true' EXIT
+  trap 'log "CI=true: stopping the control plane, libvirtd and the two libvirt hosts"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true; "$REPO/hack/hosts.sh" down || true' EXIT
 fi
 
 if [[ $(id -u) != 0 ]] && ! virsh -c "$(hack/libvirtd.sh uri)" version >/dev/null 2>&1; then
@@ -35,6 +38,12 @@ eval "$(hack/cluster.sh env)" # KUBECONFIG, PATH (kubectl), VMLET_CLUSTER_LOGS
 hack/libvirtd.sh up
 VMLET_LIBVIRT_QEMU_URI=$(hack/libvirtd.sh uri)
 export VMLET_LIBVIRT_QEMU_URI
+if [[ $(id -u) == 0 ]]; then
+  hack/hosts.sh up
+  eval "$(hack/hosts.sh uris)" # VMLET_LIBVIRT_MIG_A_URI, VMLET_LIBVIRT_MIG_B_URI
+else
+  log "not root: the two libvirt hosts (hack/hosts.sh) need root; the migration and resize tests skip"
+fi
 
 status=0
 # --no-fail-fast: report every failing test binary, not just the first.
@@ -48,6 +57,7 @@ if ((status != 0)); then
     echo "  control plane components: $VMLET_CLUSTER_LOGS/"
     echo "  each test's vmlet:        $REPO/target/it/<test namespace>/vmlet.log"
     echo "  libvirtd / virtlogd:      /var/log/libvirt/libvirtd.log, /var/log/libvirt/virtlogd.log"
+    echo "  hosts mig-a, mig-b:       ${VMLET_HOSTS_DIR:-/var/lib/vmlet/hosts}/<host>/log/ (hack/hosts.sh status)"
     for f in "$VMLET_CLUSTER_LOGS"/*.log /var/log/libvirt/libvirtd.log; do
       [[ -f $f ]] || continue
       echo

@@ -46,8 +46,13 @@ async fn a_host_that_stops_answering_for_a_minute_leaves_its_vm_running_and_noth
     assert!(ok, "virsh domid {domain}");
     let node = env.node("q");
 
-    // Stop libvirtd alone: its guests run on.
-    let stopped = run(Command::new("pkill").args(["-TERM", "-x", "libvirtd"]), VIRSH).expect("pkill");
+    // Stop libvirtd alone: its guests run on. Only the one in this test's
+    // network namespace: hack/hosts.sh's libvirtd in their own namespaces
+    // serve other tests.
+    let own_pid = std::process::id().to_string();
+    let stopped =
+        run(Command::new("pkill").args(["-TERM", "-x", "libvirtd", "--ns", &own_pid, "--nslist", "net"]), VIRSH)
+            .expect("pkill");
     assert!(stopped.status.success(), "no libvirtd was running");
     let restart = RestartLibvirtd;
     let since = Instant::now();

@@ -145,7 +145,11 @@ pub struct VmStatus {
     /// Virtual CPUs the VM has now (online vCPUs of a running VM, the
     /// definition's of an inactive one).
     pub cpus: u32,
-    /// Memory the VM has now, in bytes (a running VM's current balloon size).
+    /// Memory the VM has now, in bytes: a running VM's current balloon size.
+    /// It follows the guest's balloon driver, so it lags behind a new target
+    /// while the driver moves there, and a guest that just started has its
+    /// memory ceiling until the driver takes it down to its size (without a
+    /// driver, it keeps the ceiling).
     pub memory_bytes: u64,
     /// The vCPU ceiling a live resize may grow to (equal to `cpus` when the VM
     /// was defined without one).
@@ -154,7 +158,9 @@ pub struct VmStatus {
     pub max_memory_bytes: u64,
     /// The size the VM's persistent definition gives it at its next start,
     /// when that differs from what it has now (a resize that waits for a
-    /// restart); `None` when they agree.
+    /// restart); `None` when they agree. While the balloon moves (see
+    /// `memory_bytes`), a running VM's memory differs from its definition's
+    /// too; compare again once it settled.
     pub next_start: Option<Resources>,
     /// Guest addresses, as far as the backend knows them (may be empty).
     pub addresses: Vec<IpAddr>,

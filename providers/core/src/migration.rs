@@ -25,7 +25,10 @@ pub struct MigrationTarget {
     pub host: String,
     /// How the source host's backend reaches it: a libvirt URI as the source
     /// daemon connects to it (`qemu+tcp://10.0.0.2/system`), a Nova hypervisor
-    /// hostname, a vSphere HostSystem MoRef.
+    /// hostname, a vSphere HostSystem MoRef. Empty when the host knows no such
+    /// address (a libvirt host reached as `qemu:///system` without a configured
+    /// one): it cannot be a destination, and a migration to it fails with
+    /// `InvalidInput`.
     pub address: String,
 }
 

@@ -5,12 +5,12 @@ use std::net::IpAddr;
 use std::sync::{Mutex, PoisonError};
 
 use virt::connect::Connect;
-use virt::domain::{Domain, DomainState, DomainStateEnum};
+use virt::domain::{Domain, DomainInfo, DomainState, DomainStateEnum};
 use virt::error::Error as VirtError;
-use vmlet_provider::{PowerState, Result, StopReason, VmId, VmStatus};
+use vmlet_provider::{Error, ErrorKind, PowerState, Resources, Result, StopReason, VmId, VmStatus};
 
 use crate::error::{from_libvirt, is_no_domain, is_no_metadata};
-use crate::xml::{parse_identity, Identity, METADATA_NS};
+use crate::xml::{parse_identity, Identity, Size, METADATA_NS};
 
 /// Which domain carries which vmlet identity, remembered between calls so that
 /// finding one VM costs one lookup instead of a scan of the host.
@@ -93,20 +93,33 @@ pub(crate) fn find(conn: &Connect, cache: &UuidCache, id: &VmId) -> Result<Optio
     Ok(scan(conn, cache)?.into_iter().find(|(_, identity)| identity.id == *id).map(|(d, _)| d))
 }
 
-/// What vmlet reports about `domain`: power state, UUID as backend id, vCPUs,
-/// configured (maximum) memory, and for active domains the addresses libvirt's
-/// DHCP leases know (empty when none or when the lookup fails).
+/// What vmlet reports about `domain`: power state, UUID as backend id, size,
+/// and for active domains the addresses libvirt's DHCP leases know (empty when
+/// none or when the lookup fails).
+///
+/// Size: `virDomainGetInfo`'s vCPUs and memory (a running domain's current
+/// balloon size, which lags behind a new balloon target while the guest's
+/// driver moves it), the vCPU ceiling from `virDomainGetVcpusFlags(MAXIMUM)`
+/// and the memory ceiling from `virDomainGetInfo`. For an active domain also its
+/// persistent definition (`virDomainGetXMLDesc(INACTIVE)`), reported as
+/// `next_start` when its vCPUs or memory differ from the running domain's; an
+/// inactive domain's definition is what it has, so it costs no XML.
 pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus> {
     let info = domain.info().map_err(|e| from_libvirt("read domain info", e))?;
     let backend_id = domain.uuid_string().map_err(|e| from_libvirt("read domain uuid", e))?;
     let backend_name = domain.name().map_err(|e| from_libvirt("read domain name", e))?;
     let power = power_from_libvirt(info.state);
-    let addresses = if power.is_active() { lease_addresses(domain) } else { Vec::new() };
-    let stop_reason = if power.is_active() {
-        None
+    // AFFECT_CURRENT: the running domain's ceiling, or the definition's when inactive.
+    let max_cpus = domain
+        .vcpus_flags(virt::sys::VIR_DOMAIN_VCPU_MAXIMUM)
+        .map_err(|e| from_libvirt("read domain vcpu ceiling", e))?;
+    let (addresses, stop_reason, next_start) = if power.is_active() {
+        let persistent = persistent_size(domain)?;
+        let next_start = next_start(&info, persistent);
+        (lease_addresses(domain), None, next_start)
     } else {
         let (_, reason) = domain.state().map_err(|e| from_libvirt("read domain state", e))?;
-        Some(stop_reason_from_libvirt(reason))
+        (Vec::new(), Some(stop_reason_from_libvirt(reason)), None)
     };
     Ok(VmStatus {
         id: identity.id,
@@ -115,14 +128,30 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
         power,
         stop_reason,
         cpus: info.nr_virt_cpu,
-        memory_bytes: info.max_mem.saturating_mul(1024),
-        // vmlet's definitions have no hot-plug ceilings yet: the maximum is
-        // the size, and the definition is what runs.
-        max_cpus: info.nr_virt_cpu,
+        memory_bytes: info.memory.saturating_mul(1024),
+        max_cpus,
         max_memory_bytes: info.max_mem.saturating_mul(1024),
-        next_start: None,
+        next_start,
         addresses,
     })
+}
+
+/// The size `domain`'s persistent definition gives it at its next start
+/// (`virDomainGetXMLDesc(INACTIVE)`; a transient domain's is the running one).
+/// Errors: the mapped libvirt error; `Permanent` when libvirt's XML states no
+/// size.
+pub(crate) fn persistent_size(domain: &Domain) -> Result<Size> {
+    const OP: &str = "read domain definition";
+    let xml = domain.xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE).map_err(|e| from_libvirt(OP, e))?;
+    Size::from_domain_xml(&xml)
+        .ok_or_else(|| Error::new(OP, ErrorKind::Permanent, "the domain's persistent XML states no <vcpu> or <memory>"))
+}
+
+/// The size a running domain gets at its next start when its persistent
+/// definition's vCPUs or memory differ from what `info` says it runs with.
+fn next_start(info: &DomainInfo, persistent: Size) -> Option<Resources> {
+    (persistent.cpus != info.nr_virt_cpu || persistent.memory_kib != info.memory)
+        .then(|| Resources { cpus: persistent.cpus, memory_bytes: persistent.memory_kib.saturating_mul(1024) })
 }
 
 /// The power state for a libvirt `virDomainState`.
@@ -163,6 +192,28 @@ fn lease_addresses(domain: &Domain) -> Vec<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn running(cpus: u32, memory_kib: u64) -> DomainInfo {
+        DomainInfo {
+            state: DomainStateEnum::Known(DomainState::Running),
+            max_mem: 1 << 20,
+            memory: memory_kib,
+            nr_virt_cpu: cpus,
+            cpu_time: 0,
+        }
+    }
+
+    #[test]
+    fn next_start_is_the_persistent_size_only_when_it_differs_from_the_running_one() {
+        let persistent = Size { cpus: 2, max_cpus: 4, memory_kib: 262_144, max_memory_kib: 1 << 20 };
+        assert_eq!(next_start(&running(2, 262_144), persistent), None);
+        let differs = Some(Resources { cpus: 2, memory_bytes: 256 << 20 });
+        assert_eq!(next_start(&running(1, 262_144), persistent), differs, "vCPUs differ");
+        assert_eq!(next_start(&running(2, 393_216), persistent), differs, "memory differs");
+        // Ceilings alone are not a size.
+        let higher_ceilings = Size { max_cpus: 8, max_memory_kib: 2 << 20, ..persistent };
+        assert_eq!(next_start(&running(2, 262_144), higher_ceilings), None);
+    }
 
     #[test]
     fn power_state_follows_the_libvirt_state() {

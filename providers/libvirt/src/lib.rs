@@ -22,11 +22,16 @@
 //! serial console that virtlogd records from boot in
 //! `/var/log/vmlet/console/<domain uuid>.log`, a virtio-serial channel for
 //! qemu-guest-agent (`org.qemu.guest_agent.0`), user-mode networking and a
-//! balloon that reports guest memory. On them the provider offers the
+//! balloon that reports guest memory. A VM's hot-plug ceilings (`max_cpus`,
+//! `max_memory_bytes`) become `<vcpu current='…'>` and `<memory>` above
+//! `<currentMemory>`. On QEMU the provider offers the
 //! [`Console`](vmlet_provider::Console) (history and live attach),
-//! [`GuestExec`](vmlet_provider::GuestExec) (through the agent) and
-//! [`Stats`](vmlet_provider::Stats) capabilities; on the test driver only
-//! `Stats`. `test-vms/guest/build.sh` builds a small guest that has all of this.
+//! [`GuestExec`](vmlet_provider::GuestExec) (through the agent),
+//! [`Stats`](vmlet_provider::Stats), [`Resize`](vmlet_provider::Resize) and
+//! [`Migration`](vmlet_provider::Migration) (peer to peer, from this host's
+//! libvirtd to the target's) capabilities; on the test driver `Stats` and
+//! `Resize`.
+//! `test-vms/guest/build.sh` builds a small guest that has all of this.
 //!
 //! How vmlet finds its domains, how the connection survives a libvirtd restart
 //! and what that means for the test driver: see [`LibvirtProvider`].
@@ -44,7 +49,9 @@ mod domains;
 mod error;
 mod event_loop;
 mod exec;
+mod migration;
 mod provider;
+mod resize;
 mod stats;
 mod xml;
 

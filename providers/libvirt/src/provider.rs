@@ -2,12 +2,14 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
-    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Provider, Result, Stats, VmId, VmSpec, VmStatus,
+    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result, Stats, VmId, VmSpec,
+    VmStatus,
 };
 
 use crate::connection::Connection;
@@ -56,13 +58,33 @@ pub enum AcceleratorSetting {
 ///
 /// Capabilities: on QEMU the serial console ([`Console`]: history from virtlogd's
 /// log, live attach through `virDomainOpenConsole`), commands in the guest
-/// ([`GuestExec`], through qemu-guest-agent) and [`Stats`]; on the test driver,
-/// which has neither consoles nor agents, only [`Stats`].
+/// ([`GuestExec`], through qemu-guest-agent), [`Stats`] and [`Resize`] (vCPU
+/// hot-plug and the balloon within the ceilings a VM was defined with, or its
+/// definition for the next start) and [`Migration`] (peer-to-peer live and
+/// offline migration to another libvirt host: see
+/// [`LibvirtProvider::with_migration_uri`] for how other hosts reach this one);
+/// on the test driver, which has neither consoles nor agents nor migration,
+/// [`Stats`] and [`Resize`].
 ///
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct LibvirtProvider {
     host: Arc<Host>,
+    /// This host as a migration destination and how it migrates
+    /// ([`LibvirtProvider::with_host_name`], [`LibvirtProvider::with_migration_uri`]).
+    pub(crate) migration: Arc<MigrationSettings>,
+}
+
+/// How a host takes part in migrations (see `migration.rs`).
+#[derive(Clone, Debug)]
+pub(crate) struct MigrationSettings {
+    /// This host's name in vmlet.
+    pub(crate) host_name: String,
+    /// The URI other hosts' libvirtd reach this one's with; empty when there is
+    /// none (a local connection URI and no configured one).
+    pub(crate) uri: String,
+    /// Whether live migrations pass `VIR_MIGRATE_UNSAFE`.
+    pub(crate) allow_unsafe: bool,
 }
 
 /// The shared state behind a [`LibvirtProvider`].
@@ -72,8 +94,10 @@ pub(crate) struct Host {
     /// The driver behind the URI (and for QEMU the accelerator), chosen at
     /// connect time.
     pub(crate) kind: DomainKind,
-    /// Permits for calls on `connection` ([`MAX_CALLS_IN_FLIGHT`]).
-    calls: tokio::sync::Semaphore,
+    /// Permits for calls on `connection` ([`MAX_CALLS_IN_FLIGHT`]). A call
+    /// keeps its permit until libvirt returns, even when its caller stopped
+    /// waiting for it.
+    calls: Arc<tokio::sync::Semaphore>,
     /// Permits for guest-agent calls ([`MAX_AGENT_CALLS_IN_FLIGHT`]).
     agent_calls: tokio::sync::Semaphore,
     /// The boot (domain id) whose console output each VM last served while
@@ -106,27 +130,74 @@ impl LibvirtProvider {
     /// `/dev/kvm` missing or not usable).
     pub async fn connect_with(uri: &str, accelerator: AcceleratorSetting) -> Result<LibvirtProvider> {
         let uri = uri.to_owned();
-        let (connection, kind) = tokio::task::spawn_blocking(move || {
+        let (connection, kind, hostname) = tokio::task::spawn_blocking(move || {
             virt::error::clear_error_callback();
             let connection = Connection::open(&uri)?;
             let kind = connection.with(|conn| domain_kind(conn, accelerator))?;
-            Ok::<_, Error>((connection, kind))
+            let hostname = connection.with(|conn| Ok(conn.hostname().ok()))?;
+            Ok::<_, Error>((connection, kind, hostname))
         })
         .await
         .map_err(|e| not_completed("connect to libvirt", e))??;
         if let DomainKind::Qemu(chosen) = kind {
             tracing::info!(libvirt.uri = %connection.uri(), accelerator = chosen.as_str(), "QEMU host");
         }
+        let migration = MigrationSettings {
+            host_name: hostname.unwrap_or_else(|| connection.uri().to_owned()),
+            uri: if is_local_uri(connection.uri()) { String::new() } else { connection.uri().to_owned() },
+            allow_unsafe: false,
+        };
         Ok(LibvirtProvider {
             host: Arc::new(Host {
                 connection,
                 uuids: UuidCache::default(),
                 kind,
-                calls: tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT),
+                calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT)),
                 agent_calls: tokio::sync::Semaphore::new(MAX_AGENT_CALLS_IN_FLIGHT),
                 boots: Mutex::default(),
             }),
+            migration: Arc::new(migration),
         })
+    }
+
+    /// Name this host as vmlet does (its node name), for
+    /// [`Migration::target`]. Default: the libvirt host's hostname
+    /// (`virConnectGetHostname`), or the connection URI when it has none.
+    #[must_use]
+    pub fn with_host_name(mut self, name: impl Into<String>) -> Self {
+        Arc::make_mut(&mut self.migration).host_name = name.into();
+        self
+    }
+
+    /// The libvirt URI other hosts' libvirtd use to reach this host's libvirtd
+    /// during a peer-to-peer migration to it ([`Migration::target`]), e.g.
+    /// `qemu+tcp://10.0.0.2/system`: the *source daemon* opens it, not vmlet,
+    /// so it must work from the other hosts with the source daemon's
+    /// credentials (for `qemu+ssh://`, root's SSH key on the source host).
+    ///
+    /// Default: the connection URI when it names a remote host
+    /// (`qemu+tcp://kvm-2/system`). A local connection (`qemu:///system`) has
+    /// no usable default, since another host's daemon cannot reach
+    /// `qemu:///system`: without this such a host cannot be a migration
+    /// target (a migration to it fails with `InvalidInput`), but it can still
+    /// migrate its VMs away.
+    #[must_use]
+    pub fn with_migration_uri(mut self, uri: impl Into<String>) -> Self {
+        Arc::make_mut(&mut self.migration).uri = uri.into();
+        self
+    }
+
+    /// Let live migrations from this host pass `VIR_MIGRATE_UNSAFE`: migrate
+    /// VMs whose disks libvirt does not know to be safely shared (a disk on a
+    /// local file system, or shared storage without `cache='none'`). Only for
+    /// disks that both hosts see at the same path on storage they really share
+    /// (two daemons on one machine, as in the tests); with a disk that the
+    /// target holds as a different file, the guest would continue on that file.
+    /// Default: `false`, and such a migration fails with `Unsupported`.
+    #[must_use]
+    pub fn with_unsafe_migration(mut self, allow: bool) -> Self {
+        Arc::make_mut(&mut self.migration).allow_unsafe = allow;
+        self
     }
 
     /// The semaphore that bounds this host's guest-agent calls.
@@ -154,16 +225,54 @@ impl LibvirtProvider {
         T: Send + 'static,
         F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
     {
-        let _permit = self
-            .host
-            .calls
-            .acquire()
+        self.spawn_blocking(operation, f).await?.await.map_err(|e| not_completed(operation, e))?
+    }
+
+    /// [`LibvirtProvider::blocking`], given up with a `Transient` error after
+    /// `deadline` (waiting for a permit included). The call itself cannot be
+    /// cancelled: it goes on in the background, holding its permit, until
+    /// libvirt returns.
+    pub(crate) async fn blocking_within<T, F>(&self, operation: &'static str, deadline: Duration, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
+    {
+        match tokio::time::timeout(deadline, self.blocking(operation, f)).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::new(
+                operation,
+                ErrorKind::Transient,
+                format!("libvirt did not answer within {}s", deadline.as_secs_f32()),
+            )),
+        }
+    }
+
+    /// Start `f` with the host and a live connection on the blocking pool once
+    /// one of the connection's [`MAX_CALLS_IN_FLIGHT`] permits is free; the
+    /// task keeps the permit until `f` returns.
+    pub(crate) async fn spawn_blocking<T, F>(
+        &self,
+        operation: &'static str,
+        f: F,
+    ) -> Result<tokio::task::JoinHandle<Result<T>>>
+    where
+        T: Send + 'static,
+        F: Fn(&Host, &Connect) -> Result<T> + Send + 'static,
+    {
+        let permit = Arc::clone(&self.host.calls)
+            .acquire_owned()
             .await
             .map_err(|_| Error::new(operation, ErrorKind::Permanent, "the provider's call queue was closed"))?;
         let host = Arc::clone(&self.host);
-        tokio::task::spawn_blocking(move || host.connection.with(|conn| f(&host, conn)))
-            .await
-            .map_err(|e| not_completed(operation, e))?
+        Ok(tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            host.connection.with(|conn| f(&host, conn))
+        }))
+    }
+
+    /// The driver behind this provider's connection.
+    pub(crate) fn domain_kind(&self) -> DomainKind {
+        self.host.kind
     }
 }
 
@@ -190,6 +299,13 @@ impl Host {
             Err(err) if is_no_domain(&err) => Ok(None),
             Err(err) => Err(from_libvirt("read domain metadata", err)),
         }
+    }
+
+    /// Forget what this host remembered about VM `id` (its cached UUID and
+    /// console boot): the VM left the host.
+    pub(crate) fn forget(&self, id: &VmId) {
+        self.uuids.remove(id);
+        self.boots.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
     }
 
     /// Whether this host holds VM `id`, found from the cache or by the name
@@ -316,8 +432,7 @@ impl Host {
             Err(err) if is_no_domain(&err) => {}
             Err(err) => return Err(from_libvirt(OP, err)),
         }
-        self.uuids.remove(id);
-        self.boots.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
+        self.forget(id);
         if let (DomainKind::Qemu(_), Some(uuid)) = (self.kind, uuid) {
             remove_console_log(self.connection.uri(), &uuid);
         }
@@ -652,6 +767,18 @@ impl Provider for LibvirtProvider {
     /// CPU time and memory on every driver (see [`Stats`] for what is measured).
     fn stats(&self) -> Option<&dyn Stats> {
         Some(self)
+    }
+
+    /// vCPU hot-plug and balloon within the VM's ceilings, or the persistent
+    /// definition for the next start, on every driver (see `resize.rs`).
+    fn resize(&self) -> Option<&dyn Resize> {
+        Some(self)
+    }
+
+    /// Peer-to-peer live and offline migration on QEMU (see `migration.rs`);
+    /// `None` on the test driver, which cannot migrate.
+    fn migration(&self) -> Option<&dyn Migration> {
+        self.host.kind.is_qemu().then_some(self as &dyn Migration)
     }
 
     /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,

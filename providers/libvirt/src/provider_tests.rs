@@ -4,8 +4,12 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
-use vmlet_provider::{ErrorKind, Location, PowerState, Provider, VmId, VmSpec};
+use vmlet_provider::{
+    ErrorKind, Location, Migration, MigrationMode, MigrationTarget, PowerState, Provider, ResizeScope, Resources, VmId,
+    VmSpec, VmStatus,
+};
 
 use super::LibvirtProvider;
 use crate::domains::identity_of;
@@ -349,4 +353,169 @@ async fn locate_finds_a_vm_on_its_host_by_its_name_and_nowhere_else() {
     // The name alone is not enough: the domain must carry the identity.
     let other = vm("team-a", "other");
     assert_eq!(a.locate(&other.id, &name).await.expect("locate another id"), Location::NotOnThisHost);
+}
+
+/// [`vm`] with hot-plug ceilings: 1 vCPU of at most 2, 256 MiB of at most 512.
+fn vm_with_ceilings(namespace: &str, name: &str) -> VmSpec {
+    VmSpec { max_cpus: Some(2), max_memory_bytes: Some(512 * MIB), ..vm(namespace, name) }
+}
+
+fn resources(cpus: u32, memory_mib: u64) -> Resources {
+    Resources { cpus, memory_bytes: memory_mib * MIB }
+}
+
+async fn status(provider: &LibvirtProvider, id: &VmId) -> VmStatus {
+    provider.get(id).await.expect("get").expect("defined")
+}
+
+#[tokio::test]
+async fn a_vm_defined_with_ceilings_reports_its_size_and_ceilings() {
+    let provider = host("host-a").await;
+    let spec = vm_with_ceilings("ns", "ceilings");
+    let defined = provider.ensure_defined(&spec).await.expect("define");
+    assert_eq!(
+        (defined.cpus, defined.max_cpus, defined.memory_bytes, defined.max_memory_bytes, defined.next_start),
+        (1, 2, 256 * MIB, 512 * MIB, None)
+    );
+    provider.start(&spec.id).await.expect("start");
+    let running = status(&provider, &spec.id).await;
+    assert_eq!(
+        (running.cpus, running.max_cpus, running.memory_bytes, running.max_memory_bytes, running.next_start),
+        (1, 2, 256 * MIB, 512 * MIB, None)
+    );
+
+    // Without ceilings, the size is the ceiling.
+    let plain = provider.ensure_defined(&vm("ns", "plain")).await.expect("define");
+    assert_eq!((plain.max_cpus, plain.max_memory_bytes), (plain.cpus, plain.memory_bytes));
+}
+
+#[tokio::test]
+async fn live_resize_grows_and_shrinks_a_running_vm_within_its_ceilings() {
+    let provider = host("host-a").await;
+    let spec = vm_with_ceilings("ns", "grow");
+    provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("start");
+    let resize = provider.resize().expect("resize on the test driver");
+
+    resize.resize(&spec.id, resources(2, 384), resources(2, 512), ResizeScope::Live).await.expect("grow");
+    let grown = status(&provider, &spec.id).await;
+    assert_eq!((grown.cpus, grown.memory_bytes, grown.next_start), (2, 384 * MIB, None), "{grown:?}");
+    assert_eq!((grown.max_cpus, grown.max_memory_bytes), (2, 512 * MIB), "ceilings unchanged");
+    assert_eq!(grown.power, PowerState::Running, "no restart");
+
+    // Idempotent.
+    resize.resize(&spec.id, resources(2, 384), resources(2, 512), ResizeScope::Live).await.expect("again");
+    assert_eq!(status(&provider, &spec.id).await, grown);
+
+    // Up to the ceilings exactly, and back down (the test driver has no guest
+    // whose memory use could forbid it).
+    resize.resize(&spec.id, resources(2, 512), resources(2, 512), ResizeScope::Live).await.expect("to the ceiling");
+    assert_eq!(status(&provider, &spec.id).await.memory_bytes, 512 * MIB);
+    resize.resize(&spec.id, resources(1, 256), resources(2, 512), ResizeScope::Live).await.expect("shrink");
+    let shrunk = status(&provider, &spec.id).await;
+    assert_eq!((shrunk.cpus, shrunk.memory_bytes, shrunk.next_start), (1, 256 * MIB, None), "{shrunk:?}");
+
+    // The definition changed too: the next start keeps the size.
+    resize.resize(&spec.id, resources(2, 384), resources(2, 512), ResizeScope::Live).await.expect("grow again");
+    provider.destroy(&spec.id).await.expect("destroy");
+    provider.start(&spec.id).await.expect("start again");
+    let restarted = status(&provider, &spec.id).await;
+    assert_eq!((restarted.cpus, restarted.memory_bytes), (2, 384 * MIB), "{restarted:?}");
+}
+
+#[tokio::test]
+async fn live_resize_beyond_a_ceiling_is_invalid_input_and_changes_nothing() {
+    let provider = host("host-b").await;
+    let spec = vm_with_ceilings("ns", "capped");
+    provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("start");
+    let before = status(&provider, &spec.id).await;
+    let resize = provider.resize().expect("resize");
+
+    let err = resize.resize(&spec.id, resources(3, 256), resources(4, 512), ResizeScope::Live).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+    assert!(err.message.contains("ceiling of 2 vCPUs (maxCpu)") && err.message.contains("restarted"), "{err}");
+    let err = resize.resize(&spec.id, resources(1, 513), resources(4, 1024), ResizeScope::Live).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+    assert!(err.message.contains("ceiling of 512 MiB (maxMemory)"), "{err}");
+    assert_eq!(status(&provider, &spec.id).await, before);
+}
+
+#[tokio::test]
+async fn live_resize_needs_a_running_vm_and_a_known_one() {
+    let provider = host("host-a").await;
+    let spec = vm_with_ceilings("ns", "stopped");
+    provider.ensure_defined(&spec).await.expect("define");
+    let resize = provider.resize().expect("resize");
+    let err = resize.resize(&spec.id, resources(2, 256), resources(2, 512), ResizeScope::Live).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
+    assert!(err.message.contains("not running"), "{err}");
+
+    let unknown = VmId("00000000-0000-4000-8000-fffffffffffe".into());
+    let err = resize.resize(&unknown, resources(1, 256), resources(1, 256), ResizeScope::NextStart).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+}
+
+#[tokio::test]
+async fn next_start_resize_shows_in_status_and_takes_effect_at_the_next_start() {
+    let provider = host("host-c").await;
+    let spec = vm_with_ceilings("ns", "later");
+    provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("start");
+    let resize = provider.resize().expect("resize");
+
+    // Beyond the running VM's ceilings: fine for the next start, with new ones.
+    resize.resize(&spec.id, resources(3, 768), resources(4, 1024), ResizeScope::NextStart).await.expect("resize");
+    let running = status(&provider, &spec.id).await;
+    assert_eq!((running.cpus, running.memory_bytes), (1, 256 * MIB), "the running VM keeps its size");
+    assert_eq!((running.max_cpus, running.max_memory_bytes), (2, 512 * MIB), "and its ceilings");
+    assert_eq!(running.next_start, Some(resources(3, 768)));
+    resize.resize(&spec.id, resources(3, 768), resources(4, 1024), ResizeScope::NextStart).await.expect("again");
+    assert_eq!(status(&provider, &spec.id).await, running, "idempotent");
+
+    provider.destroy(&spec.id).await.expect("destroy");
+    provider.start(&spec.id).await.expect("start");
+    let restarted = status(&provider, &spec.id).await;
+    assert_eq!(
+        (restarted.cpus, restarted.memory_bytes, restarted.max_cpus, restarted.max_memory_bytes, restarted.next_start),
+        (3, 768 * MIB, 4, 1024 * MIB, None)
+    );
+}
+
+#[tokio::test]
+async fn next_start_resize_lowers_ceilings_and_raises_ceilings_below_the_size() {
+    let provider = host("host-b").await;
+    let mut spec = vm("ns", "lower");
+    (spec.cpus, spec.memory_bytes, spec.max_cpus, spec.max_memory_bytes) = (2, 512 * MIB, Some(4), Some(GIB));
+    provider.ensure_defined(&spec).await.expect("define");
+    let resize = provider.resize().expect("resize");
+
+    resize.resize(&spec.id, resources(1, 256), resources(1, 256), ResizeScope::NextStart).await.expect("lower");
+    let lowered = status(&provider, &spec.id).await;
+    assert_eq!(
+        (lowered.cpus, lowered.memory_bytes, lowered.max_cpus, lowered.max_memory_bytes, lowered.next_start),
+        (1, 256 * MIB, 1, 256 * MIB, None),
+        "an inactive VM's definition is what it has"
+    );
+
+    // Ceilings below the size are the size.
+    resize.resize(&spec.id, resources(2, 384), resources(1, 256), ResizeScope::NextStart).await.expect("raise");
+    let raised = status(&provider, &spec.id).await;
+    assert_eq!(
+        (raised.cpus, raised.memory_bytes, raised.max_cpus, raised.max_memory_bytes),
+        (2, 384 * MIB, 2, 384 * MIB)
+    );
+}
+
+#[tokio::test]
+async fn test_driver_cannot_migrate() {
+    let provider = host("host-a").await;
+    assert!(provider.migration().is_none(), "the test driver has no migration");
+    let spec = vm("ns", "stay");
+    provider.ensure_defined(&spec).await.expect("define");
+    let to = MigrationTarget { host: "host-b".into(), address: "test:///default".into() };
+    let err =
+        Migration::migrate(&provider, &spec.id, &to, MigrationMode::Cold, Duration::from_secs(5)).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
+    assert!(provider.get(&spec.id).await.expect("get").is_some(), "still here");
 }

@@ -40,7 +40,7 @@ impl Host {
 
 /// The working set in KiB from libvirt's memory statistics (see the module
 /// docs); `None` when they hold neither guest nor host figures.
-fn working_set_kib(stats: &[MemoryStat]) -> Option<u64> {
+pub(crate) fn working_set_kib(stats: &[MemoryStat]) -> Option<u64> {
     let get = |tag: u32| stats.iter().find(|stat| stat.tag == tag).map(|stat| stat.val);
     let actual = get(virt::sys::VIR_DOMAIN_MEMORY_STAT_ACTUAL_BALLOON);
     let unused = get(virt::sys::VIR_DOMAIN_MEMORY_STAT_UNUSED);

@@ -184,6 +184,95 @@ fn attributes(xml: &str) -> Option<Vec<(String, String)>> {
     }
 }
 
+/// A domain's size as a definition states it: vCPUs and memory, and the
+/// hot-plug ceilings a running domain may grow to (libvirt's `<vcpu
+/// current='cpus'>max_cpus</vcpu>`, `<memory>` = `max_memory_kib` and
+/// `<currentMemory>` = `memory_kib`, the balloon's size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Size {
+    /// vCPUs the domain has (online at start).
+    pub(crate) cpus: u32,
+    /// vCPUs the domain may have at most (hot-plug ceiling).
+    pub(crate) max_cpus: u32,
+    /// Memory in KiB: the balloon's size.
+    pub(crate) memory_kib: u64,
+    /// Memory in KiB at most: what QEMU gives the guest, the balloon's ceiling.
+    pub(crate) max_memory_kib: u64,
+}
+
+impl Size {
+    /// What vmlet defines for `spec`: memory rounded up to whole KiB, each
+    /// ceiling at least the size (a missing or smaller ceiling is the size).
+    pub(crate) fn of_spec(spec: &VmSpec) -> Size {
+        let memory_kib = spec.memory_bytes.div_ceil(1024);
+        Size {
+            cpus: spec.cpus,
+            max_cpus: spec.max_cpus.unwrap_or(0).max(spec.cpus),
+            memory_kib,
+            max_memory_kib: spec.max_memory_bytes.unwrap_or(0).div_ceil(1024).max(memory_kib),
+        }
+    }
+
+    /// The size a domain XML (`virDomainGetXMLDesc`) states: `<vcpu>` and its
+    /// `current` attribute, `<memory>` and `<currentMemory>` in any unit libvirt
+    /// knows. Elements inside `<metadata>` are not read. `None` when `<vcpu>` or
+    /// `<memory>` is missing or unreadable.
+    pub(crate) fn from_domain_xml(xml: &str) -> Option<Size> {
+        let body = xml.find("</metadata>").map_or(xml, |end| &xml[end..]);
+        let (vcpu_attrs, vcpu_text) = element(body, "vcpu")?;
+        let max_cpus: u32 = vcpu_text.trim().parse().ok()?;
+        let cpus = match vcpu_attrs.iter().find(|(k, _)| k == "current") {
+            Some((_, current)) => current.trim().parse().ok()?,
+            None => max_cpus,
+        };
+        let max_memory_kib = memory_kib(element(body, "memory")?)?;
+        let memory_kib = match element(body, "currentMemory") {
+            Some(current) => self::memory_kib(current)?,
+            None => max_memory_kib,
+        };
+        Some(Size { cpus, max_cpus, memory_kib, max_memory_kib })
+    }
+}
+
+/// The attributes and text of the first `<name …>text</name>` element in `xml`
+/// (exactly that name: `<vcpu` does not match `<vcpus>`).
+fn element<'a>(xml: &'a str, name: &str) -> Option<(Vec<(String, String)>, &'a str)> {
+    let open = format!("<{name}");
+    let mut from = 0;
+    let start = loop {
+        let at = from + xml[from..].find(&open)?;
+        match xml[at + open.len()..].chars().next() {
+            Some(c) if c == '>' || c.is_whitespace() => break at,
+            _ => from = at + open.len(),
+        }
+    };
+    let attrs = attributes(&xml[start..])?;
+    let text_start = start + xml[start..].find('>')? + 1;
+    let text = &xml[text_start..];
+    Some((attrs, &text[..text.find('<')?]))
+}
+
+/// KiB (rounded up) of a libvirt memory element from its `unit` attribute and
+/// text; libvirt's units (<https://libvirt.org/formatdomain.html#memory-allocation>),
+/// KiB when there is none.
+fn memory_kib((attrs, text): (Vec<(String, String)>, &str)) -> Option<u64> {
+    let value: u64 = text.trim().parse().ok()?;
+    let unit = attrs.iter().find(|(k, _)| k == "unit").map_or("KiB", |(_, v)| v.as_str());
+    let bytes_per_unit: u64 = match unit {
+        "b" | "bytes" => 1,
+        "KB" => 1000,
+        "k" | "KiB" => 1 << 10,
+        "MB" => 1000 * 1000,
+        "M" | "MiB" => 1 << 20,
+        "GB" => 1000 * 1000 * 1000,
+        "G" | "GiB" => 1 << 30,
+        "TB" => 1000 * 1000 * 1000 * 1000,
+        "T" | "TiB" => 1 << 40,
+        _ => return None,
+    };
+    Some(value.checked_mul(bytes_per_unit)?.div_ceil(1024))
+}
+
 /// Name of the storage pool whose target directory is a host's default storage
 /// root (what `virsh pool-define-as default dir --target …` and virt-install
 /// create).
@@ -223,8 +312,10 @@ pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
 
 /// The persistent domain definition for `spec` on a driver of `kind` (domain type
 /// `test`, `kvm` or `qemu`, see [`DomainKind::domain_type`]), with UUID
-/// `uuid`: name [`VmSpec::backend_name`], memory in KiB rounded up, `spec.cpus`
-/// vCPUs, vmlet's identity in `<metadata>`. The test driver gets nothing more.
+/// `uuid`: name [`VmSpec::backend_name`], vmlet's identity in `<metadata>`, and
+/// the size [`Size::of_spec`] gives: `<vcpu current='cpus'>max_cpus</vcpu>` (just
+/// `<vcpu>cpus</vcpu>` without a higher ceiling), `<memory>` the memory ceiling
+/// and `<currentMemory>` the memory, in KiB. The test driver gets nothing more.
 ///
 /// QEMU domains also get: direct kernel boot when `spec.kernel_boot` is set
 /// (`<kernel>`, `<initrd>`, `<cmdline>`); a virtio disk from `spec.image` when set
@@ -234,7 +325,7 @@ pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
 /// the controller and picks the host socket); user-mode networking on a virtio
 /// NIC; a virtio balloon that reports guest memory statistics every 5 s.
 pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str) -> String {
-    let memory_kib = spec.memory_bytes.div_ceil(1024);
+    let size = Size::of_spec(spec);
     let mut xml = String::new();
     let domain_type = kind.domain_type();
     // Writing into a String cannot fail.
@@ -242,9 +333,13 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str) -> String 
     let _ = writeln!(xml, "  <name>{}</name>", escape(&spec.backend_name()));
     let _ = writeln!(xml, "  <uuid>{}</uuid>", escape(uuid));
     let _ = writeln!(xml, "  <metadata>{}</metadata>", identity_element(spec));
-    let _ = writeln!(xml, "  <memory unit='KiB'>{memory_kib}</memory>");
-    let _ = writeln!(xml, "  <currentMemory unit='KiB'>{memory_kib}</currentMemory>");
-    let _ = writeln!(xml, "  <vcpu placement='static'>{}</vcpu>", spec.cpus);
+    let _ = writeln!(xml, "  <memory unit='KiB'>{}</memory>", size.max_memory_kib);
+    let _ = writeln!(xml, "  <currentMemory unit='KiB'>{}</currentMemory>", size.memory_kib);
+    if size.max_cpus > size.cpus {
+        let _ = writeln!(xml, "  <vcpu placement='static' current='{}'>{}</vcpu>", size.cpus, size.max_cpus);
+    } else {
+        let _ = writeln!(xml, "  <vcpu placement='static'>{}</vcpu>", size.cpus);
+    }
     match kind {
         DomainKind::Test => {
             xml.push_str("  <os>\n    <type>hvm</type>\n  </os>\n");
@@ -387,6 +482,57 @@ mod tests {
         assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
         assert!(xml.contains("<name>team-a_web.1</name>"), "{xml}");
         assert!(xml.starts_with("<domain type='test'>"), "{xml}");
+    }
+
+    #[test]
+    fn ceilings_above_the_size_make_hot_pluggable_vcpus_and_a_balloon() {
+        let mut spec = spec();
+        spec.max_cpus = Some(4);
+        spec.max_memory_bytes = Some(1024 * 1024 * 1024);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID);
+        assert!(xml.contains("<vcpu placement='static' current='2'>4</vcpu>"), "{xml}");
+        assert!(xml.contains("<memory unit='KiB'>1048576</memory>"), "{xml}");
+        assert!(xml.contains("<currentMemory unit='KiB'>524289</currentMemory>"), "{xml}");
+        assert!(xml.contains("<memballoon model='virtio'>"), "{xml}");
+        let size = Size { cpus: 2, max_cpus: 4, memory_kib: 524_289, max_memory_kib: 1_048_576 };
+        assert_eq!(Size::of_spec(&spec), size);
+        assert_eq!(Size::from_domain_xml(&xml), Some(size), "what vmlet writes reads back");
+    }
+
+    #[test]
+    fn ceilings_below_the_size_are_the_size() {
+        let mut spec = spec();
+        spec.max_cpus = Some(1);
+        spec.max_memory_bytes = Some(1024);
+        let xml = domain_xml(&spec, DomainKind::Test, UUID);
+        assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
+        assert!(xml.contains("<memory unit='KiB'>524289</memory>"), "{xml}");
+        assert!(xml.contains("<currentMemory unit='KiB'>524289</currentMemory>"), "{xml}");
+        let size = Size::from_domain_xml(&xml).expect("size");
+        assert_eq!((size.cpus, size.max_cpus, size.memory_kib, size.max_memory_kib), (2, 2, 524_289, 524_289));
+    }
+
+    #[test]
+    fn size_is_read_from_libvirts_own_xml() {
+        // As libvirt 9 formats a running domain (abridged), with a metadata
+        // element and a per-vCPU list that must not be mistaken for the size.
+        let xml = "<domain type='qemu' id='3'>\n  <name>ns_vm</name>\n  <metadata>\n    \
+                   <x:memory xmlns:x='urn:x'>1</x:memory>\n    <memory>7</memory>\n  </metadata>\n  \
+                   <memory unit='KiB'>524288</memory>\n  <currentMemory unit='KiB'>393216</currentMemory>\n  \
+                   <vcpu placement='static' current='2'>4</vcpu>\n  <vcpus>\n    \
+                   <vcpu id='0' enabled='yes' hotpluggable='no' order='1'/>\n  </vcpus>\n</domain>\n";
+        assert_eq!(
+            Size::from_domain_xml(xml),
+            Some(Size { cpus: 2, max_cpus: 4, memory_kib: 393_216, max_memory_kib: 524_288 })
+        );
+        let units = "<domain><memory unit='GiB'>1</memory><currentMemory unit='b'>1025</currentMemory>\
+                     <vcpu>3</vcpu></domain>";
+        assert_eq!(
+            Size::from_domain_xml(units),
+            Some(Size { cpus: 3, max_cpus: 3, memory_kib: 2, max_memory_kib: 1 << 20 })
+        );
+        assert_eq!(Size::from_domain_xml("<domain><memory>64</memory></domain>"), None, "no vcpu");
+        assert_eq!(Size::from_domain_xml("<domain><vcpu>1</vcpu><memory unit='parsec'>1</memory></domain>"), None);
     }
 
     #[test]

@@ -9,97 +9,26 @@
 //! everything in order, since the boot is the expensive part.
 
 mod common;
-use common::deadline::{run, GUEST_BUILD};
+use common::guest::{exec, guest_accelerator, guest_dir, remove_leftovers, RunDir, BOOT_DEADLINE};
 use common::qemu_uri;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
-use vmlet_libvirt::{AcceleratorSetting, LibvirtProvider};
-use vmlet_provider::{ErrorKind, KernelBoot, Provider, StreamIo, VmId, VmSpec};
+use vmlet_libvirt::LibvirtProvider;
+use vmlet_provider::{ErrorKind, Provider, StreamIo, VmId, VmSpec};
 
 const NAMESPACE: &str = "vmlet-guest-it";
-/// Where each run's copy of the guest lives (readable by QEMU's user).
-const RUN_DIRS: &str = "/var/lib/vmlet/test-guests";
 const BOOTED: &str = "vmlet-guest: booted";
-/// Generous: the guest boots in ~12 s under emulation on an idle 2-core host,
-/// and these hosts are shared with builders.
-const BOOT_DEADLINE: Duration = Duration::from_secs(180);
 /// Bound on what should happen at once (a session ending, fds and threads
 /// going back after the cycles): generous, so that only a hang or a leak
 /// reaches it on a loaded CI host, never slowness.
 const PROMPT_DEADLINE: Duration = Duration::from_secs(60);
 
-/// The built guest: `VMLET_GUEST_DIR`, or what `test-vms/guest/build.sh` prints.
-fn guest_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("VMLET_GUEST_DIR").filter(|dir| !dir.is_empty()) {
-        return PathBuf::from(dir);
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../test-vms/guest/build.sh");
-    let out = run(&mut Command::new(&script), GUEST_BUILD).unwrap_or_else(|timed_out| panic!("{timed_out}"));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    PathBuf::from(stdout.lines().last().expect("build.sh printed the guest directory").trim())
-}
-
-/// The accelerator that boots the guest in `guest` on this machine, from
-/// `test-vms/guest/accelerator.sh`: KVM where it runs the guest's kernel, TCG
-/// where it does not (nested KVM that runs firmware only).
-fn guest_accelerator(guest: &Path) -> AcceleratorSetting {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../test-vms/guest/accelerator.sh");
-    let out = run(Command::new(&script).arg(guest), Duration::from_secs(120))
-        .unwrap_or_else(|timed_out| panic!("{timed_out}"));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    match String::from_utf8_lossy(&out.stdout).trim() {
-        "kvm" => AcceleratorSetting::Kvm,
-        _ => AcceleratorSetting::Tcg,
-    }
-}
-
 /// A unique uid and name for this run.
 fn unique() -> (VmId, String) {
     let (uid, nanos) = common::unique_uid();
     (uid, format!("guest-{}-{}", std::process::id(), nanos % 1_000_000_000))
-}
-
-/// The guest's files copied where QEMU can read them, removed on drop.
-struct RunDir(PathBuf);
-
-impl RunDir {
-    fn new(guest: &Path, name: &str) -> RunDir {
-        let dir = Path::new(RUN_DIRS).join(name);
-        std::fs::create_dir_all(&dir).expect("create run dir");
-        for file in ["vmlinuz", "initrd.img", "disk.qcow2"] {
-            std::fs::copy(guest.join(file), dir.join(file))
-                .unwrap_or_else(|e| panic!("copy {} from {}: {e}", file, guest.display()));
-        }
-        RunDir(dir)
-    }
-
-    fn path(&self, file: &str) -> String {
-        self.0.join(file).display().to_string()
-    }
-}
-
-impl Drop for RunDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-async fn remove_leftovers(provider: &LibvirtProvider) {
-    for vm in provider.list().await.expect("list") {
-        if vm.backend_name.starts_with(&format!("{NAMESPACE}_")) {
-            println!("removing leftover {} (uid {})", vm.backend_name, vm.id);
-            provider.destroy(&vm.id).await.expect("destroy leftover");
-            provider.undefine(&vm.id).await.expect("undefine leftover");
-            if let Some((_, name)) = vm.backend_name.split_once('_') {
-                let _ = std::fs::remove_dir_all(Path::new(RUN_DIRS).join(name));
-            }
-        }
-    }
 }
 
 /// Poll the console history from offset 0 until it contains `needle`; returns
@@ -125,46 +54,6 @@ async fn wait_for_console(provider: &LibvirtProvider, id: &VmId, needle: &str, d
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-}
-
-/// What a command printed and returned.
-#[derive(Debug)]
-struct Output {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-/// Run `argv` in the guest with optional stdin, collecting its output.
-async fn exec(
-    provider: &LibvirtProvider,
-    id: &VmId,
-    argv: &[&str],
-    stdin: Option<&[u8]>,
-) -> vmlet_provider::Result<Output> {
-    let (stdout_tx, mut stdout_rx) = mpsc::channel(16);
-    let (stderr_tx, mut stderr_rx) = mpsc::channel(16);
-    let stdin_rx = stdin.map(|data| {
-        let (tx, rx) = mpsc::channel(4);
-        tx.try_send(data.to_vec()).expect("queue stdin");
-        rx // tx dropped: stdin closes after the data
-    });
-    let io = StreamIo { stdin: stdin_rx, stdout: Some(stdout_tx), stderr: Some(stderr_tx), tty: false, resize: None };
-    let argv: Vec<String> = argv.iter().map(|s| (*s).to_owned()).collect();
-    let exec = provider.guest_exec().expect("QEMU has guest exec");
-    let code = exec.exec(id, &argv, io).await?;
-    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    while let Some(data) = stdout_rx.recv().await {
-        stdout.extend(data);
-    }
-    while let Some(data) = stderr_rx.recv().await {
-        stderr.extend(data);
-    }
-    Ok(Output {
-        code,
-        stdout: String::from_utf8_lossy(&stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&stderr).into_owned(),
-    })
 }
 
 /// A live attach session driven by the test.
@@ -250,12 +139,11 @@ async fn real_guest_serves_logs_exec_attach_and_stats() {
     let uri = qemu_uri();
     let guest = guest_dir();
     let release = std::fs::read_to_string(guest.join("kernel-release")).expect("kernel-release").trim().to_owned();
-    let cmdline = std::fs::read_to_string(guest.join("cmdline")).expect("cmdline").trim().to_owned();
 
     let provider = LibvirtProvider::connect_with(&uri, guest_accelerator(&guest)).await.expect("connect");
-    remove_leftovers(&provider).await;
+    remove_leftovers(&provider, NAMESPACE).await;
     let (id, name) = unique();
-    let run = RunDir::new(&guest, &name);
+    let run = RunDir::new(&guest, &name, &["vmlinuz", "initrd.img", "disk.qcow2"]);
     let spec = VmSpec {
         id: id.clone(),
         namespace: NAMESPACE.into(),
@@ -265,11 +153,7 @@ async fn real_guest_serves_logs_exec_attach_and_stats() {
         max_cpus: None,
         max_memory_bytes: None,
         image: Some(run.path("disk.qcow2")),
-        kernel_boot: Some(KernelBoot {
-            kernel: run.path("vmlinuz"),
-            initrd: Some(run.path("initrd.img")),
-            cmdline: Some(cmdline),
-        }),
+        kernel_boot: Some(run.kernel_boot(&guest)),
     };
     provider.ensure_defined(&spec).await.expect("define");
 

@@ -5,15 +5,52 @@
 #[path = "../../../../tests/support/deadline.rs"]
 pub mod deadline;
 
+/// The test guest: its files, commands in it, waiting for it.
+#[allow(dead_code)] // not every test binary boots a guest
+pub mod guest;
+
 use std::time::{SystemTime, UNIX_EPOCH};
 use vmlet_provider::VmId;
 
 /// The real libvirtd's URI (`hack/test.sh` starts it and sets the variable).
+#[allow(dead_code)] // the tests on two hosts use their own
 pub fn qemu_uri() -> String {
     std::env::var("VMLET_LIBVIRT_QEMU_URI")
         .ok()
         .filter(|uri| !uri.is_empty())
         .expect("VMLET_LIBVIRT_QEMU_URI is unset: run the tests with hack/test.sh, which starts libvirtd and sets it")
+}
+
+/// The URIs of the two libvirt hosts `hack/hosts.sh` runs (mig-a, mig-b), or
+/// `None` when the tests do not run as root (the hosts need root, and so do
+/// the guest files): the caller then skips, saying so loudly. As root the
+/// variables must be set: `hack/test.sh` sets them.
+#[allow(dead_code)] // only the tests on two hosts use it
+pub fn two_hosts(test: &str) -> Option<(String, String)> {
+    if !running_as_root() {
+        eprintln!(
+            "\n*** SKIPPED {test}: needs root (two libvirtd in namespaces, guest files QEMU reads); \
+             run hack/test.sh as root ***\n"
+        );
+        return None;
+    }
+    let var = |name: &str| {
+        std::env::var(name).ok().filter(|uri| !uri.is_empty()).unwrap_or_else(|| {
+            panic!("{name} is unset: run the tests with hack/test.sh, or `hack/hosts.sh up` and `eval \"$(hack/hosts.sh uris)\"`")
+        })
+    };
+    Some((var("VMLET_LIBVIRT_MIG_A_URI"), var("VMLET_LIBVIRT_MIG_B_URI")))
+}
+
+/// Whether this process runs as root (its effective uid, from /proc).
+#[allow(dead_code)]
+fn running_as_root() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().nth(1).map(|euid| euid == "0"))
+        .unwrap_or(false)
 }
 
 /// A UUID-shaped uid unique to this run (clock and pid), and the nanoseconds it
