@@ -102,11 +102,15 @@ async fn connect(host: &HostConfig) -> anyhow::Result<Arc<dyn Provider>> {
                 AcceleratorConfig::Kvm => AcceleratorSetting::Kvm,
                 AcceleratorConfig::Tcg => AcceleratorSetting::Tcg,
             };
-            Ok(Arc::new(
-                vmlet_libvirt::LibvirtProvider::connect_with(&host.uri, accelerator)
-                    .await
-                    .with_context(|| format!("host {}: connecting to {}", host.name, host.uri))?,
-            ))
+            let mut provider = vmlet_libvirt::LibvirtProvider::connect_with(&host.uri, accelerator)
+                .await
+                .with_context(|| format!("host {}: connecting to {}", host.name, host.uri))?
+                .with_host_name(&host.name)
+                .with_unsafe_migration(host.allow_unsafe_migration);
+            if let Some(uri) = &host.migration_uri {
+                provider = provider.with_migration_uri(uri);
+            }
+            Ok(Arc::new(provider))
         }
         other => anyhow::bail!("host {}: provider {other:?} is not built in", host.name),
     }

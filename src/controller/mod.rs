@@ -23,7 +23,7 @@
 pub mod decide;
 pub mod status;
 
-use crate::conditions::same_conditions;
+use crate::conditions::{new_condition, same_conditions, set_condition};
 use crate::events::{EventSink, Reason};
 use crate::v1alpha1::{DeletionPolicy, Migration, MigrationPhase, VirtualMachine, VirtualMachineStatus, FINALIZER};
 use crate::vmpod::{
@@ -189,10 +189,15 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         }
         Step::ResizePod(needed) => {
             let pod = current.as_deref().expect("resizing means a current pod");
-            resize_pod(pod, needed, &pods, &ctx, &vm).await?;
+            let refused = resize_pod(pod, needed, &pods, &ctx, &vm).await?;
             // The resized pod comes back through the watch; its agent applies it.
             let designated = current.as_ref().map(|p| p.name_any());
-            if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms).await? {
+            let mut new = status::status_from_pod(&vm, current.as_deref(), designated.as_deref());
+            if let Some(message) = &refused {
+                let condition = new_condition("ResourcesSynced", false, "Infeasible", message, vm.metadata.generation);
+                set_condition(&mut new.conditions, condition);
+            }
+            if !write_derived(&vm, new, current.as_deref(), designated.as_deref(), &vms).await? {
                 return Ok(Action::requeue(CONFLICT_RETRY));
             }
             Ok(Action::requeue(Duration::from_secs(300)))
@@ -347,15 +352,17 @@ async fn create_pod(
 /// resize-policy annotations (a merge patch), then its container's requests
 /// and limits through the `resize` subresource (KEP-1287), so that the
 /// scheduler's accounting of the node follows. A resize the API server
-/// refuses (422) becomes an Event on the VM naming why; nothing is retried
-/// until the VM changes again.
+/// refuses (more than the node can allocate at all: 403; invalid: 422)
+/// becomes an Event on the VM and the returned message, which the caller
+/// shows as `ResourcesSynced=False` with reason `Infeasible`; it is tried
+/// again at the next pass (the node may have grown).
 async fn resize_pod(
     pod: &Pod,
     needed: ResizeNeeded,
     pods: &Api<Pod>,
     ctx: &Context,
     vm: &VirtualMachine,
-) -> Result<(), Error> {
+) -> Result<Option<String>, Error> {
     let name = pod.name_any();
     let kube_err = |action, source| Error::Kube { action, object: name.clone(), source };
     if needed.annotations {
@@ -373,7 +380,7 @@ async fn resize_pod(
         let patch = serde_json::json!({"metadata": {"annotations": annotations}});
         match pods.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
             Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
             Err(e) => return Err(kube_err("update resize annotations of pod", e)),
         }
     }
@@ -389,16 +396,17 @@ async fn resize_pod(
                 info!(pod.name = %name, %size, "resized pod");
                 ctx.events.publish(vm, Reason::Resized, &format!("resized pod {name} to {size}"));
             }
-            Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
+            Err(kube::Error::Api(s)) if matches!(s.code, 400 | 403 | 422) => {
                 let message = format!("pod {name} cannot be resized to spec.resources: {}", s.message);
                 warn!(pod.name = %name, error = %s.message, "resize refused");
                 ctx.events.publish(vm, Reason::ResizeNotApplied, &message);
+                return Ok(Some(message));
             }
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
             Err(e) => return Err(kube_err("resize pod", e)),
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachine, why: &str) -> Result<bool, Error> {

@@ -10,10 +10,14 @@ use kube::ResourceExt;
 /// The size the VM runs with (the container status's `resources`, written by
 /// its agent) as `status.currentResources`, and the pod's
 /// [`RESOURCES_SYNCED`] condition as the VM's `ResourcesSynced`; both kept
-/// from the previous status while the agent has not reported them.
+/// from the previous status while the agent has not reported them. While the
+/// pod does not have the VM's size yet, `ResourcesSynced` is False with reason
+/// `Resizing`, or keeps the controller's `Infeasible` (the API server refused
+/// the pod's resize).
 fn mirror_resize(
     status: &mut VirtualMachineStatus,
     vm: &VirtualMachine,
+    pod: Option<&Pod>,
     container: Option<&ContainerStatus>,
     pod_conditions: &[PodCondition],
     generation: Option<i64>,
@@ -29,7 +33,15 @@ fn mirror_resize(
     } else {
         status.current_resources = vm.status.as_ref().and_then(|s| s.current_resources.clone());
     }
-    if let Some(synced) = pod_condition(pod_conditions, RESOURCES_SYNCED) {
+    if pod.is_some_and(|p| crate::vmpod::resize_needed(vm, p).is_some_and(|n| n.resources)) {
+        // The pod does not have the VM's size yet: the resize was refused
+        // (the controller's Infeasible condition stays) or is on its way.
+        let refused = status.conditions.iter().any(|c| c.type_ == "ResourcesSynced" && c.reason == "Infeasible");
+        if !refused {
+            let message = "the VM's pod is being resized to spec.resources";
+            set_condition(&mut status.conditions, condition("ResourcesSynced", false, "Resizing", message, generation));
+        }
+    } else if let Some(synced) = pod_condition(pod_conditions, RESOURCES_SYNCED) {
         set_condition(
             &mut status.conditions,
             condition(
@@ -118,7 +130,7 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
         status.provider_id = Some(id);
     }
     status.addresses = pod_status.pod_ips.iter().flatten().map(|ip| ip.ip.clone()).collect();
-    mirror_resize(&mut status, vm, container, &pod_conditions, generation);
+    mirror_resize(&mut status, vm, Some(pod), container, &pod_conditions, generation);
 
     let scheduled = pod_condition(&pod_conditions, "PodScheduled");
     let waiting = container.and_then(|c| c.state.as_ref()).and_then(|s| s.waiting.as_ref());
