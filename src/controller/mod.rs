@@ -117,10 +117,9 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
     let kube_err = |action, source| Error::Kube { action, object: format!("{namespace}/{name}"), source };
 
-    let owned = ctx.watches.pods_of_vm(&namespace, &name, &vm.uid().unwrap_or_default());
-    let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
-
     if vm.metadata.deletion_timestamp.is_some() {
+        let owned = ctx.watches.pods_of_vm(&namespace, &name, &vm.uid().unwrap_or_default());
+        let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
         return cleanup(&vm, &owned, current.as_deref(), &pods, &vms, &ctx).await;
     }
 
@@ -144,6 +143,15 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             Err(e) => return Err(kube_err("add finalizer", e)),
         }
     }
+    // From here on, every decision is made from this one version of the VM
+    // (the cache's, or the apply's answer when the cache lagged): its
+    // `status.podName` names the current pod, and status writes are guarded
+    // by its resourceVersion.
+    if vm.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::requeue(CONFLICT_RETRY));
+    }
+    let owned = ctx.watches.pods_of_vm(&namespace, &name, &vm.uid().unwrap_or_default());
+    let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
 
     let active = vm.status.as_ref().and_then(|s| s.migration.clone()).filter(|m| m.is_active());
     let target = match &active {

@@ -252,13 +252,22 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
         return Ok(Started::Synced { status: status.clone(), restarted: false });
     }
 
-    let cached = match cached {
-        Some(cached) => match unwanted(pod, vm, &cached) {
-            Some(why) => return Ok(Started::Abandoned(why)),
-            None => cached,
-        },
+    // The cache's "yes" is enough before a define (the guarded placement
+    // write checks again); its "no" may only be lag, so it is checked fresh.
+    let cached = match cached.filter(|c| unwanted(pod, vm, c).is_none()) {
+        Some(cached) => cached,
         None => {
-            return Ok(Started::Abandoned("its VirtualMachine is not in the watch cache (deleted, or not seen yet)"))
+            let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
+            let fresh = vms.get_opt(&vm.spec.name).await.map_err(|source| Error::Kube {
+                action: "read the VirtualMachine of",
+                pod: pod.name_any(),
+                source,
+            })?;
+            let Some(fresh) = fresh else { return Ok(Started::Abandoned("its VirtualMachine was deleted")) };
+            if let Some(why) = unwanted(pod, vm, &fresh) {
+                return Ok(Started::Abandoned(why));
+            }
+            Arc::new(fresh)
         }
     };
     let recorded = placement::recorded_node(&cached).map(str::to_owned);
