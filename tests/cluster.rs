@@ -432,6 +432,52 @@ async fn a_drained_vm_with_nowhere_to_go_keeps_running_and_uncordoning_cancels_i
     }
 }
 
+/// A VM whose host's back end cannot move VMs (libvirt's test driver): drain
+/// cannot finish, the VM keeps running where it is, and its status and a
+/// Warning Event name the VM's back end and what to do instead.
+#[tokio::test]
+async fn a_vm_that_cannot_migrate_blocks_drain_and_says_why() {
+    let mut env = TestEnv::new("nomove").await;
+    let (a, b) = (env.node("a"), env.node("b"));
+    env.start_vmlet(&two_hosts());
+    env.wait_node_ready(&a).await;
+    env.wait_node_ready(&b).await;
+    env.kubectl(&["cordon", &b]);
+    env.apply_vm("web", json!({}));
+    env.wait_vm_phase("web", "Running").await;
+    env.kubectl(&["uncordon", &b]);
+    let evicted = env.pod_of("web").await;
+
+    let drained = env.kubectl_output(&["drain", &a, "--ignore-daemonsets", "--timeout=10s"]);
+    assert!(!drained.status.success(), "drain finished although the VM cannot move");
+    let vms = env.vms();
+    let status = env
+        .wait_for("the migration to say why it cannot move the VM", || {
+            let vms = vms.clone();
+            async move {
+                let status = vms.get("web").await.ok()?.status?;
+                let failed = status.conditions.iter().any(|c| c.type_ == "Migrating" && c.reason == "MigrationFailed");
+                failed.then_some(status)
+            }
+        })
+        .await;
+    let message = status.migration.unwrap().message.unwrap();
+    assert!(message.contains("cannot move VMs") && message.contains("--replicas=0"), "{message}");
+    assert_eq!(serde_json::to_value(status.phase.unwrap()).unwrap(), "Migrating");
+    let pod = env.pods().get(&evicted).await.unwrap();
+    assert!(pod.metadata.deletion_timestamp.is_some(), "the evicted pod waits");
+    let container = &pod.status.unwrap().container_statuses.unwrap()[0];
+    assert!(container.state.as_ref().unwrap().running.is_some(), "the VM keeps running on {a}");
+    let events = env.kubectl(&["get", "events", "--field-selector", "reason=MigrationFailed", "-o", "name"]);
+    assert!(!events.trim().is_empty(), "no MigrationFailed event");
+
+    // Stopping it still works: the stop ends the migration and the drain's wait.
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    let drained = env.kubectl_output(&["drain", &a, "--ignore-daemonsets", "--timeout=60s"]);
+    assert!(drained.status.success(), "{}", String::from_utf8_lossy(&drained.stderr));
+}
+
 /// The placement record is written by the agent that defines the VM, before
 /// it powers it on: it exists even when the controller was down the whole
 /// time. The VM's next pod is pinned to that host, waits while that host is

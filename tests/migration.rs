@@ -292,3 +292,36 @@ async fn a_disruption_budget_of_one_moves_three_vms_one_at_a_time() {
         assert_eq!(vm.status.unwrap().node_name.as_deref(), Some(b.as_str()), "{name}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_migrate_vm_is_shut_down_moved_and_started_on_the_other_host() {
+    let mut env = TestEnv::new("migrate-cold").await;
+    let (a, b) = (env.node("a"), env.node("b"));
+    env.start_vmlet(&[mig_host("A", "auto"), mig_host("B", "auto")]);
+    env.wait_node_ready(&a).await;
+    env.wait_node_ready(&b).await;
+    // No guest OS: the firmware ignores ACPI, so the shutdown runs into its 2 s.
+    let spec = json!({"resources": {"cpu": 1, "memory": "128Mi"}, "evictionStrategy": "ColdMigrate",
+                      "shutdownTimeoutSeconds": 2});
+    let vm = running_on_a(&env, "web", spec).await;
+    let domain_uuid = vm.status.unwrap().provider_id.unwrap();
+    let domain = format!("{}_web", env.ns);
+
+    let drained = env.kubectl_output(&["drain", &a, "--ignore-daemonsets", "--timeout=300s"]);
+    assert!(
+        drained.status.success(),
+        "drain failed: {}\n{}",
+        String::from_utf8_lossy(&drained.stderr),
+        env.diagnostics()
+    );
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let status = vm.status.unwrap();
+    assert_eq!(status.node_name.as_deref(), Some(b.as_str()));
+    assert_eq!(status.provider_id.as_deref(), Some(domain_uuid.as_str()), "the same domain, moved");
+    let migration = status.migration.unwrap();
+    assert_eq!(migration.mode.as_deref(), Some("Cold"));
+    assert_eq!(serde_json::to_value(migration.phase).unwrap(), "Succeeded");
+    assert_eq!(domstate(&mig_uri("A"), &domain), "", "still defined on mig-a");
+    assert_eq!(domstate(&mig_uri("B"), &domain), "running");
+    assert!(persistent(&mig_uri("B"), &domain));
+}

@@ -1,12 +1,11 @@
 //! Resize through kubectl on the real control plane with libvirt's test driver:
 //! the VM's pod is resized in place (`pods/resize`), the agent hot-plugs
 //! within the VM's ceilings, defers beyond them to the next start, and the
-//! node's accounting follows. (The guest's own view, `nproc` after a live
-//! resize, is checked with a real guest in tests/qemu.rs.)
+//! node's accounting follows; and a real guest (`qemu:///system`) sees it.
 
 mod common;
 
-use common::{pod_condition, test_driver_uri, Host, TestEnv};
+use common::{guest_accelerator, guest_for, guest_vm_spec, pod_condition, test_driver_uri, Host, TestEnv};
 use serde_json::json;
 use vmlet::v1alpha1::{CurrentResources, VirtualMachine};
 
@@ -132,4 +131,64 @@ async fn a_live_only_resize_beyond_the_ceilings_or_the_node_is_pending_as_kubern
     wait_resize(&env, "db", size(1, "256Mi"), ("True", "Synced")).await;
     let resized = env.pods().get(&pod).await.unwrap();
     assert_eq!(pod_condition(&resized, "PodResizePending"), None);
+}
+
+/// `kubectl exec <pod> -- <command>` once the guest agent answers: its stdout.
+async fn exec_in_guest(env: &TestEnv, pod: &str, command: &[&str]) -> String {
+    env.wait_for(&format!("{command:?} in the guest of pod {pod}"), || {
+        let mut args = vec!["exec", pod, "--"];
+        args.extend_from_slice(command);
+        let out = env.kubectl_output(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        async move { out.status.success().then_some(stdout) }
+    })
+    .await
+}
+
+/// The guest's `MemTotal` in KiB, and its uptime in seconds.
+async fn memory_and_uptime(env: &TestEnv, pod: &str) -> (u64, f64) {
+    let meminfo = exec_in_guest(env, pod, &["cat", "/proc/meminfo"]).await;
+    let total = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:")).expect("MemTotal in /proc/meminfo");
+    let kib = total.split_whitespace().next().unwrap().parse().unwrap();
+    let uptime = exec_in_guest(env, pod, &["cat", "/proc/uptime"]).await;
+    (kib, uptime.split_whitespace().next().unwrap().parse().unwrap())
+}
+
+/// The acceptance case on a real guest (`qemu:///system`): 1 → 2 vCPUs and
+/// 256 → 384 MiB through `kubectl patch`; `kubectl exec -- nproc` prints 2,
+/// the guest's memory grew, and its uptime kept increasing (no reboot).
+#[tokio::test]
+async fn a_real_guest_gets_a_vcpu_and_memory_live_through_kubectl_without_a_reboot() {
+    let mut env = TestEnv::new("resize-guest").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    let mut spec = guest_vm_spec(&guest);
+    spec["resources"] = json!({"cpu": 1, "memory": "256Mi", "maxCpu": 2, "maxMemory": "512Mi"});
+    env.apply_vm("web", spec);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    assert_eq!(exec_in_guest(&env, &pod, &["nproc"]).await.trim(), "1");
+    let (memory_before, uptime_before) = memory_and_uptime(&env, &pod).await;
+
+    patch_vm(&env, "web", json!({"spec": {"resources": {"cpu": 2, "memory": "384Mi"}}}));
+    wait_resize(&env, "web", size(2, "384Mi"), ("True", "Synced")).await;
+    env.wait_for("nproc 2 in the guest", || {
+        let out = env.kubectl_output(&["exec", &pod, "--", "nproc"]);
+        async move { (String::from_utf8_lossy(&out.stdout).trim() == "2").then_some(()) }
+    })
+    .await;
+    let memory_after = env
+        .wait_for("the guest's memory to grow", || {
+            let env = &env;
+            let pod = pod.clone();
+            async move {
+                let (kib, _) = memory_and_uptime(env, &pod).await;
+                (kib > memory_before + 64 * 1024).then_some(kib)
+            }
+        })
+        .await;
+    let (_, uptime_after) = memory_and_uptime(&env, &pod).await;
+    assert!(uptime_after > uptime_before, "the guest rebooted: uptime {uptime_before} s, then {uptime_after} s");
+    assert_eq!(env.pod_of("web").await, pod, "resized in place, same pod");
+    assert!(memory_after <= 384 * 1024, "MemTotal {memory_after} KiB is more than the 384 MiB asked for");
 }

@@ -22,6 +22,7 @@
 
 pub mod decide;
 pub mod status;
+mod written;
 
 use crate::conditions::{new_condition, same_conditions, set_condition};
 use crate::events::{EventSink, Reason};
@@ -40,6 +41,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
+use written::Written;
 
 /// Field manager of the controller's writes.
 pub const FIELD_MANAGER: &str = "vmlet-controller";
@@ -69,6 +71,8 @@ struct Context {
     events: EventSink,
     /// The scope label value VM pods select (see `Config::scope`).
     scope: String,
+    /// The controller's last write per VM ([`written`]).
+    written: written::Written,
 }
 
 /// Run the controller until `shutdown` is cancelled, over the VirtualMachines of
@@ -87,6 +91,7 @@ pub async fn run(
         client,
         watches: watches.clone(),
         scope,
+        written: Written::default(),
     });
     info!("VirtualMachine controller starting");
     Controller::for_stream(no_objects(), watches.vms.clone())
@@ -117,6 +122,11 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
     let kube_err = |action, source| Error::Kube { action, object: format!("{namespace}/{name}"), source };
 
+    if ctx.written.behind(&vm) {
+        // Our own last write is on its way through the watch, which runs
+        // this pass again; deciding from the older version would only redo it.
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
     if vm.metadata.deletion_timestamp.is_some() {
         let owned = ctx.watches.pods_of_vm(&namespace, &name, &vm.uid().unwrap_or_default());
         let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
@@ -137,7 +147,10 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         match vms.patch(&name, &PatchParams::apply(FIELD_MANAGER), &Patch::Apply(&patch)).await {
             // Go on with the object as written (its new resourceVersion), not
             // a round trip through the watch later.
-            Ok(updated) if updated.uid() == vm.uid() => vm = Arc::new(updated),
+            Ok(updated) if updated.uid() == vm.uid() => {
+                ctx.written.record(&updated);
+                vm = Arc::new(updated)
+            }
             Ok(_) => return Ok(Action::await_change()),
             Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
             Err(e) => return Err(kube_err("add finalizer", e)),
@@ -184,7 +197,9 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             info!(why, "migration cancelled");
             ctx.events.publish(&*vm, Reason::MigrationCancelled, why);
             let designated = current.as_ref().map(|p| p.name_any());
-            if !write_status_with(&vm, current.as_deref(), designated.as_deref(), Some(migration), &vms).await? {
+            if !write_status_with(&vm, current.as_deref(), designated.as_deref(), Some(migration), &vms, &ctx.written)
+                .await?
+            {
                 return Ok(Action::requeue(CONFLICT_RETRY));
             }
             Ok(Action::requeue(Duration::from_secs(300)))
@@ -205,14 +220,14 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
                 let condition = new_condition("ResourcesSynced", false, "Infeasible", message, vm.metadata.generation);
                 set_condition(&mut new.conditions, condition);
             }
-            if !write_derived(&vm, new, current.as_deref(), designated.as_deref(), &vms).await? {
+            if !write_derived(&vm, new, current.as_deref(), designated.as_deref(), &vms, &ctx.written).await? {
                 return Ok(Action::requeue(CONFLICT_RETRY));
             }
             Ok(Action::requeue(Duration::from_secs(300)))
         }
         Step::Observe => {
             let designated = current.as_ref().map(|p| p.name_any());
-            if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms).await? {
+            if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms, &ctx.written).await? {
                 return Ok(Action::requeue(CONFLICT_RETRY));
             }
             // A target pod waiting for the scheduler: look again soon whether
@@ -299,7 +314,7 @@ async fn start_migration(
         ..Migration::default()
     };
     let designated = Some(source.name_any());
-    if !write_status_with(vm, Some(source), designated.as_deref(), Some(migration), vms).await? {
+    if !write_status_with(vm, Some(source), designated.as_deref(), Some(migration), vms, &ctx.written).await? {
         return Ok(Action::requeue(CONFLICT_RETRY));
     }
     match pods.create(&PostParams::default(), &target).await {
@@ -340,7 +355,7 @@ async fn create_pod(
             return Err(error);
         }
     };
-    if !write_status(vm, None, Some(&name), vms).await? {
+    if !write_status(vm, None, Some(&name), vms, &ctx.written).await? {
         return Ok(Action::requeue(CONFLICT_RETRY));
     }
     match pods.create(&PostParams::default(), &new_pod).await {
@@ -451,7 +466,7 @@ async fn cleanup(
             }
         }
         let designated = current.map(|p| p.name_any());
-        write_status(vm, current, designated.as_deref(), vms).await?;
+        write_status(vm, current, designated.as_deref(), vms, &ctx.written).await?;
         // The pods' disappearance triggers the next pass.
         return Ok(Action::requeue(Duration::from_secs(30)));
     }
@@ -501,9 +516,10 @@ async fn write_status(
     pod: Option<&Pod>,
     designated: Option<&str>,
     vms: &Api<VirtualMachine>,
+    written: &Written,
 ) -> Result<bool, Error> {
     let new = status::status_from_pod(vm, pod, designated);
-    write_derived(vm, new, pod, designated, vms).await
+    write_derived(vm, new, pod, designated, vms, written).await
 }
 
 /// [`write_status`] with `status.migration` set to `migration` (a claim: it
@@ -514,6 +530,7 @@ async fn write_status_with(
     designated: Option<&str>,
     migration: Option<Migration>,
     vms: &Api<VirtualMachine>,
+    written: &Written,
 ) -> Result<bool, Error> {
     let mut claimed = vm.clone();
     claimed.status.get_or_insert_with(Default::default).migration = migration;
@@ -521,7 +538,10 @@ async fn write_status_with(
     let params = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..PostParams::default() };
     claimed.status = Some(new);
     match vms.replace_status(&vm.name_any(), &params, &claimed).await {
-        Ok(_) => Ok(true),
+        Ok(updated) => {
+            written.record(&updated);
+            Ok(true)
+        }
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(true),
         Err(e) => Err(Error::Kube { action: "write status", object: vm.name_any(), source: e }),
@@ -535,6 +555,7 @@ async fn write_derived(
     pod: Option<&Pod>,
     designated: Option<&str>,
     vms: &Api<VirtualMachine>,
+    written: &Written,
 ) -> Result<bool, Error> {
     let old = vm.status.clone().unwrap_or_default();
     if same_status(&old, &new) {
@@ -545,7 +566,10 @@ async fn write_derived(
     let params = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..PostParams::default() };
     let kube_err = |e| Error::Kube { action: "write status", object: vm.name_any(), source: e };
     match vms.replace_status(&vm.name_any(), &params, &updated).await {
-        Ok(_) => return Ok(true),
+        Ok(updated) => {
+            written.record(&updated);
+            return Ok(true);
+        }
         Err(kube::Error::Api(s)) if s.code == 409 => {}
         Err(kube::Error::Api(s)) if s.code == 404 => return Ok(true),
         Err(e) => return Err(kube_err(e)),
@@ -574,7 +598,10 @@ async fn write_derived(
     }
     fresh.status = Some(new);
     match vms.replace_status(&vm.name_any(), &params, &fresh).await {
-        Ok(_) => Ok(true),
+        Ok(updated) => {
+            written.record(&updated);
+            Ok(true)
+        }
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(true),
         Err(e) => Err(kube_err(e)),

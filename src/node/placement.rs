@@ -159,7 +159,20 @@ pub async fn record(
     placement: Placement,
     refuse: impl Fn(&VirtualMachine) -> Option<&'static str>,
 ) -> Result<Recorded, kube::Error> {
-    let updated = update_status(vms, name, uid, |vm| {
+    record_from(vms, name, uid, None, expected, placement, refuse).await
+}
+
+/// [`record`], deciding first from `cached` ([`update_status_from`]).
+pub async fn record_from(
+    vms: &Api<VirtualMachine>,
+    name: &str,
+    uid: &str,
+    cached: Option<VirtualMachine>,
+    expected: Option<&str>,
+    placement: Placement,
+    refuse: impl Fn(&VirtualMachine) -> Option<&'static str>,
+) -> Result<Recorded, kube::Error> {
+    let updated = update_status_from(vms, name, uid, cached, |vm| {
         if let Some(why) = refuse(vm) {
             return Change::Refuse(why);
         }
@@ -218,8 +231,26 @@ pub async fn update_status(
     uid: &str,
     change: impl Fn(&VirtualMachine) -> Change,
 ) -> Result<Updated, kube::Error> {
+    update_status_from(vms, name, uid, None, change).await
+}
+
+/// [`update_status`], deciding first from `cached` (a watch cache's copy)
+/// instead of a fresh read: its resourceVersion guards the write all the
+/// same, so a stale copy only costs a conflict, then a fresh read.
+pub async fn update_status_from(
+    vms: &Api<VirtualMachine>,
+    name: &str,
+    uid: &str,
+    cached: Option<VirtualMachine>,
+    change: impl Fn(&VirtualMachine) -> Change,
+) -> Result<Updated, kube::Error> {
+    let mut cached = cached;
     for _ in 0..5 {
-        let Some(mut vm) = vms.get_opt(name).await? else { return Ok(Updated::Gone) };
+        let current = match cached.take() {
+            Some(vm) => Some(vm),
+            None => vms.get_opt(name).await?,
+        };
+        let Some(mut vm) = current else { return Ok(Updated::Gone) };
         if vm.uid().as_deref() != Some(uid) {
             return Ok(Updated::Gone);
         }

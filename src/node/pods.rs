@@ -247,7 +247,7 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
         // a write reads fresh).
         let recorded = cached.as_deref().and_then(placement::recorded_node).map(str::to_owned);
         if recorded.as_deref() != Some(here_name) {
-            record_here(pod, vm, agent, recorded.as_deref(), status).await?;
+            record_here(pod, vm, agent, cached.as_deref(), recorded.as_deref(), status).await?;
         }
         return Ok(Started::Synced { status: status.clone(), restarted: false });
     }
@@ -309,7 +309,7 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
         }
     };
     let still_wanted = if write_record {
-        match record_here(pod, vm, agent, recorded.as_deref(), &status).await? {
+        match record_here(pod, vm, agent, Some(&cached), recorded.as_deref(), &status).await? {
             Recorded::Done => Ok(()),
             Recorded::Changed => Err("the placement record changed meanwhile"),
             Recorded::Refused(why) => Err(why),
@@ -481,19 +481,22 @@ async fn abandon(
 }
 
 /// Record that this host holds the VM (`status.placement`), if the record
-/// still names `expected` and the fresh VirtualMachine still wants `pod`
-/// ([`unwanted`]).
+/// still names `expected` and the VirtualMachine still wants `pod`
+/// ([`unwanted`]), deciding first from `cached` (the write is guarded by its
+/// resourceVersion: a stale copy costs a conflict and a fresh read).
 async fn record_here(
     pod: &Pod,
     vm: &PodVm,
     agent: &Agent,
+    cached: Option<&VirtualMachine>,
     expected: Option<&str>,
     status: &VmStatus,
 ) -> Result<Recorded, Error> {
     let placement = Placement { node_name: agent.host.name.clone(), backend_id: Some(status.backend_id.clone()) };
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
+    let (name, uid) = (&vm.spec.name, &vm.spec.id.0);
     let done =
-        placement::record(&vms, &vm.spec.name, &vm.spec.id.0, expected, placement, |fresh| unwanted(pod, vm, fresh))
+        placement::record_from(&vms, name, uid, cached.cloned(), expected, placement, |fresh| unwanted(pod, vm, fresh))
             .await
             .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
     if done == Recorded::Done {
