@@ -17,7 +17,7 @@ use common::guest::{
 use std::time::Duration;
 
 use vmlet_libvirt::LibvirtProvider;
-use vmlet_provider::{ErrorKind, PowerState, Provider, ResizeScope, Resources, VmId, VmSpec, VmStatus};
+use vmlet_provider::{ErrorKind, PowerState, Provider, ResizeScope, Resources, VmId, VmStatus};
 
 const NAMESPACE: &str = "vmlet-resize-it";
 const MIB: u64 = 1024 * 1024;
@@ -75,20 +75,11 @@ async fn a_running_guest_grows_and_shrinks_within_its_ceilings_and_takes_a_new_s
     let guest = guest_dir();
     let provider = LibvirtProvider::connect_with(&uri, guest_accelerator(&guest)).await.expect("connect");
     remove_leftovers(&provider, NAMESPACE).await;
-    let (id, nanos) = common::unique_uid();
-    let name = format!("resize-{}-{}", std::process::id(), nanos % 1_000_000_000);
-    let run_dir = RunDir::new(&guest, &name, &["vmlinuz", "initrd.img"]);
-    let spec = VmSpec {
-        id: id.clone(),
-        namespace: NAMESPACE.into(),
-        name,
-        cpus: 1,
-        memory_bytes: 256 * MIB,
-        max_cpus: Some(2),
-        max_memory_bytes: Some(512 * MIB),
-        image: None,
-        kernel_boot: Some(run_dir.kernel_boot(&guest)),
-    };
+    let mut spec = common::unique_spec(NAMESPACE, "resize");
+    let run_dir = RunDir::new(&guest, &spec.name, &["vmlinuz", "initrd.img"]);
+    (spec.max_cpus, spec.max_memory_bytes) = (Some(2), Some(512 * MIB));
+    spec.kernel_boot = Some(run_dir.kernel_boot(&guest));
+    let id = spec.id.clone();
     provider.ensure_defined(&spec).await.expect("define");
     provider.start(&id).await.expect("start");
     let resize = provider.resize().expect("QEMU resizes");
