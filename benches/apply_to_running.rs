@@ -48,6 +48,8 @@ mod common;
 mod baseline;
 #[path = "apply_to_running/measure.rs"]
 mod measure;
+#[path = "apply_to_running/requests.rs"]
+mod requests;
 
 use common::deadline::{self, kill_and_reap, wait_within};
 use common::ClusterEnv;
@@ -55,6 +57,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::Client;
 use measure::{ms, Timeline};
+use requests::Requests;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Output, Stdio};
@@ -127,25 +130,32 @@ async fn main() {
     println!(
         "baseline: {n} pods (1 cpu, {VM_MEMORY}) on Node {baseline_ns} that no agent serves, namespace {baseline_ns}"
     );
-    let baseline = baseline::run(cluster, &client, &baseline_ns, &settings).await;
+    let (baseline, baseline_requests) = baseline::run(cluster, &client, &baseline_ns, &settings).await;
     baseline.print("pods", concurrency);
+    baseline_requests.print_per_object(n);
 
     println!("vmlet: {n} VMs (1 CPU, {VM_MEMORY} each) on {hosts} test-driver hosts, namespace {ns}");
     let vmlet = run_vmlet(cluster, &client, &ns, &settings).await;
 
-    if let (Some(vmlet), Some(baseline)) = (vmlet.timeline.figures(), baseline.figures()) {
+    if let (Some(figures), Some(baseline)) = (vmlet.timeline.figures(), baseline.figures()) {
         println!("vmlet / baseline (same N, same create concurrency):");
         println!(
             "  p50 create→Running:    {:.2}× ({} / {}; target ≤ 2×)",
-            vmlet.p50.as_secs_f64() / baseline.p50.as_secs_f64().max(1e-6),
-            ms(vmlet.p50),
+            figures.p50.as_secs_f64() / baseline.p50.as_secs_f64().max(1e-6),
+            ms(figures.p50),
             ms(baseline.p50)
         );
         println!(
             "  throughput:            {:.2}× ({:.1} VMs/s / {:.1} pods/s; target ≥ 0.7×)",
-            vmlet.per_second / baseline.per_second,
-            vmlet.per_second,
+            figures.per_second / baseline.per_second,
+            figures.per_second,
             baseline.per_second
+        );
+        println!(
+            "  API requests/object:   {:.2}× ({:.1} / {:.1})",
+            vmlet.requests.total() / baseline_requests.total().max(1.0),
+            vmlet.requests.total() / n as f64,
+            baseline_requests.total() / n as f64
         );
     }
     let mut failures = Vec::new();
@@ -168,6 +178,8 @@ async fn main() {
 struct VmletOutcome {
     /// Create→Running of the VMs.
     timeline: Timeline,
+    /// API requests served from the first create to the last Running.
+    requests: Requests,
     /// Time from the delete call until no VM was left, or how many were left
     /// at the timeout.
     deleted: Result<Duration, usize>,
@@ -216,9 +228,12 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
 
     let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), ns);
     let objects = (0..settings.vms).map(|i| vm_object(&format!("vm-{i:04}"), ns)).collect();
+    let before = Requests::read(client).await;
     let timeline =
         measure::create_until_running(&vms, objects, settings.concurrency, settings.timeout, vm_is_running).await;
+    let requests = Requests::read(client).await.since(&before);
     timeline.print("VMs", settings.concurrency);
+    requests.print_per_object(settings.vms);
     print_placement(&vms, &nodes).await;
     if let (Some(now), Some(peak)) = (proc_status_mib(pid, "VmRSS"), proc_status_mib(pid, "VmHWM")) {
         println!("  vmlet RSS:             {now:.1} MiB now (VmRSS, all Running), {peak:.1} MiB peak (VmHWM)");
@@ -244,7 +259,7 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     }
     under_test.stop_vmlet();
     drop(under_test);
-    VmletOutcome { timeline, deleted, log }
+    VmletOutcome { timeline, requests, deleted, log }
 }
 
 /// Whether the VM reports `status.phase: Running`.

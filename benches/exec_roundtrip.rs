@@ -76,10 +76,9 @@ async fn main() {
     let mut env = TestEnv::new("bench-exec").await;
     let guest = common::guest_for(&env);
     env.start_vmlet(&[Host {
-        suffix: "q",
         uri: uri.clone(),
-        cpu_allocation_ratio: 8.0,
         accelerator: Some(common::guest_accelerator(&guest)),
+        ..Host::qemu("q")
     }]);
     env.apply_vm("web", common::guest_vm_spec(&guest));
     let vm = env.wait_vm_phase("web", "Running").await;

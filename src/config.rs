@@ -149,6 +149,18 @@ pub struct HostConfig {
     /// every file and must be written out.
     #[serde(default)]
     pub storage_roots: Option<Vec<String>>,
+    /// How the other hosts' back end reaches this one as a migration target:
+    /// for libvirt the URI the *source* libvirtd opens in a peer-to-peer
+    /// migration (e.g. `qemu+tcp://10.0.0.2/system`). Absent: `uri` when it
+    /// names a remote host; a host known only as `qemu:///system` cannot
+    /// receive VMs without it (it can still send them away).
+    #[serde(default)]
+    pub migration_uri: Option<String>,
+    /// Let live migrations from this host move VMs whose disks libvirt does
+    /// not know to be shared safely (`VIR_MIGRATE_UNSAFE`): only for disks all
+    /// hosts see at the same path on storage they really share. Default false.
+    #[serde(default)]
+    pub allow_unsafe_migration: bool,
 }
 
 /// [`HostConfig::accelerator`].

@@ -19,9 +19,8 @@ pub enum Reason {
     InvalidSpec,
     /// The controller released a deleted VM without touching its IaaS VM.
     ReleasedVm,
-    /// The agent defined the VM on its host.
-    Defined,
-    /// The agent powered the VM on.
+    /// The agent powered the VM on (defining it first where the host had
+    /// none; the note says so).
     Started,
     /// The agent asked the guest to shut down.
     ShuttingDown,
@@ -47,6 +46,22 @@ pub enum Reason {
     Unsupported,
     /// The VM stopped by itself and its restart policy leaves it off.
     LeftOff,
+    /// The running VM was resized live (vCPU hot-plug, memory balloon).
+    Resized,
+    /// The VM's definition has its new size; the running VM gets it at its
+    /// next start.
+    RestartRequired,
+    /// A resize cannot be applied now or at all (infeasible, deferred, or
+    /// refused by the backend).
+    ResizeNotApplied,
+    /// The VM's pod was evicted and the VM moves to another host.
+    Migrating,
+    /// The VM now runs on the target host.
+    Migrated,
+    /// A migration attempt failed; the VM runs on where it was.
+    MigrationFailed,
+    /// A migration ended before it moved anything.
+    MigrationCancelled,
 }
 
 impl Reason {
@@ -57,7 +72,6 @@ impl Reason {
             Reason::DeletedPod => "DeletedPod",
             Reason::InvalidSpec => "InvalidSpec",
             Reason::ReleasedVm => "ReleasedVm",
-            Reason::Defined => "Defined",
             Reason::Started => "Started",
             Reason::ShuttingDown => "ShuttingDown",
             Reason::Destroyed => "Destroyed",
@@ -71,6 +85,13 @@ impl Reason {
             Reason::HostNotResponding => "HostNotResponding",
             Reason::Unsupported => "Unsupported",
             Reason::LeftOff => "LeftOff",
+            Reason::Resized => "Resized",
+            Reason::RestartRequired => "RestartRequired",
+            Reason::ResizeNotApplied => "ResizeNotApplied",
+            Reason::Migrating => "Migrating",
+            Reason::Migrated => "Migrated",
+            Reason::MigrationFailed => "MigrationFailed",
+            Reason::MigrationCancelled => "MigrationCancelled",
         }
     }
 
@@ -85,6 +106,9 @@ impl Reason {
                 | Reason::PlacedOnAnotherHost
                 | Reason::HostNotResponding
                 | Reason::Unsupported
+                | Reason::RestartRequired
+                | Reason::ResizeNotApplied
+                | Reason::MigrationFailed
         )
     }
 }
@@ -137,8 +161,11 @@ impl EventSink {
     }
 
     /// Publish `reason` with `note` (at most 1 KiB is kept) about `object`,
-    /// unless the same was published within [`REPEAT_AFTER`].
-    pub async fn publish<K: Resource<DynamicType = ()>>(&self, object: &K, reason: Reason, note: &str) {
+    /// unless the same was published within [`REPEAT_AFTER`]. Returns at once:
+    /// the Event is written in the background (as the kubelet's event
+    /// broadcaster does), so a pass never waits for it; a failed write is
+    /// logged at debug level and dropped.
+    pub fn publish<K: Resource<DynamicType = ()>>(&self, object: &K, reason: Reason, note: &str) {
         let object_ref = object.object_ref(&());
         let identity =
             object_ref.uid.clone().unwrap_or_else(|| format!("{:?}/{:?}", object_ref.namespace, object_ref.name));
@@ -161,8 +188,11 @@ impl EventSink {
             action: reason.as_str().to_owned(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&event, &object_ref).await {
-            debug!(error = %e, reason = reason.as_str(), "event not published");
-        }
+        let recorder = self.recorder.clone();
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&event, &object_ref).await {
+                debug!(error = %e, reason = event.reason, "event not published");
+            }
+        });
     }
 }

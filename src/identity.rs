@@ -13,10 +13,12 @@
 //!    (read from the API server or its watch cache, never from the pod);
 //! 3. the pod's hints agree: annotation `vmlet.io/vm-uid` is `U` and label
 //!    `vmlet.io/vm` is `N`;
-//! 4. it is the pod the controller designated for the VM: its name is the
+//! 4. it is a pod the controller designated for the VM: its name is the
 //!    VirtualMachine's `status.podName`, which the controller writes before it
 //!    creates the pod (so a second, hand-made pod of the same namespace claiming
-//!    the VM, or an earlier pod still terminating, drives nothing).
+//!    the VM, or an earlier pod still terminating, drives nothing), or the
+//!    `targetPod` of the VM's active `status.migration`, written the same way
+//!    (such a pod only moves the VM to its host: [`PodRole::MigrationTarget`]).
 //!
 //! Every access path uses this one check, on every use (nothing is cached per
 //! pod, so an edited annotation or ownerReference is seen at once): the pod
@@ -24,7 +26,7 @@
 //! A pod that fails it is never acted on; the kubelet API answers it 403.
 
 use crate::v1alpha1::{VirtualMachine, VM_LABEL};
-use crate::vmpod::{vm_from_pod, PodVm, PodVmError, UID_ANNOTATION};
+use crate::vmpod::{vm_from_pod, PodRole, PodVm, PodVmError, UID_ANNOTATION};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -157,14 +159,21 @@ pub fn verify(pod: &Pod, vm: Option<&VirtualMachine>) -> Result<PodVm, Refusal> 
     hint("metadata.annotations[vmlet.io/vm-uid]", pod.annotations().get(UID_ANNOTATION), &actual)?;
     hint("metadata.labels[vmlet.io/vm]", pod.labels().get(VM_LABEL), &owner.name)?;
     let current = vm.status.as_ref().and_then(|s| s.pod_name.as_deref());
-    if current != Some(pod.name_any().as_str()) {
+    let migration_target =
+        vm.status.as_ref().and_then(|s| s.migration.as_ref()).filter(|m| m.is_active()).map(|m| m.target_pod.as_str());
+    let role = if current == Some(pod.name_any().as_str()) {
+        PodRole::Current
+    } else if migration_target == Some(pod.name_any().as_str()) {
+        PodRole::MigrationTarget
+    } else {
         return Err(Refusal::NotTheVmsPod {
             pod: name(),
             name: owner.name.clone(),
             current: current.unwrap_or("none").to_owned(),
         });
-    }
-    let resolved = vm_from_pod(pod).map_err(|source| Refusal::InvalidPod { pod: name(), source })?;
+    };
+    let mut resolved = vm_from_pod(pod).map_err(|source| Refusal::InvalidPod { pod: name(), source })?;
+    resolved.role = role;
     debug_assert_eq!(resolved.spec.id.0, actual);
     Ok(resolved)
 }

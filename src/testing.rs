@@ -1,6 +1,8 @@
 //! Builders for test objects that read as sentences (unit tests only).
 
-use crate::v1alpha1::{VirtualMachine, VirtualMachineSpec, VirtualMachineStatus, VmResources};
+use crate::v1alpha1::{
+    EvictionStrategy, Migration, MigrationPhase, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus, VmResources,
+};
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod, PodCondition, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::ObjectMeta;
@@ -62,6 +64,23 @@ impl VmBuilder {
         self.0.status.get_or_insert_with(VirtualMachineStatus::default).pod_name = Some(pod.into());
         self
     }
+    /// `status.migration`: a migration away from `source` (pod `source_pod`)
+    /// to target pod `target_pod`, in `phase`.
+    pub fn migrating(mut self, source: &str, source_pod: &str, target_pod: &str, phase: MigrationPhase) -> Self {
+        self.0.status.get_or_insert_with(VirtualMachineStatus::default).migration = Some(Migration {
+            source_node: source.into(),
+            source_pod: source_pod.into(),
+            target_pod: target_pod.into(),
+            phase,
+            ..Migration::default()
+        });
+        self
+    }
+    /// `spec.evictionStrategy`.
+    pub fn eviction_strategy(mut self, strategy: EvictionStrategy) -> Self {
+        self.0.spec.eviction_strategy = strategy;
+        self
+    }
     /// The built object.
     pub fn build(self) -> VirtualMachine {
         self.0
@@ -115,6 +134,23 @@ impl PodBuilder {
             container_id: Some("libvirt://0b5c3b3e-0000-4000-8000-00000000000a".into()),
             ..ContainerStatus::default()
         }]);
+        self
+    }
+    /// Evicted (the DisruptionTarget condition an eviction adds) and being
+    /// deleted, as `kubectl drain` leaves a pod.
+    pub fn evicted(mut self) -> Self {
+        self.status().conditions.get_or_insert_with(Vec::new).push(PodCondition {
+            type_: "DisruptionTarget".into(),
+            status: "True".into(),
+            reason: Some("EvictionByEvictionAPI".into()),
+            ..PodCondition::default()
+        });
+        self.deleting()
+    }
+    /// Named `name` (another pod of the same VM).
+    pub fn named(mut self, name: &str) -> Self {
+        self.0.metadata.name = Some(name.into());
+        self.0.metadata.uid = Some(format!("pod-uid-{name}"));
         self
     }
     /// Deletion requested.

@@ -53,13 +53,20 @@ pub struct VirtualMachineSpec {
     pub replicas: i32,
 
     /// CPU and memory of the VM; they become the pod's requests and limits, so the
-    /// scheduler places the VM on a host with room for it. Fixed once created:
-    /// resizing is not supported yet.
+    /// scheduler places the VM on a host with room for it. Changing `cpu` or
+    /// `memory` resizes the VM: its pod is resized in place (`pods/resize`) and
+    /// the agent applies the new size as `resizePolicy` says.
     #[serde(default)]
-    #[x_kube(validation = Rule::new("self == oldSelf").message(
-        "spec.resources cannot change: resizing a VM is not supported yet; create a new VirtualMachine with the new size"
-    ))]
     pub resources: VmResources,
+
+    /// How a change of `spec.resources` reaches a running VM: `Live` only
+    /// hot-plugs (vCPUs, memory balloon) within `maxCpu`/`maxMemory`, and
+    /// reports a resize beyond them as infeasible; `LiveOrRestart` (default)
+    /// hot-plugs where it can, else changes the definition for the next start
+    /// and reports `ResourcesSynced=False` (reason `RestartRequired`); `Restart`
+    /// never hot-plugs (always the next start).
+    #[serde(default)]
+    pub resize_policy: ResizePolicy,
 
     /// Boot disk: a path (or volume name) that the backend resolves on the host,
     /// e.g. `/var/lib/libvirt/images/web.qcow2`. Without it the VM boots with no
@@ -135,6 +142,14 @@ pub struct VirtualMachineSpec {
     /// defined on its host (`Retain`).
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+
+    /// What an eviction of the VM's pod (`kubectl drain`, the eviction API)
+    /// does: `LiveMigrate` (default) moves the running VM to another host
+    /// without a restart (cold where the back end cannot move it live);
+    /// `ColdMigrate` shuts it down, moves its definition and starts it on the
+    /// other host; `None` stops it, as a deleted pod does.
+    #[serde(default)]
+    pub eviction_strategy: EvictionStrategy,
 }
 
 fn default_replicas() -> i32 {
@@ -145,7 +160,7 @@ fn default_shutdown_timeout() -> i64 {
     30
 }
 
-/// Size of a VM.
+/// Size of a VM, and the ceilings a live resize may grow it to.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VmResources {
@@ -162,6 +177,26 @@ pub struct VmResources {
         "spec.resources.memory must be from 1Mi to 64Ti, e.g. 512Mi"
     ))]
     pub memory: String,
+
+    /// Hot-plug ceiling for vCPUs: a running VM may grow to this many without
+    /// a restart. Fixed when the VM is defined; a change takes effect at its
+    /// next start. Default: `cpu` (no live growth). A `cpu` above it is
+    /// applied at the next start (or refused under `resizePolicy: Live`), and
+    /// the ceiling is then at least `cpu`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub max_cpu: Option<i32>,
+
+    /// Hot-plug ceiling for memory (a quantity, e.g. `2Gi`): the memory
+    /// balloon may grow to it without a restart. Fixed when the VM is
+    /// defined; a change takes effect at its next start. Default: `memory`;
+    /// as for `maxCpu`, a `memory` above it waits for the next start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32), regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"))]
+    #[x_kube(validation = Rule::new("!isQuantity(self) || (quantity(self).compareTo(quantity('1Mi')) >= 0 && quantity(self).compareTo(quantity('64Ti')) <= 0)").message(
+        "spec.resources.maxMemory must be from 1Mi to 64Ti, e.g. 2Gi"
+    ))]
+    pub max_memory: Option<String>,
 }
 
 fn default_cpu() -> i32 {
@@ -174,7 +209,7 @@ fn default_memory() -> String {
 
 impl Default for VmResources {
     fn default() -> Self {
-        VmResources { cpu: default_cpu(), memory: default_memory() }
+        VmResources { cpu: default_cpu(), memory: default_memory(), max_cpu: None, max_memory: None }
     }
 }
 
@@ -231,6 +266,70 @@ impl RestartPolicy {
     }
 }
 
+/// [`VirtualMachineSpec::resize_policy`].
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ResizePolicy {
+    /// Only live; a resize beyond the ceilings is infeasible.
+    Live,
+    /// Live within the ceilings, else at the next start.
+    #[default]
+    LiveOrRestart,
+    /// Always at the next start.
+    Restart,
+}
+
+impl ResizePolicy {
+    /// The name used in the CRD (and the pod annotation).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResizePolicy::Live => "Live",
+            ResizePolicy::LiveOrRestart => "LiveOrRestart",
+            ResizePolicy::Restart => "Restart",
+        }
+    }
+
+    /// The policy named `name`; anything else is the default.
+    pub fn from_name(name: &str) -> ResizePolicy {
+        match name {
+            "Live" => ResizePolicy::Live,
+            "Restart" => ResizePolicy::Restart,
+            _ => ResizePolicy::LiveOrRestart,
+        }
+    }
+}
+
+/// [`VirtualMachineSpec::eviction_strategy`].
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum EvictionStrategy {
+    /// Move the running VM (cold where the back end cannot move it live).
+    #[default]
+    LiveMigrate,
+    /// Shut it down, move it, start it on the other host.
+    ColdMigrate,
+    /// Stop it.
+    None,
+}
+
+impl EvictionStrategy {
+    /// The name used in the CRD (and the pod annotation).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionStrategy::LiveMigrate => "LiveMigrate",
+            EvictionStrategy::ColdMigrate => "ColdMigrate",
+            EvictionStrategy::None => "None",
+        }
+    }
+
+    /// The strategy named `name`; anything else is the default.
+    pub fn from_name(name: &str) -> EvictionStrategy {
+        match name {
+            "ColdMigrate" => EvictionStrategy::ColdMigrate,
+            "None" => EvictionStrategy::None,
+            _ => EvictionStrategy::LiveMigrate,
+        }
+    }
+}
+
 /// What deleting a VirtualMachine does to its IaaS VM.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DeletionPolicy {
@@ -276,9 +375,100 @@ pub struct VirtualMachineStatus {
     /// Guest IP addresses, as far as the backend knows them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub addresses: Vec<String>,
-    /// Conditions: `Ready`, `Scheduled`, `ProviderError`.
+    /// The VM's current or last migration (see [`Migration`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<Migration>,
+    /// The size the VM runs with now (it differs from `spec.resources` while a
+    /// resize waits: see the `ResourcesSynced` condition).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_resources: Option<CurrentResources>,
+    /// Conditions: `Ready`, `Scheduled`, `ProviderError`, `ResourcesSynced`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// A migration through scheduling: the VM's evicted pod on `sourceNode`
+/// stays (terminating, its VM running) while the controller's target pod is
+/// scheduled to another host, whose agent moves the VM there; the placement
+/// record and `podName` move to the target when the move completed.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Migration {
+    /// The host the VM leaves.
+    pub source_node: String,
+    /// The evicted pod on the source host.
+    pub source_pod: String,
+    /// The pod the controller created for the target host.
+    pub target_pod: String,
+    /// The host the scheduler chose, once the target pod is bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_node: Option<String>,
+    /// `Live` or `Cold`, once the move started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Where it stands.
+    pub phase: MigrationPhase,
+    /// When the move started (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<String>,
+    /// When it ended, either way (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_time: Option<String>,
+    /// Bytes copied and still to copy, while a long copy runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<MigrationProgress>,
+    /// Why it failed or was cancelled, or what it waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+impl Migration {
+    /// Still under way: the target pod drives it (Pending, Running, or
+    /// Failed and being retried).
+    pub fn is_active(&self) -> bool {
+        matches!(self.phase, MigrationPhase::Pending | MigrationPhase::Running | MigrationPhase::Failed)
+    }
+}
+
+/// [`Migration::phase`].
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MigrationPhase {
+    /// The target pod waits for the scheduler.
+    #[default]
+    Pending,
+    /// The target host's agent is moving the VM.
+    Running,
+    /// The last attempt failed; the VM runs on the source host, and the
+    /// target host's agent tries again (with backoff) while the target pod
+    /// exists.
+    Failed,
+    /// The VM runs on the target host.
+    Succeeded,
+    /// Ended before the move started: the source host became schedulable
+    /// again (`kubectl uncordon`), or the VM was stopped or deleted.
+    Cancelled,
+}
+
+/// [`Migration::progress`], from the back end's job statistics.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationProgress {
+    /// Bytes copied so far.
+    pub processed_bytes: i64,
+    /// Bytes still to copy.
+    pub remaining_bytes: i64,
+    /// Bytes in all, as far as known.
+    pub total_bytes: i64,
+}
+
+/// The size a VM runs with ([`VirtualMachineStatus::current_resources`]).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentResources {
+    /// Virtual CPUs.
+    pub cpu: i32,
+    /// Memory, as a quantity in Mi (e.g. `384Mi`).
+    pub memory: String,
 }
 
 /// The placement record: the one authority on which host holds a VM.
@@ -309,6 +499,8 @@ pub enum VmPhase {
     Starting,
     /// The VM runs and its pod is Ready.
     Running,
+    /// The VM moves to another host (see `status.migration`).
+    Migrating,
     /// The VM is shutting down.
     Stopping,
     /// The backend reports a failure (see the `ProviderError` condition).

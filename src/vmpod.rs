@@ -13,8 +13,11 @@
 //! - `terminationGracePeriodSeconds` = `spec.shutdownTimeoutSeconds`.
 
 use crate::quantity;
-use crate::v1alpha1::{PowerOffMode, RestartPolicy, VirtualMachine, VM_LABEL};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements, Toleration};
+use crate::v1alpha1::{EvictionStrategy, PowerOffMode, ResizePolicy, RestartPolicy, VirtualMachine, VM_LABEL};
+use k8s_openapi::api::core::v1::{
+    Affinity, Container, ContainerResizePolicy, ContainerState, NodeAffinity, NodeSelectorRequirement,
+    NodeSelectorTerm, Pod, PodSpec, ResourceRequirements, Toleration,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Resource, ResourceExt};
@@ -29,6 +32,17 @@ pub const IMAGE_ANNOTATION: &str = "vmlet.io/image";
 pub const KERNEL_BOOT_ANNOTATION: &str = "vmlet.io/kernel-boot";
 /// Annotation holding `spec.powerOffMode`.
 pub const POWER_OFF_ANNOTATION: &str = "vmlet.io/power-off-mode";
+/// Annotation: the VM's vCPU hot-plug ceiling (`spec.resources.maxCpu`).
+pub const MAX_CPU_ANNOTATION: &str = "vmlet.io/max-cpu";
+/// Annotation: the VM's memory hot-plug ceiling (`spec.resources.maxMemory`).
+pub const MAX_MEMORY_ANNOTATION: &str = "vmlet.io/max-memory";
+/// Annotation: the VM's `spec.evictionStrategy`.
+pub const EVICTION_STRATEGY_ANNOTATION: &str = "vmlet.io/eviction-strategy";
+/// Annotation on a migration's target pod: the host the VM leaves (a hint for
+/// readers; the agent follows `status.migration`).
+pub const MIGRATION_SOURCE_ANNOTATION: &str = "vmlet.io/migration-source";
+/// Annotation: the VM's `spec.resizePolicy`.
+pub const RESIZE_POLICY_ANNOTATION: &str = "vmlet.io/resize-policy";
 /// Name of the single container that stands for the VM.
 pub const CONTAINER_NAME: &str = "vm";
 /// Image name shown for the VM's container; never pulled.
@@ -77,16 +91,14 @@ pub fn pod_for_vm(
     let spec = &vm.spec;
     quantity::parse_bytes(&spec.resources.memory)?;
     let name = vm.name_any();
-    let amounts: BTreeMap<String, Quantity> = [
-        ("cpu".to_owned(), Quantity(spec.resources.cpu.to_string())),
-        ("memory".to_owned(), Quantity(spec.resources.memory.clone())),
-    ]
-    .into();
+    let amounts = vm_amounts(vm);
 
     let mut annotations = BTreeMap::from([
         (UID_ANNOTATION.to_owned(), vm.uid().unwrap_or_default()),
         (POWER_OFF_ANNOTATION.to_owned(), power_off_mode_name(spec.power_off_mode).to_owned()),
     ]);
+    annotations.extend(resize_annotations(vm));
+    annotations.insert(EVICTION_STRATEGY_ANNOTATION.to_owned(), spec.eviction_strategy.as_str().to_owned());
     if let Some(image) = &spec.image {
         annotations.insert(IMAGE_ANNOTATION.to_owned(), image.clone());
     }
@@ -145,6 +157,16 @@ pub fn pod_for_vm(
                     limits: Some(amounts),
                     ..ResourceRequirements::default()
                 }),
+                // A resize never restarts the container by itself: the agent
+                // hot-plugs, or reports that the VM needs a restart.
+                resize_policy: Some(
+                    ["cpu", "memory"]
+                        .map(|resource| ContainerResizePolicy {
+                            resource_name: resource.to_owned(),
+                            restart_policy: "NotRequired".to_owned(),
+                        })
+                        .to_vec(),
+                ),
                 ..Container::default()
             }],
             restart_policy: Some(spec.restart_policy.as_str().to_owned()),
@@ -159,6 +181,63 @@ pub fn pod_for_vm(
         }),
         status: None,
     })
+}
+
+/// The VM pod's container requests and limits (equal: the pod is Guaranteed):
+/// `cpu` in whole CPUs and `memory` as written in `spec.resources`.
+pub fn vm_amounts(vm: &VirtualMachine) -> BTreeMap<String, Quantity> {
+    BTreeMap::from([
+        ("cpu".to_owned(), Quantity(vm.spec.resources.cpu.to_string())),
+        ("memory".to_owned(), Quantity(vm.spec.resources.memory.clone())),
+    ])
+}
+
+/// The annotations that carry the VM's hot-plug ceilings and resize policy to
+/// its pod ([`MAX_CPU_ANNOTATION`], [`MAX_MEMORY_ANNOTATION`],
+/// [`RESIZE_POLICY_ANNOTATION`]); a ceiling not set is absent.
+pub fn resize_annotations(vm: &VirtualMachine) -> BTreeMap<String, String> {
+    let resources = &vm.spec.resources;
+    let mut annotations =
+        BTreeMap::from([(RESIZE_POLICY_ANNOTATION.to_owned(), vm.spec.resize_policy.as_str().to_owned())]);
+    if let Some(max) = resources.max_cpu {
+        annotations.insert(MAX_CPU_ANNOTATION.to_owned(), max.to_string());
+    }
+    if let Some(max) = &resources.max_memory {
+        annotations.insert(MAX_MEMORY_ANNOTATION.to_owned(), max.clone());
+    }
+    annotations
+}
+
+/// What a live VM pod must change to match its VirtualMachine's size:
+/// `resources` when its container's limits differ from `spec.resources`
+/// (compared as quantities: `1` and `1000m` agree), `annotations` when the
+/// ceilings or the resize policy it carries differ. `None` when both agree.
+pub fn resize_needed(vm: &VirtualMachine, pod: &Pod) -> Option<ResizeNeeded> {
+    let limits = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.resources.as_ref())
+        .and_then(|r| r.limits.as_ref());
+    let cpu = limits.and_then(|l| l.get("cpu")).and_then(|q| quantity::parse_millicores(&q.0).ok());
+    let memory = limits.and_then(|l| l.get("memory")).and_then(|q| quantity::parse_bytes(&q.0).ok());
+    let wanted_memory = vm.memory_bytes().ok();
+    let resources = cpu != Some(u64::from(vm.spec.resources.cpu.unsigned_abs()) * 1000) || memory != wanted_memory;
+    let wanted = resize_annotations(vm);
+    let carried = pod.annotations();
+    let annotations = [RESIZE_POLICY_ANNOTATION, MAX_CPU_ANNOTATION, MAX_MEMORY_ANNOTATION]
+        .iter()
+        .any(|key| wanted.get(*key) != carried.get(*key));
+    (resources || annotations).then_some(ResizeNeeded { resources, annotations })
+}
+
+/// What [`resize_needed`] found out of date on a VM pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResizeNeeded {
+    /// The container's requests and limits.
+    pub resources: bool,
+    /// The ceiling and resize-policy annotations.
+    pub annotations: bool,
 }
 
 fn power_off_mode_name(mode: PowerOffMode) -> &'static str {
@@ -178,6 +257,56 @@ pub struct PodVm {
     pub power_off_mode: PowerOffMode,
     /// What to do when the VM stops by itself (the pod's `restartPolicy`).
     pub restart_policy: RestartPolicy,
+    /// How a resize reaches the running VM ([`RESIZE_POLICY_ANNOTATION`]).
+    pub resize_policy: ResizePolicy,
+    /// What an eviction of the pod does ([`EVICTION_STRATEGY_ANNOTATION`]).
+    pub eviction_strategy: EvictionStrategy,
+    /// Whether the pod is the VM's current pod or a migration's target pod
+    /// (set by [`crate::identity::verify`]; [`vm_from_pod`] says `Current`).
+    pub role: PodRole,
+}
+
+/// What a VM pod is to its VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodRole {
+    /// The VM's current pod (`status.podName`): it runs and stops the VM.
+    Current,
+    /// The target pod of the VM's active migration (`status.migration`): its
+    /// agent moves the VM to its host, and does nothing else.
+    MigrationTarget,
+}
+
+/// The target pod of a migration of `vm` away from host `source`: the VM's
+/// pod ([`pod_for_vm`], not pinned to a host) with a required node affinity
+/// that keeps it off `source`, added to every node selector term of the VM's
+/// own affinity, and the [`MIGRATION_SOURCE_ANNOTATION`].
+///
+/// Errors: as [`pod_for_vm`].
+pub fn migration_target_pod(
+    vm: &VirtualMachine,
+    pod_name: &str,
+    scope: &str,
+    source: &str,
+) -> Result<Pod, quantity::QuantityError> {
+    let mut pod = pod_for_vm(vm, pod_name, scope, None)?;
+    pod.annotations_mut().insert(MIGRATION_SOURCE_ANNOTATION.to_owned(), source.to_owned());
+    let not_source = NodeSelectorRequirement {
+        key: "kubernetes.io/hostname".to_owned(),
+        operator: "NotIn".to_owned(),
+        values: Some(vec![source.to_owned()]),
+    };
+    let spec = pod.spec.as_mut().expect("pod_for_vm gives a spec");
+    let affinity = spec.affinity.get_or_insert_with(Affinity::default);
+    let node_affinity = affinity.node_affinity.get_or_insert_with(NodeAffinity::default);
+    let required =
+        node_affinity.required_during_scheduling_ignored_during_execution.get_or_insert_with(Default::default);
+    if required.node_selector_terms.is_empty() {
+        required.node_selector_terms.push(NodeSelectorTerm::default());
+    }
+    for term in &mut required.node_selector_terms {
+        term.match_expressions.get_or_insert_with(Vec::new).push(not_source.clone());
+    }
+    Ok(pod)
 }
 
 /// Why a pod cannot be read as a VM pod.
@@ -194,6 +323,25 @@ pub enum PodVmError {
         /// What is wrong.
         message: String,
     },
+}
+
+/// The state of the VM pod's one container (the VM, [`CONTAINER_NAME`]) as
+/// the agent last wrote it; `None` before the first status.
+pub fn vm_container_state(pod: &Pod) -> Option<&ContainerState> {
+    pod.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()
+}
+
+/// The reason the VM pod's container is waiting (`PlacedOnAnotherHost`,
+/// `StorageNotAllowed`, ...), with its message; `None` when it is not waiting.
+pub fn waiting_reason(pod: &Pod) -> Option<(&str, Option<&str>)> {
+    let waiting = vm_container_state(pod)?.waiting.as_ref()?;
+    Some((waiting.reason.as_deref()?, waiting.message.as_deref()))
+}
+
+/// Whether the pod's status shows its VM running (the container state
+/// `running`), as the agent last wrote it.
+pub fn was_running(pod: &Pod) -> bool {
+    vm_container_state(pod).is_some_and(|s| s.running.is_some())
 }
 
 /// Read the VM a pod stands for. Errors: [`PodVmError`], naming the field.
@@ -238,6 +386,20 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
         Some("Soft") => PowerOffMode::Soft,
         _ => PowerOffMode::TrySoft,
     };
+    let max_cpus = match annotations.get(MAX_CPU_ANNOTATION) {
+        None => None,
+        Some(max) => Some(max.parse::<u32>().ok().filter(|n| *n >= 1).ok_or_else(|| PodVmError::Invalid {
+            field: "metadata.annotations[vmlet.io/max-cpu]",
+            message: format!("{max:?} is not a whole number of CPUs from 1"),
+        })?),
+    };
+    let max_memory_bytes = match annotations.get(MAX_MEMORY_ANNOTATION) {
+        None => None,
+        Some(max) => Some(quantity::parse_bytes(max).map_err(|e| PodVmError::Invalid {
+            field: "metadata.annotations[vmlet.io/max-memory]",
+            message: e.to_string(),
+        })?),
+    };
     Ok(PodVm {
         spec: VmSpec {
             id: VmId(uid.clone()),
@@ -245,8 +407,8 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             name,
             cpus: millicores.div_ceil(1000).max(1) as u32,
             memory_bytes,
-            max_cpus: None,
-            max_memory_bytes: None,
+            max_cpus,
+            max_memory_bytes,
             image: annotations.get(IMAGE_ANNOTATION).cloned(),
             kernel_boot,
         },
@@ -256,6 +418,13 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             Some("Never") => RestartPolicy::Never,
             _ => RestartPolicy::Always,
         },
+        resize_policy: ResizePolicy::from_name(
+            annotations.get(RESIZE_POLICY_ANNOTATION).map(String::as_str).unwrap_or_default(),
+        ),
+        eviction_strategy: EvictionStrategy::from_name(
+            annotations.get(EVICTION_STRATEGY_ANNOTATION).map(String::as_str).unwrap_or_default(),
+        ),
+        role: PodRole::Current,
     })
 }
 

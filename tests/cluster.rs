@@ -252,8 +252,8 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
     let requests = pod.spec.unwrap().containers[0].resources.clone().unwrap().requests.unwrap();
     assert_eq!((requests["cpu"].0.as_str(), requests["memory"].0.as_str()), ("1", "512Mi"));
 
-    // Beyond the shared cases: a size no host could hold, and resizing, which
-    // is not supported yet, are refused with the field named.
+    // Beyond the shared cases: a size no host could hold, and a hot-plug
+    // ceiling out of range, are refused with the field named.
     let mut huge = minimal.clone();
     huge["metadata"]["name"] = json!("huge");
     huge["spec"]["resources"] = json!({"cpu": 1, "memory": "99999999Ei"});
@@ -264,14 +264,16 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out =
-        env.kubectl_output(&["patch", "vm", "web-1", "--type=merge", "-p", r#"{"spec":{"resources":{"cpu":4}}}"#]);
-    assert!(!out.status.success(), "a resize was accepted");
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("spec.resources"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for (patch, field) in [
+        (r#"{"spec":{"resources":{"maxMemory":"99999999Ei"}}}"#, "spec.resources.maxMemory"),
+        (r#"{"spec":{"resources":{"maxCpu":0}}}"#, "spec.resources.maxCpu"),
+        (r#"{"spec":{"resizePolicy":"Sometimes"}}"#, "spec.resizePolicy"),
+    ] {
+        let out = env.kubectl_output(&["patch", "vm", "web-1", "--type=merge", "-p", patch]);
+        assert!(!out.status.success(), "{patch} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(field), "{patch}: {stderr}");
+    }
 
     // good-stopped: accepted, Stopped, and no pod is ever created.
     let stopped = std::fs::read_to_string(cases.join("good-stopped.yaml")).unwrap();
@@ -363,48 +365,69 @@ async fn an_annotation_edited_to_another_vms_uid_retargets_nothing() {
     assert_eq!(db_pod.status.unwrap().container_statuses.unwrap()[0].restart_count, 0, "db was not power-cycled");
 }
 
-/// `kubectl drain` evicts the VM's pod; with no migration yet, the VM keeps
-/// running (held), says so in its status, and a later stop still asks the
-/// guest to shut down before cutting power.
+/// `kubectl drain` of the only host: the VM's pod is evicted, and the VM
+/// keeps running there (held) while the target pod of its migration finds no
+/// other host. Uncordoning the host before anything moved cancels the
+/// migration: the VM ends with a new, Ready pod on the same host, the same
+/// domain never restarted, and the evicted pod's deletion completes. A later
+/// stop still asks the guest to shut down before cutting power.
 #[tokio::test]
-async fn a_drained_vm_is_held_running_until_it_is_stopped() {
+async fn a_drained_vm_with_nowhere_to_go_keeps_running_and_uncordoning_cancels_its_migration() {
     let mut env = TestEnv::new("drain").await;
+    let a = env.node("a");
     env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
     env.apply_vm("web", json!({}));
-    env.wait_vm_phase("web", "Running").await;
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let domain = vm.status.unwrap().provider_id.unwrap();
+    let evicted = env.pod_of("web").await;
 
-    // Drain cannot finish while the VM is held: it gives up after its timeout.
-    let drained = env.kubectl_output(&["drain", &env.node("a"), "--ignore-daemonsets", "--timeout=5s"]);
+    // Drain cannot finish while the VM has nowhere to go: it gives up after its timeout.
+    let drained = env.kubectl_output(&["drain", &a, "--ignore-daemonsets", "--timeout=5s"]);
     assert!(!drained.status.success(), "drain finished although the VM must keep running");
-    let vms = env.vms();
-    let held = env
-        .wait_for("the VM to report EvictionHeld", || {
-            let vms = vms.clone();
-            async move {
-                let status = vms.get("web").await.ok()?.status?;
-                let held = status.conditions.iter().any(|c| c.type_ == "EvictionHeld" && c.status == "True");
-                held.then_some(status)
-            }
-        })
-        .await;
-    assert_eq!(serde_json::to_value(held.phase).unwrap(), "Running");
-    let pod = env.vm_pod("web").await;
+    let vm = env.wait_vm_phase("web", "Migrating").await;
+    let status = vm.status.unwrap();
+    let migration = status.migration.expect("status.migration");
+    assert_eq!((migration.source_node.as_str(), migration.source_pod.as_str()), (a.as_str(), evicted.as_str()));
+    assert_eq!(serde_json::to_value(migration.phase).unwrap(), "Pending");
+    let migrating = status.conditions.iter().find(|c| c.type_ == "Migrating").expect("Migrating condition");
+    assert_eq!((migrating.status.as_str(), migrating.reason.as_str()), ("True", "WaitingForTarget"));
+    let pod = env.pods().get(&evicted).await.unwrap();
     assert!(pod.metadata.deletion_timestamp.is_some(), "the evicted pod is terminating");
     let container = &pod.status.unwrap().container_statuses.unwrap()[0];
     assert!(container.state.as_ref().unwrap().running.is_some(), "the VM was not powered off");
 
+    env.kubectl(&["uncordon", &a]);
+    let vms = env.vms();
+    let vm = env
+        .wait_for("the migration cancelled and the VM Running on a new pod", || {
+            let vms = vms.clone();
+            let evicted = evicted.clone();
+            async move {
+                let vm = vms.get("web").await.ok()?;
+                let status = vm.status.as_ref()?;
+                let cancelled = serde_json::to_value(status.migration.as_ref()?.phase).ok()? == "Cancelled";
+                let running = serde_json::to_value(status.phase?).ok()? == "Running";
+                (cancelled && running && status.pod_name.as_deref() != Some(evicted.as_str())).then_some(vm)
+            }
+        })
+        .await;
+    assert_eq!(vm.status.unwrap().provider_id.unwrap(), domain, "the same domain kept running");
+    let pods = env.pods();
+    env.wait_for("the evicted pod's deletion to complete", || {
+        let pods = pods.clone();
+        let evicted = evicted.clone();
+        async move { pods.get_opt(&evicted).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    let current = env.vm_pod("web").await;
+    assert_eq!(current.spec.unwrap().node_name.as_deref(), Some(a.as_str()));
+    assert_eq!(current.status.unwrap().container_statuses.unwrap()[0].restart_count, 0, "never power-cycled");
+
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
     env.wait_vm_phase("web", "Stopped").await;
-    let reasons = env.kubectl(&[
-        "get",
-        "events",
-        "--field-selector",
-        "involvedObject.kind=Pod",
-        "-o",
-        "jsonpath={range .items[*]}{.reason}{\"\\n\"}{end}",
-    ]);
+    let reasons = env.kubectl(&["get", "events", "-o", "jsonpath={range .items[*]}{.reason}{\"\\n\"}{end}"]);
     let reasons: Vec<&str> = reasons.lines().collect();
-    for expected in ["EvictionHeld", "ShuttingDown", "Stopped"] {
+    for expected in ["EvictionHeld", "Migrating", "MigrationCancelled", "ShuttingDown", "Stopped"] {
         assert!(reasons.contains(&expected), "no {expected} event: {reasons:?}");
     }
 }
@@ -469,17 +492,18 @@ async fn a_vm_placed_while_the_controller_was_down_returns_to_its_host() {
     assert_eq!(env.wait_pod_running(&second).await, b);
     let vm = env.wait_vm_phase("web", "Running").await;
     assert_eq!(vm.status.unwrap().node_name.as_deref(), Some(b.as_str()));
-    let defined = env.kubectl(&[
+    let started = env.kubectl(&[
         "get",
         "events",
         "--field-selector",
-        "reason=Defined",
+        "reason=Started",
         "-o",
         "jsonpath={range .items[*]}{.note}{.message}{\"\\n\"}{end}",
     ]);
-    assert!(!defined.trim().is_empty(), "no Defined event");
-    for line in defined.lines() {
-        assert!(line.ends_with(&format!(" on {b}")), "defined elsewhere than {b}: {line}");
+    let defined: Vec<&str> = started.lines().filter(|l| l.starts_with("defined ")).collect();
+    assert!(!defined.is_empty(), "no Started event for a definition: {started}");
+    for line in defined {
+        assert!(line.ends_with(&format!(" on {b} and powered it on")), "defined elsewhere than {b}: {line}");
     }
 }
 

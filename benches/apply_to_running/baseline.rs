@@ -14,6 +14,7 @@
 
 use crate::common::ClusterEnv;
 use crate::measure::{self, Timeline, WATCH_SYNC_LIMIT};
+use crate::requests::Requests;
 use crate::{
     cleanup_kubectl, wait_default_service_account, wait_nodes_schedulable, Settings, VM_MEMORY, VM_MEMORY_MIB,
 };
@@ -75,8 +76,14 @@ impl Drop for BaselineCluster {
 }
 
 /// Run the baseline in namespace `name` (the Node gets the same name) and
-/// return its timeline; everything it created is removed before it returns.
-pub async fn run(cluster: &'static ClusterEnv, client: &Client, name: &str, settings: &Settings) -> Timeline {
+/// return its timeline and the API requests served from the first create to
+/// the last Running; everything it created is removed before it returns.
+pub async fn run(
+    cluster: &'static ClusterEnv,
+    client: &Client,
+    name: &str,
+    settings: &Settings,
+) -> (Timeline, Requests) {
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": name}})).unwrap())
@@ -104,10 +111,12 @@ pub async fn run(cluster: &'static ClusterEnv, client: &Client, name: &str, sett
     }
 
     let objects = (0..settings.vms).map(|i| baseline_pod(&format!("pod-{i:04}"), name)).collect();
+    let before = Requests::read(client).await;
     let timeline =
         measure::create_until_running(&pods, objects, settings.concurrency, settings.timeout, pod_is_running).await;
+    let requests = Requests::read(client).await.since(&before);
     drop(baseline);
-    timeline
+    (timeline, requests)
 }
 
 /// Whether the pod's phase is Running.

@@ -25,15 +25,17 @@ pub mod status;
 
 use crate::conditions::same_conditions;
 use crate::events::{EventSink, Reason};
-use crate::v1alpha1::{DeletionPolicy, VirtualMachine, VirtualMachineStatus, FINALIZER};
-use crate::vmpod::{new_pod_name, pod_for_vm};
+use crate::v1alpha1::{DeletionPolicy, Migration, MigrationPhase, VirtualMachine, VirtualMachineStatus, FINALIZER};
+use crate::vmpod::{
+    migration_target_pod, new_pod_name, pod_for_vm, resize_annotations, vm_amounts, ResizeNeeded, CONTAINER_NAME,
+};
 use crate::watches::{no_objects, Triggers, Watches};
 use decide::Step;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -124,26 +126,75 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
 
     let mut vm = vm;
     if !vm.finalizers().iter().any(|f| f == FINALIZER) {
-        // A merge patch replaces the whole list: keep other controllers' finalizers,
-        // and guard with the resourceVersion so a concurrent change is not lost.
-        let mut finalizers = vm.finalizers().to_vec();
-        finalizers.push(FINALIZER.to_owned());
-        let patch =
-            serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": vm.resource_version()}});
-        match vms.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+        // Server-side apply of our one entry: `metadata.finalizers` is a set,
+        // so other controllers' finalizers stay, no resourceVersion guard is
+        // needed, and a cache that lags behind our own earlier add costs one
+        // no-op request instead of a conflict and a retry.
+        let patch = serde_json::json!({
+            "apiVersion": VirtualMachine::api_version(&()),
+            "kind": VirtualMachine::kind(&()),
+            "metadata": {"name": name, "finalizers": [FINALIZER]},
+        });
+        match vms.patch(&name, &PatchParams::apply(FIELD_MANAGER), &Patch::Apply(&patch)).await {
             // Go on with the object as written (its new resourceVersion), not
             // a round trip through the watch later.
-            Ok(updated) => vm = Arc::new(updated),
-            Err(kube::Error::Api(s)) if s.code == 409 => return Ok(Action::requeue(CONFLICT_RETRY)),
+            Ok(updated) if updated.uid() == vm.uid() => vm = Arc::new(updated),
+            Ok(_) => return Ok(Action::await_change()),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
             Err(e) => return Err(kube_err("add finalizer", e)),
         }
     }
 
-    match decide::next_step(&vm, current.as_deref()) {
+    let active = vm.status.as_ref().and_then(|s| s.migration.clone()).filter(|m| m.is_active());
+    let target = match &active {
+        Some(m) => owned_pod(&vm, &owned, &pods, &m.target_pod).await.map_err(|e| kube_err("get pod", e))?,
+        None => None,
+    };
+    let waiting_target = target.as_ref().is_some_and(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none());
+    let source_schedulable = match &active {
+        Some(m) if m.phase == MigrationPhase::Pending && waiting_target => Some(
+            schedulable(&ctx.client, &m.source_node)
+                .await
+                .map_err(|e| kube_err("read the source node of the migration of", e))?,
+        ),
+        _ => None,
+    };
+    let view = decide::MigrationView { target: target.as_deref(), source_schedulable };
+    match decide::next_step(&vm, current.as_deref(), view) {
+        Step::StartMigration => {
+            let pod = current.as_deref().expect("a migration starts from a current pod");
+            start_migration(&vm, pod, &pods, &vms, &ctx).await
+        }
+        Step::CancelMigration(why) => {
+            if let Some(target) = target.as_deref() {
+                delete_pod(target, &pods, &ctx, &vm, why).await?;
+            }
+            let mut migration = active.expect("cancelling means an active migration");
+            migration.phase = MigrationPhase::Cancelled;
+            migration.message = Some(why.to_owned());
+            migration.end_time = Some(now_rfc3339());
+            info!(why, "migration cancelled");
+            ctx.events.publish(&*vm, Reason::MigrationCancelled, why);
+            let designated = current.as_ref().map(|p| p.name_any());
+            if !write_status_with(&vm, current.as_deref(), designated.as_deref(), Some(migration), &vms).await? {
+                return Ok(Action::requeue(CONFLICT_RETRY));
+            }
+            Ok(Action::requeue(Duration::from_secs(300)))
+        }
         Step::CreatePod => create_pod(&vm, &pods, &vms, &ctx).await,
         Step::DeletePod(why) => {
             let pod = current.as_deref().expect("deleting means a current pod");
             delete_pod(pod, &pods, &ctx, &vm, why).await?;
+            Ok(Action::requeue(Duration::from_secs(300)))
+        }
+        Step::ResizePod(needed) => {
+            let pod = current.as_deref().expect("resizing means a current pod");
+            resize_pod(pod, needed, &pods, &ctx, &vm).await?;
+            // The resized pod comes back through the watch; its agent applies it.
+            let designated = current.as_ref().map(|p| p.name_any());
+            if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms).await? {
+                return Ok(Action::requeue(CONFLICT_RETRY));
+            }
             Ok(Action::requeue(Duration::from_secs(300)))
         }
         Step::Observe => {
@@ -151,7 +202,9 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms).await? {
                 return Ok(Action::requeue(CONFLICT_RETRY));
             }
-            Ok(Action::requeue(Duration::from_secs(300)))
+            // A target pod waiting for the scheduler: look again soon whether
+            // its source host was uncordoned (Nodes are not watched).
+            Ok(Action::requeue(if waiting_target { Duration::from_secs(3) } else { Duration::from_secs(300) }))
         }
     }
 }
@@ -160,21 +213,95 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
 /// since the cache showed it) runs again.
 const CONFLICT_RETRY: Duration = Duration::from_millis(200);
 
-/// The VM's current pod: the one named by `status.podName`, among the pods it
-/// owns (`owned`, from the watch cache), or read from the API server when the
-/// cache does not hold it yet. `None` when it has none or that pod is gone
-/// (or was replaced by a pod of the same name that the VM does not own).
+/// The VM's current pod: the one named by `status.podName` ([`owned_pod`]).
 async fn current_pod(
     vm: &VirtualMachine,
     owned: &[Arc<Pod>],
     pods: &Api<Pod>,
 ) -> Result<Option<Arc<Pod>>, kube::Error> {
     let Some(name) = vm.status.as_ref().and_then(|s| s.pod_name.clone()) else { return Ok(None) };
+    owned_pod(vm, owned, pods, &name).await
+}
+
+/// The VM's pod named `name`, among the pods it owns (`owned`, from the watch
+/// cache), or read from the API server when the cache does not hold it yet.
+/// `None` when that pod is gone (or was replaced by a pod of the same name
+/// that the VM does not own).
+async fn owned_pod(
+    vm: &VirtualMachine,
+    owned: &[Arc<Pod>],
+    pods: &Api<Pod>,
+    name: &str,
+) -> Result<Option<Arc<Pod>>, kube::Error> {
     if let Some(pod) = owned.iter().find(|p| p.name_any() == name) {
         return Ok(Some(pod.clone()));
     }
     let uid = vm.uid().unwrap_or_default();
-    Ok(pods.get_opt(&name).await?.filter(|p| crate::identity::vm_owner(p).is_some_and(|o| o.uid == uid)).map(Arc::new))
+    Ok(pods.get_opt(name).await?.filter(|p| crate::identity::vm_owner(p).is_some_and(|o| o.uid == uid)).map(Arc::new))
+}
+
+/// Whether Node `name` takes new pods (not cordoned); a Node that is gone
+/// does not.
+async fn schedulable(client: &Client, name: &str) -> Result<bool, kube::Error> {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    Ok(nodes.get_opt(name).await?.is_some_and(|n| !n.spec.and_then(|s| s.unschedulable).unwrap_or(false)))
+}
+
+/// Now as RFC 3339, for `status.migration` times.
+fn now_rfc3339() -> String {
+    k8s_openapi::jiff::Timestamp::now().to_string()
+}
+
+/// The evicted `source` pod's VM moves: name a target pod in
+/// `status.migration` (phase Pending; guarded by the resourceVersion the pass
+/// read, as for `status.podName`), then create it, kept off the source host
+/// ([`migration_target_pod`]). The scheduler places it; its host's agent moves
+/// the VM ([`crate::node`]'s migration).
+async fn start_migration(
+    vm: &VirtualMachine,
+    source: &Pod,
+    pods: &Api<Pod>,
+    vms: &Api<VirtualMachine>,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let object = || format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any());
+    let Some(source_node) = source.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    };
+    let name = new_pod_name(&vm.name_any());
+    let target = match migration_target_pod(vm, &name, &ctx.scope, &source_node) {
+        Ok(pod) => pod,
+        Err(e) => {
+            let error = Error::InvalidSpec(object(), e.to_string());
+            ctx.events.publish(vm, Reason::InvalidSpec, &error.to_string());
+            return Err(error);
+        }
+    };
+    let migration = Migration {
+        source_node: source_node.clone(),
+        source_pod: source.name_any(),
+        target_pod: name.clone(),
+        phase: MigrationPhase::Pending,
+        message: Some(format!("pod {} was evicted from {source_node}; waiting for the scheduler", source.name_any())),
+        ..Migration::default()
+    };
+    let designated = Some(source.name_any());
+    if !write_status_with(vm, Some(source), designated.as_deref(), Some(migration), vms).await? {
+        return Ok(Action::requeue(CONFLICT_RETRY));
+    }
+    match pods.create(&PostParams::default(), &target).await {
+        Ok(_) => {
+            info!(pod.name = %name, source = %source_node, "created migration target pod");
+            let note = format!(
+                "pod {} was evicted from {source_node}: the VM moves to the host the scheduler picks for pod {name}",
+                source.name_any()
+            );
+            ctx.events.publish(vm, Reason::Migrating, &note);
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => warn!(pod.name = %name, "pod name taken; choosing another"),
+        Err(e) => return Err(Error::Kube { action: "create migration target pod", object: object(), source: e }),
+    }
+    Ok(Action::requeue(Duration::from_secs(3)))
 }
 
 /// Name a new pod in the VM's status, then create it. The name is written
@@ -196,7 +323,7 @@ async fn create_pod(
         Ok(pod) => pod,
         Err(e) => {
             let error = Error::InvalidSpec(object(), e.to_string());
-            ctx.events.publish(vm, Reason::InvalidSpec, &error.to_string()).await;
+            ctx.events.publish(vm, Reason::InvalidSpec, &error.to_string());
             return Err(error);
         }
     };
@@ -206,7 +333,7 @@ async fn create_pod(
     match pods.create(&PostParams::default(), &new_pod).await {
         Ok(_) => {
             info!(pod.name = %name, vm.home = home, "created pod");
-            ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name}")).await;
+            ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name}"));
         }
         // Taken by a pod the VM does not own: the next pass finds no current
         // pod under that name and names another.
@@ -214,6 +341,64 @@ async fn create_pod(
         Err(e) => return Err(Error::Kube { action: "create pod", object: object(), source: e }),
     }
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// Bring the VM's pod to the VM's size in place: its ceiling and
+/// resize-policy annotations (a merge patch), then its container's requests
+/// and limits through the `resize` subresource (KEP-1287), so that the
+/// scheduler's accounting of the node follows. A resize the API server
+/// refuses (422) becomes an Event on the VM naming why; nothing is retried
+/// until the VM changes again.
+async fn resize_pod(
+    pod: &Pod,
+    needed: ResizeNeeded,
+    pods: &Api<Pod>,
+    ctx: &Context,
+    vm: &VirtualMachine,
+) -> Result<(), Error> {
+    let name = pod.name_any();
+    let kube_err = |action, source| Error::Kube { action, object: name.clone(), source };
+    if needed.annotations {
+        let mut annotations: serde_json::Map<String, serde_json::Value> = [
+            crate::vmpod::RESIZE_POLICY_ANNOTATION,
+            crate::vmpod::MAX_CPU_ANNOTATION,
+            crate::vmpod::MAX_MEMORY_ANNOTATION,
+        ]
+        .iter()
+        .map(|key| ((*key).to_owned(), serde_json::Value::Null))
+        .collect();
+        for (key, value) in resize_annotations(vm) {
+            annotations.insert(key, value.into());
+        }
+        let patch = serde_json::json!({"metadata": {"annotations": annotations}});
+        match pods.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+            Err(e) => return Err(kube_err("update resize annotations of pod", e)),
+        }
+    }
+    if needed.resources {
+        let amounts = vm_amounts(vm);
+        let patch = serde_json::json!({"spec": {"containers": [{
+            "name": CONTAINER_NAME,
+            "resources": {"requests": amounts, "limits": amounts},
+        }]}});
+        match pods.patch_subresource("resize", &name, &PatchParams::default(), &Patch::Strategic(&patch)).await {
+            Ok(_) => {
+                let size = format!("{} vCPUs, {}", vm.spec.resources.cpu, vm.spec.resources.memory);
+                info!(pod.name = %name, %size, "resized pod");
+                ctx.events.publish(vm, Reason::Resized, &format!("resized pod {name} to {size}"));
+            }
+            Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
+                let message = format!("pod {name} cannot be resized to spec.resources: {}", s.message);
+                warn!(pod.name = %name, error = %s.message, "resize refused");
+                ctx.events.publish(vm, Reason::ResizeNotApplied, &message);
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => return Err(kube_err("resize pod", e)),
+        }
+    }
+    Ok(())
 }
 
 async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachine, why: &str) -> Result<bool, Error> {
@@ -224,7 +409,7 @@ async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachi
     match pods.delete(&pod.name_any(), &params).await {
         Ok(_) => {
             info!(pod.name = %pod.name_any(), why, "deleted pod");
-            ctx.events.publish(vm, Reason::DeletedPod, &format!("{why} (pod {})", pod.name_any())).await;
+            ctx.events.publish(vm, Reason::DeletedPod, &format!("{why} (pod {})", pod.name_any()));
             Ok(true)
         }
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(false),
@@ -263,7 +448,7 @@ async fn cleanup(
         }
         DeletionPolicy::Retain => {
             let why = "deletionPolicy Retain: the VM stays defined on its host";
-            ctx.events.publish(vm, Reason::ReleasedVm, why).await;
+            ctx.events.publish(vm, Reason::ReleasedVm, why);
             release_finalizer(vms, vm).await.map_err(|e| Error::Kube {
                 action: "remove finalizer",
                 object: vm.name_any(),
@@ -290,8 +475,11 @@ pub async fn release_finalizer(vms: &Api<VirtualMachine>, vm: &VirtualMachine) -
 /// `designated` (the name in `status.podName`) give, when it changed: the
 /// whole status, guarded by the resourceVersion the pass read, so a write
 /// based on a stale view (the cache lagging behind another writer: a pass of
-/// this controller, an agent's placement record) is refused. Returns false on
-/// such a conflict; the pass runs again soon.
+/// this controller, an agent's placement record) is refused. On such a
+/// conflict the status is derived once more from the object read fresh and
+/// written again, unless this write names a new pod (a claim that must hold
+/// against what the pass read) or the VM's current pod changed meanwhile.
+/// Returns false when the write lost; the pass runs again soon.
 async fn write_status(
     vm: &VirtualMachine,
     pod: Option<&Pod>,
@@ -299,6 +487,39 @@ async fn write_status(
     vms: &Api<VirtualMachine>,
 ) -> Result<bool, Error> {
     let new = status::status_from_pod(vm, pod, designated);
+    write_derived(vm, new, pod, designated, vms).await
+}
+
+/// [`write_status`] with `status.migration` set to `migration` (a claim: it
+/// holds only against the version the pass read).
+async fn write_status_with(
+    vm: &VirtualMachine,
+    pod: Option<&Pod>,
+    designated: Option<&str>,
+    migration: Option<Migration>,
+    vms: &Api<VirtualMachine>,
+) -> Result<bool, Error> {
+    let mut claimed = vm.clone();
+    claimed.status.get_or_insert_with(Default::default).migration = migration;
+    let new = status::status_from_pod(&claimed, pod, designated);
+    let params = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..PostParams::default() };
+    claimed.status = Some(new);
+    match vms.replace_status(&vm.name_any(), &params, &claimed).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(true),
+        Err(e) => Err(Error::Kube { action: "write status", object: vm.name_any(), source: e }),
+    }
+}
+
+/// Write `new`, derived from `vm`, `pod` and `designated` (see [`write_status`]).
+async fn write_derived(
+    vm: &VirtualMachine,
+    new: VirtualMachineStatus,
+    pod: Option<&Pod>,
+    designated: Option<&str>,
+    vms: &Api<VirtualMachine>,
+) -> Result<bool, Error> {
     let old = vm.status.clone().unwrap_or_default();
     if same_status(&old, &new) {
         return Ok(true);
@@ -306,11 +527,41 @@ async fn write_status(
     let mut updated = vm.clone();
     updated.status = Some(new);
     let params = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..PostParams::default() };
+    let kube_err = |e| Error::Kube { action: "write status", object: vm.name_any(), source: e };
     match vms.replace_status(&vm.name_any(), &params, &updated).await {
+        Ok(_) => return Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(true),
+        Err(e) => return Err(kube_err(e)),
+    }
+    // Another writer (an agent's placement record, or this controller ahead
+    // of its cache) came first. Derive once more from the object as it is now
+    // rather than wait for the cache; a second conflict waits for the next pass.
+    // Not when this write names a new pod: that claim must hold against the
+    // version the pass read.
+    let claims = designated.is_some() && vm.status.as_ref().and_then(|s| s.pod_name.as_deref()) != designated;
+    if claims {
+        return Ok(false);
+    }
+    let Some(mut fresh) = vms.get_opt(&vm.name_any()).await.map_err(kube_err)? else { return Ok(true) };
+    if fresh.uid() != vm.uid() {
+        return Ok(true);
+    }
+    let pod_name = |v: &VirtualMachine| v.status.as_ref().and_then(|s| s.pod_name.clone());
+    if pod_name(&fresh) != pod_name(vm) {
+        // The VM's current pod changed meanwhile: the next pass sees it.
+        return Ok(false);
+    }
+    let new = status::status_from_pod(&fresh, pod, designated);
+    if same_status(&fresh.status.clone().unwrap_or_default(), &new) {
+        return Ok(true);
+    }
+    fresh.status = Some(new);
+    match vms.replace_status(&vm.name_any(), &params, &fresh).await {
         Ok(_) => Ok(true),
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(true),
-        Err(e) => Err(Error::Kube { action: "write status", object: vm.name_any(), source: e }),
+        Err(e) => Err(kube_err(e)),
     }
 }
 

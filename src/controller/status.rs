@@ -1,10 +1,74 @@
 //! VirtualMachine status derived from the VM and its pod (pure functions).
 
 use crate::conditions::set_condition;
-use crate::v1alpha1::{VirtualMachine, VirtualMachineStatus, VmPhase, VM_LABEL};
-use k8s_openapi::api::core::v1::{Pod, PodCondition};
+use crate::node::resize::RESOURCES_SYNCED;
+use crate::v1alpha1::{CurrentResources, MigrationPhase, VirtualMachine, VirtualMachineStatus, VmPhase, VM_LABEL};
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod, PodCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::ResourceExt;
+
+/// The size the VM runs with (the container status's `resources`, written by
+/// its agent) as `status.currentResources`, and the pod's
+/// [`RESOURCES_SYNCED`] condition as the VM's `ResourcesSynced`; both kept
+/// from the previous status while the agent has not reported them.
+fn mirror_resize(
+    status: &mut VirtualMachineStatus,
+    vm: &VirtualMachine,
+    container: Option<&ContainerStatus>,
+    pod_conditions: &[PodCondition],
+    generation: Option<i64>,
+) {
+    let limits = container.and_then(|c| c.resources.as_ref()).and_then(|r| r.limits.as_ref());
+    let cpu = limits.and_then(|l| l.get("cpu")).and_then(|q| crate::quantity::parse_millicores(&q.0).ok());
+    let memory = limits.and_then(|l| l.get("memory")).and_then(|q| crate::quantity::parse_bytes(&q.0).ok());
+    if let (Some(millicores), Some(bytes)) = (cpu, memory) {
+        status.current_resources = Some(CurrentResources {
+            cpu: i32::try_from(millicores.div_ceil(1000)).unwrap_or(i32::MAX),
+            memory: crate::quantity::format_bytes(bytes),
+        });
+    } else {
+        status.current_resources = vm.status.as_ref().and_then(|s| s.current_resources.clone());
+    }
+    if let Some(synced) = pod_condition(pod_conditions, RESOURCES_SYNCED) {
+        set_condition(
+            &mut status.conditions,
+            condition(
+                "ResourcesSynced",
+                synced.status == "True",
+                synced.reason.as_deref().unwrap_or("Synced"),
+                synced.message.as_deref().unwrap_or_default(),
+                generation,
+            ),
+        );
+    }
+}
+
+/// The `Migrating` condition from `status.migration`: True while the target
+/// pod waits or the move runs, False with the reason and message once the
+/// last attempt failed (the target agent tries again), succeeded or was
+/// cancelled; absent for a VM that never migrated.
+fn mirror_migration(status: &mut VirtualMachineStatus, generation: Option<i64>) {
+    let Some(migration) = status.migration.clone() else { return };
+    let target = migration.target_node.as_deref().unwrap_or("a host the scheduler picks");
+    let (active, reason, message) = match migration.phase {
+        MigrationPhase::Pending => {
+            (true, "WaitingForTarget", format!("pod {} waits for the scheduler", migration.target_pod))
+        }
+        MigrationPhase::Running => (
+            true,
+            "Moving",
+            format!(
+                "moving {} from {} to {target}",
+                migration.mode.as_deref().unwrap_or("live"),
+                migration.source_node
+            ),
+        ),
+        MigrationPhase::Failed => (false, "MigrationFailed", migration.message.clone().unwrap_or_default()),
+        MigrationPhase::Succeeded => (false, "Migrated", format!("moved from {} to {target}", migration.source_node)),
+        MigrationPhase::Cancelled => (false, "MigrationCancelled", migration.message.clone().unwrap_or_default()),
+    };
+    set_condition(&mut status.conditions, condition("Migrating", active, reason, &message, generation));
+}
 
 /// The status a VM should have given its current pod (`None` when it has none,
 /// or it is named but not created yet) and `designated`, the name of that pod
@@ -22,6 +86,8 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
         provider_id: previous.provider_id.clone(),
         pod_name: designated.map(str::to_owned),
         placement: previous.placement.clone(),
+        migration: previous.migration.clone(),
+        current_resources: previous.current_resources.clone(),
         conditions: previous.conditions.clone(),
         ..VirtualMachineStatus::default()
     };
@@ -52,6 +118,7 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
         status.provider_id = Some(id);
     }
     status.addresses = pod_status.pod_ips.iter().flatten().map(|ip| ip.ip.clone()).collect();
+    mirror_resize(&mut status, vm, container, &pod_conditions, generation);
 
     let scheduled = pod_condition(&pod_conditions, "PodScheduled");
     let waiting = container.and_then(|c| c.state.as_ref()).and_then(|s| s.waiting.as_ref());
@@ -66,8 +133,8 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
                 "EvictionHeld",
                 true,
                 "EvictionHeld",
-                "the VM's pod was evicted (e.g. kubectl drain) but the VM still has replicas 1: it keeps running on \
-                 its host, because migration is not supported yet; scale it to 0 to stop it",
+                "the VM's pod was evicted (e.g. kubectl drain) and the VM still has replicas 1: it keeps running on \
+                 its host until it has moved (status.migration; spec.evictionStrategy); scale it to 0 to stop it",
                 generation,
             ),
         );
@@ -97,7 +164,10 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
             _ => VmPhase::Starting,
         }
     };
+    let active = status.migration.as_ref().filter(|m| m.is_active()).cloned();
+    let phase = if active.is_some() && phase != VmPhase::Stopped { VmPhase::Migrating } else { phase };
     status.phase = Some(phase);
+    mirror_migration(&mut status, generation);
 
     match scheduled {
         Some(c) if c.status == "False" => set_condition(

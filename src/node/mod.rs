@@ -9,12 +9,14 @@
 pub mod console;
 pub mod directory;
 pub mod lease;
+mod migration;
 pub mod placement;
 pub mod pod_status;
 mod pods;
 pub use pods::PLACED_ELSEWHERE;
 pub mod registration;
 pub mod release;
+pub mod resize;
 pub mod restart;
 mod storage;
 

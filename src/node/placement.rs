@@ -8,7 +8,7 @@
 //! VirtualMachine's resourceVersion, so two agents never both claim a VM.
 
 use super::Hosts;
-use crate::v1alpha1::{Placement, VirtualMachine};
+use crate::v1alpha1::{Placement, VirtualMachine, VirtualMachineStatus};
 use kube::api::PostParams;
 use kube::{Api, ResourceExt};
 use tracing::{debug, warn};
@@ -137,43 +137,107 @@ pub enum Recorded {
     /// The record changed meanwhile to name another node (or the VM was
     /// deleted or replaced); nothing was written.
     Changed,
+    /// The fresh VirtualMachine no longer wants what the caller does (the
+    /// reason, from the caller's `refuse`); nothing was written.
+    Refused(&'static str),
 }
 
+/// Why [`record`] did not write: the record no longer names what the caller
+/// expected.
+const RECORD_CHANGED: &str = "the placement record changed meanwhile";
+
 /// Write `placement` into the VM's status, if the record still names
-/// `expected` (what the caller decided from). Reads the VirtualMachine fresh
-/// and writes its whole status guarded by that resourceVersion; retries on a
-/// conflict with another writer (up to 5 times). Errors: the API server.
+/// `expected` (what the caller decided from) and `refuse` finds nothing
+/// against it in the fresh VirtualMachine ([`update_status`], so a success
+/// also proves the VirtualMachine read was current when written). Errors:
+/// the API server.
 pub async fn record(
     vms: &Api<VirtualMachine>,
     name: &str,
     uid: &str,
     expected: Option<&str>,
     placement: Placement,
+    refuse: impl Fn(&VirtualMachine) -> Option<&'static str>,
 ) -> Result<Recorded, kube::Error> {
-    for _ in 0..5 {
-        let Some(mut vm) = vms.get_opt(name).await? else { return Ok(Recorded::Changed) };
-        if vm.uid().as_deref() != Some(uid) {
-            return Ok(Recorded::Changed);
+    let updated = update_status(vms, name, uid, |vm| {
+        if let Some(why) = refuse(vm) {
+            return Change::Refuse(why);
         }
-        let current = recorded_node(&vm).map(str::to_owned);
-        if current.as_deref() == Some(placement.node_name.as_str())
+        let current = recorded_node(vm);
+        if current == Some(placement.node_name.as_str())
             && vm.status.as_ref().and_then(|s| s.placement.as_ref()) == Some(&placement)
         {
-            return Ok(Recorded::Done);
+            return Change::Unchanged;
         }
-        if current.as_deref() != expected && current.as_deref() != Some(placement.node_name.as_str()) {
-            return Ok(Recorded::Changed);
+        if current != expected && current != Some(placement.node_name.as_str()) {
+            return Change::Refuse(RECORD_CHANGED);
         }
-        vm.status.get_or_insert_with(Default::default).placement = Some(placement.clone());
+        let mut status = vm.status.clone().unwrap_or_default();
+        status.placement = Some(placement.clone());
+        Change::Write(Box::new(status))
+    })
+    .await?;
+    Ok(match updated {
+        Updated::Written | Updated::Unchanged => Recorded::Done,
+        Updated::Refused(RECORD_CHANGED) | Updated::Gone => Recorded::Changed,
+        Updated::Refused(why) => Recorded::Refused(why),
+    })
+}
+
+/// What [`update_status`]'s `change` makes of the VirtualMachine read fresh.
+pub enum Change {
+    /// Write this status.
+    Write(Box<VirtualMachineStatus>),
+    /// It says so already.
+    Unchanged,
+    /// Not to be written, for this reason.
+    Refuse(&'static str),
+}
+
+/// How [`update_status`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Updated {
+    /// Written.
+    Written,
+    /// Nothing to write.
+    Unchanged,
+    /// `change` refused, for this reason.
+    Refused(&'static str),
+    /// The VirtualMachine is gone or was replaced (another UID).
+    Gone,
+}
+
+/// Change the status of VirtualMachine `name` (UID `uid`) by `change`, applied
+/// to the object read fresh from the API server and written as a whole
+/// status guarded by its resourceVersion: what `change` decided from is what
+/// the write replaces. Retried with a fresh read on a conflict with another
+/// writer (up to 5 times; then [`Updated::Refused`]). Errors: the API server.
+pub async fn update_status(
+    vms: &Api<VirtualMachine>,
+    name: &str,
+    uid: &str,
+    change: impl Fn(&VirtualMachine) -> Change,
+) -> Result<Updated, kube::Error> {
+    for _ in 0..5 {
+        let Some(mut vm) = vms.get_opt(name).await? else { return Ok(Updated::Gone) };
+        if vm.uid().as_deref() != Some(uid) {
+            return Ok(Updated::Gone);
+        }
+        let status = match change(&vm) {
+            Change::Write(status) => *status,
+            Change::Unchanged => return Ok(Updated::Unchanged),
+            Change::Refuse(why) => return Ok(Updated::Refused(why)),
+        };
+        vm.status = Some(status);
         let params = PostParams { field_manager: Some("vmlet-agent".into()), ..PostParams::default() };
         match vms.replace_status(name, &params, &vm).await {
-            Ok(_) => return Ok(Recorded::Done),
+            Ok(_) => return Ok(Updated::Written),
             Err(kube::Error::Api(s)) if s.code == 409 => continue,
-            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Recorded::Changed),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Updated::Gone),
             Err(e) => return Err(e),
         }
     }
-    Ok(Recorded::Changed)
+    Ok(Updated::Refused("the VirtualMachine kept changing (5 conflicts in a row)"))
 }
 
 #[cfg(test)]

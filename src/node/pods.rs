@@ -14,13 +14,16 @@
 
 use super::placement::{self, HereState, Recorded, Verdict};
 use super::pod_status::{pod_status, same_pod_status, Observed};
+use super::resize::{self, Shown};
 use super::restart::{self, AfterStop, Ended};
 use super::Agent;
+use crate::controller::decide::was_evicted;
 use crate::events::Reason;
 use crate::failure::{self, PodEffect, Retry};
 use crate::identity::{resolve, Refusal, ResolveError};
+use crate::v1alpha1::EvictionStrategy;
 use crate::v1alpha1::{Placement, PowerOffMode, VirtualMachine};
-use crate::vmpod::PodVm;
+use crate::vmpod::{PodRole, PodVm};
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -29,7 +32,7 @@ use kube::{Api, ResourceExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, info, instrument, warn};
-use vmlet_provider::{PowerState, VmStatus};
+use vmlet_provider::{ErrorKind, PowerState, ResizeScope, Resources, VmStatus};
 
 /// How often a running VM's state is read again (the polling adapter).
 const RESYNC: Duration = Duration::from_secs(15);
@@ -85,7 +88,7 @@ async fn sync(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
                 // Nothing of ours to stop.
                 return finish_deletion(pod, agent).await;
             }
-            agent.events.publish(pod, Reason::ProviderFailed, &message).await;
+            agent.events.publish(pod, Reason::ProviderFailed, &message);
             write_status(pod, agent, |p| {
                 pod_status(p, &agent.host_ip, &Observed::Waiting { reason: "InvalidVmPod", message: &message }, false)
             })
@@ -100,6 +103,9 @@ async fn sync(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
         }
         Err(e @ ResolveError::Kube { .. }) => return Err(Error::Identity(e)),
     };
+    if vm.role == PodRole::MigrationTarget {
+        return super::migration::run(pod, &vm, agent).await;
+    }
     if deleting {
         return stop(pod, &vm, agent).await;
     }
@@ -130,9 +136,25 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
     match start_vm(pod, vm, agent).await {
         Ok(Started::Synced { status, restarted }) => {
             debug!(domain = %status.backend_name, power = ?status.power, "pod in sync");
+            let (status, resize) = if status.power.is_active() {
+                let (status, shown) = resize_vm(pod, vm, agent, status).await?;
+                (status, Some(shown))
+            } else {
+                (status, None)
+            };
             let provider_kind = agent.provider.kind();
+            let running = Resources { cpus: status.cpus, memory_bytes: status.memory_bytes };
             write_status(pod, agent, |p| {
-                pod_status(p, &agent.host_ip, &Observed::Vm { status: &status, provider: provider_kind }, restarted)
+                let new = pod_status(
+                    p,
+                    &agent.host_ip,
+                    &Observed::Vm { status: &status, provider: provider_kind },
+                    restarted,
+                );
+                match &resize {
+                    Some(shown) => resize::show(new, running, shown),
+                    None => new,
+                }
             })
             .await?;
             Ok(Action::requeue(if status.power == PowerState::Running { RESYNC } else { TRANSITION * 2 }))
@@ -148,7 +170,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
                 vm.spec.name, agent.host.name
             );
             warn!(vm.uid = %vm.spec.id, placement = %node, "VM lives on another host; not defining it here");
-            agent.events.publish(pod, Reason::PlacedOnAnotherHost, &message).await;
+            agent.events.publish(pod, Reason::PlacedOnAnotherHost, &message);
             write_status(pod, agent, |p| {
                 pod_status(p, &agent.host_ip, &Observed::Waiting { reason: PLACED_ELSEWHERE, message: &message }, false)
             })
@@ -165,7 +187,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
                 vm.spec.name
             );
             info!(vm.uid = %vm.spec.id, domain = %status.backend_name, reason = ended.reason, "left off by its restart policy");
-            agent.events.publish(pod, Reason::LeftOff, &message).await;
+            agent.events.publish(pod, Reason::LeftOff, &message);
             write_status(pod, agent, |p| {
                 pod_status(p, &agent.host_ip, &Observed::Ended { ended, message: &message }, false)
             })
@@ -183,7 +205,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
 async fn provider_failed(pod: &Pod, agent: &Agent, e: vmlet_provider::Error) -> Result<Action, Error> {
     let handling = failure::handling(e.kind);
     let message = e.to_string();
-    agent.events.publish(pod, handling.reason, &message).await;
+    agent.events.publish(pod, handling.reason, &message);
     let reason = handling.reason.as_str();
     write_status(pod, agent, |p| {
         let observed = match handling.pod {
@@ -208,31 +230,38 @@ pub const PLACED_ELSEWHERE: &str = "PlacedOnAnotherHost";
 ///
 /// Provider calls can take long (a libvirtd busy probing QEMU once took
 /// minutes), and the VM may be deleted, stopped or placed elsewhere meanwhile.
-/// So the VirtualMachine and the pod are read again from the API server before
-/// the define and before the power-on; the placement record is written (guarded
-/// by the resourceVersion) after the define and before the power-on; when
-/// any of these says no, a domain defined by this very pass (never started) is
-/// undefined again and nothing is powered on.
+/// So the watch cache is asked before the define, and the placement record is
+/// written after the define and before the power-on: that write reads the
+/// VirtualMachine fresh and is guarded by its resourceVersion, so it both
+/// claims the VM for this host and proves the VM still wants this pod. A VM
+/// recorded here already is read fresh instead. When any of these says no, a
+/// domain defined by this very pass (never started) is undefined again and
+/// nothing is powered on.
 async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error> {
     let provider = &agent.provider;
     let here_name = agent.host.name.as_str();
     let on_host = provider.get(&vm.spec.id).await?;
+    let cached = agent.watches.vms.get(&ObjectRef::new(&vm.spec.name).within(&vm.spec.namespace));
     if let Some(status) = on_host.as_ref().filter(|s| s.power.is_active()) {
         // Steady state: it runs here. The record follows it (from the cache;
         // a write reads fresh).
-        let cached = agent.watches.vms.get(&ObjectRef::new(&vm.spec.name).within(&vm.spec.namespace));
         let recorded = cached.as_deref().and_then(placement::recorded_node).map(str::to_owned);
         if recorded.as_deref() != Some(here_name) {
-            record_here(vm, agent, recorded.as_deref(), status).await?;
+            record_here(pod, vm, agent, recorded.as_deref(), status).await?;
         }
         return Ok(Started::Synced { status: status.clone(), restarted: false });
     }
 
-    let fresh = match wanted(pod, vm, agent).await? {
-        Ok(fresh) => fresh,
-        Err(why) => return Ok(Started::Abandoned(why)),
+    let cached = match cached {
+        Some(cached) => match unwanted(pod, vm, &cached) {
+            Some(why) => return Ok(Started::Abandoned(why)),
+            None => cached,
+        },
+        None => {
+            return Ok(Started::Abandoned("its VirtualMachine is not in the watch cache (deleted, or not seen yet)"))
+        }
     };
-    let recorded = placement::recorded_node(&fresh).map(str::to_owned);
+    let recorded = placement::recorded_node(&cached).map(str::to_owned);
     let state = if on_host.is_some() { HereState::Inactive } else { HereState::Absent };
     let elsewhere = placement::held_elsewhere(&agent.hosts, here_name, &vm.spec.id, &vm.spec.backend_name()).await;
     let ours = |node: &str| agent.hosts.get(node).is_some();
@@ -242,7 +271,7 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
                 // Another host of ours holds it: the record says so from now on.
                 let placement = Placement { node_name: node.clone(), backend_id: None };
                 let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
-                placement::record(&vms, &vm.spec.name, &vm.spec.id.0, recorded.as_deref(), placement)
+                placement::record(&vms, &vm.spec.name, &vm.spec.id.0, recorded.as_deref(), placement, |_| None)
                     .await
                     .map_err(|source| Error::Kube { action: "record the placement of", pod: pod.name_any(), source })?;
             }
@@ -253,13 +282,7 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
 
     // The pod saw the VM running: it stopped by itself (the guest powered
     // off, or it was destroyed behind vmlet). Its restart policy decides.
-    let restarted = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.state.as_ref())
-        .is_some_and(|s| s.running.is_some());
+    let restarted = crate::vmpod::was_running(pod);
     if let (Some(status), true) = (&on_host, restarted) {
         if let AfterStop::LeaveOff(ended) = restart::after_stop(vm.restart_policy, status.stop_reason) {
             return Ok(Started::LeftOff { status: status.clone(), ended });
@@ -276,21 +299,160 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
             (provider.ensure_defined(&vm.spec).await?, true)
         }
     };
-    if write_record && !record_here(vm, agent, recorded.as_deref(), &status).await? {
-        return abandon(vm, agent, &status, defined_now, "the placement record changed meanwhile").await;
-    }
-    if let Err(why) = wanted(pod, vm, agent).await? {
+    let still_wanted = if write_record {
+        match record_here(pod, vm, agent, recorded.as_deref(), &status).await? {
+            Recorded::Done => Ok(()),
+            Recorded::Changed => Err("the placement record changed meanwhile"),
+            Recorded::Refused(why) => Err(why),
+        }
+    } else {
+        wanted(pod, vm, agent).await?
+    };
+    if let Err(why) = still_wanted {
         return abandon(vm, agent, &status, defined_now, why).await;
     }
-    if defined_now {
-        info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "defined");
-        agent.events.publish(pod, Reason::Defined, &format!("defined {} on {}", status.backend_name, here_name)).await;
+    if pod_deleted_meanwhile(pod, agent) {
+        return abandon(vm, agent, &status, defined_now, "the pod is being deleted").await;
+    }
+    if !defined_now {
+        // A resize that waited for this start, or one made while it was off.
+        define_pods_size(vm, agent, &status).await?;
     }
     provider.start(&vm.spec.id).await?;
-    info!(vm.uid = %vm.spec.id, domain = %status.backend_name, "started");
-    agent.events.publish(pod, Reason::Started, &format!("powered on {}", status.backend_name)).await;
+    info!(vm.uid = %vm.spec.id, domain = %status.backend_name, defined = defined_now, "started");
+    let note = if defined_now {
+        format!("defined {} on {here_name} and powered it on", status.backend_name)
+    } else {
+        format!("powered {} on", status.backend_name)
+    };
+    agent.events.publish(pod, Reason::Started, &note);
     let status = provider.get(&vm.spec.id).await?.unwrap_or(status);
     Ok(Started::Synced { status, restarted })
+}
+
+/// The size the pod asks for (its container limits).
+fn pods_size(vm: &PodVm) -> Resources {
+    Resources { cpus: vm.spec.cpus, memory_bytes: vm.spec.memory_bytes }
+}
+
+/// The ceilings the pod asks for, never below its size.
+fn pods_ceilings(vm: &PodVm) -> Resources {
+    let size = pods_size(vm);
+    Resources {
+        cpus: vm.spec.max_cpus.unwrap_or(size.cpus).max(size.cpus),
+        memory_bytes: vm.spec.max_memory_bytes.unwrap_or(size.memory_bytes).max(size.memory_bytes),
+    }
+}
+
+/// Before an inactive VM starts: give its definition the pod's size and
+/// ceilings, where they differ and the backend can resize.
+async fn define_pods_size(vm: &PodVm, agent: &Agent, status: &VmStatus) -> Result<(), Error> {
+    let Some(resizer) = agent.provider.resize() else { return Ok(()) };
+    let (size, ceilings) = (pods_size(vm), pods_ceilings(vm));
+    let defined = Resources { cpus: status.cpus, memory_bytes: status.memory_bytes };
+    let defined_ceilings = Resources { cpus: status.max_cpus, memory_bytes: status.max_memory_bytes };
+    if defined != size || defined_ceilings != ceilings {
+        resizer.resize(&vm.spec.id, size, ceilings, ResizeScope::NextStart).await?;
+        info!(vm.uid = %vm.spec.id, cpus = size.cpus, memory_bytes = size.memory_bytes, "definition resized before start");
+    }
+    Ok(())
+}
+
+/// Give a running VM its pod's size as [`resize::plan`] says, and say what the
+/// pod shows about it; returns the VM's status after any change.
+async fn resize_vm(pod: &Pod, vm: &PodVm, agent: &Agent, status: VmStatus) -> Result<(VmStatus, Shown), Error> {
+    let wanted = pods_size(vm);
+    let now = Resources { cpus: status.cpus, memory_bytes: status.memory_bytes };
+    if now == wanted && status.next_start.is_none_or(|next| next == wanted) {
+        return Ok((status, Shown::Synced));
+    }
+    let resizer = agent.provider.resize();
+    let fit = node_fit(pod, agent, now, wanted).await?;
+    let plan = resize::plan(wanted, vm.resize_policy, resizer.is_some(), &status, fit);
+    let (resizer, scope, restart_required) = match (plan, resizer) {
+        (resize::Plan::InSync, _) => return Ok((status, Shown::Synced)),
+        (resize::Plan::Pending(reason, message), _) => {
+            agent.events.publish(pod, Reason::ResizeNotApplied, &format!("{reason}: {message}"));
+            return Ok((status, Shown::Pending(reason, message)));
+        }
+        (_, None) => {
+            let message = format!("the {} backend cannot resize VMs", agent.provider.kind());
+            agent.events.publish(pod, Reason::ResizeNotApplied, &message);
+            return Ok((status, Shown::Pending("Infeasible", message)));
+        }
+        (resize::Plan::Live, Some(resizer)) => (resizer, ResizeScope::Live, false),
+        (resize::Plan::NextStart { restart_required }, Some(resizer)) => {
+            (resizer, ResizeScope::NextStart, restart_required)
+        }
+    };
+    match resizer.resize(&vm.spec.id, wanted, pods_ceilings(vm), scope).await {
+        Ok(()) => {}
+        Err(e) if matches!(e.kind, ErrorKind::InvalidInput | ErrorKind::Unsupported) => {
+            let message = e.to_string();
+            agent.events.publish(pod, Reason::ResizeNotApplied, &message);
+            return Ok((status, Shown::Failed(message)));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let size = format!("{} vCPUs, {}", wanted.cpus, crate::quantity::format_bytes(wanted.memory_bytes));
+    let status = agent.provider.get(&vm.spec.id).await?.unwrap_or(status);
+    if restart_required {
+        let message = format!(
+            "{size} is in the VM's definition and applies at its next start (resizePolicy {}, ceilings {} vCPUs, {}): \
+             kubectl scale vm/{} --replicas=0, then --replicas=1",
+            vm.resize_policy.as_str(),
+            status.max_cpus,
+            crate::quantity::format_bytes(status.max_memory_bytes),
+            vm.spec.name
+        );
+        info!(vm.uid = %vm.spec.id, %size, "resize waits for a restart");
+        agent.events.publish(pod, Reason::RestartRequired, &message);
+        return Ok((status, Shown::RestartRequired(message)));
+    }
+    if scope == ResizeScope::Live {
+        info!(vm.uid = %vm.spec.id, %size, "resized live");
+        agent.events.publish(pod, Reason::Resized, &format!("resized {} live to {size}", status.backend_name));
+    }
+    Ok((status, Shown::Synced))
+}
+
+/// Whether this node has room for the pod's VM to grow from `now` to `wanted`:
+/// its allocatable resources against the requests of its other pods that
+/// have not ended (from the watch cache), as the kubelet admits a resize.
+async fn node_fit(pod: &Pod, agent: &Agent, now: Resources, wanted: Resources) -> Result<resize::Fit, Error> {
+    if wanted.cpus <= now.cpus && wanted.memory_bytes <= now.memory_bytes {
+        return Ok(resize::Fit::Fits);
+    }
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(agent.client.clone());
+    let node = nodes.get(&agent.host.name).await.map_err(|source| Error::Kube {
+        action: "read the node of",
+        pod: pod.name_any(),
+        source,
+    })?;
+    let allocatable = node.status.and_then(|s| s.allocatable).unwrap_or_default();
+    let amount = |map: &std::collections::BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
+                  key: &str,
+                  parse: fn(&str) -> Result<u64, crate::quantity::QuantityError>| {
+        map.get(key).and_then(|q| parse(&q.0).ok()).unwrap_or(0)
+    };
+    let total = (
+        amount(&allocatable, "cpu", crate::quantity::parse_millicores),
+        amount(&allocatable, "memory", crate::quantity::parse_bytes),
+    );
+    let mut others = (0, 0);
+    for other in agent.watches.pods_on(&agent.host.name) {
+        let ended = matches!(other.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
+        if other.uid() == pod.uid() || ended {
+            continue;
+        }
+        for container in other.spec.iter().flat_map(|s| &s.containers) {
+            if let Some(requests) = container.resources.as_ref().and_then(|r| r.requests.as_ref()) {
+                others.0 += amount(requests, "cpu", crate::quantity::parse_millicores);
+                others.1 += amount(requests, "memory", crate::quantity::parse_bytes);
+            }
+        }
+    }
+    Ok(resize::fit(now, wanted, total, others))
 }
 
 /// Give up this pass: a definition made by it (never started) is removed
@@ -310,47 +472,77 @@ async fn abandon(
 }
 
 /// Record that this host holds the VM (`status.placement`), if the record
-/// still names `expected`. Returns false when it changed meanwhile.
-async fn record_here(vm: &PodVm, agent: &Agent, expected: Option<&str>, status: &VmStatus) -> Result<bool, Error> {
+/// still names `expected` and the fresh VirtualMachine still wants `pod`
+/// ([`unwanted`]).
+async fn record_here(
+    pod: &Pod,
+    vm: &PodVm,
+    agent: &Agent,
+    expected: Option<&str>,
+    status: &VmStatus,
+) -> Result<Recorded, Error> {
     let placement = Placement { node_name: agent.host.name.clone(), backend_id: Some(status.backend_id.clone()) };
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
-    let done = placement::record(&vms, &vm.spec.name, &vm.spec.id.0, expected, placement)
-        .await
-        .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
+    let done =
+        placement::record(&vms, &vm.spec.name, &vm.spec.id.0, expected, placement, |fresh| unwanted(pod, vm, fresh))
+            .await
+            .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
     if done == Recorded::Done {
         info!(vm.uid = %vm.spec.id, node.name = %agent.host.name, "placement recorded");
     }
-    Ok(done == Recorded::Done)
+    Ok(done)
+}
+
+/// Why the VirtualMachine `current` (from the cache or read fresh) no longer
+/// wants to run through `pod`: it is another object (replaced, same name),
+/// being deleted, scaled to 0, or names another current pod. `None`: it does.
+fn unwanted(pod: &Pod, vm: &PodVm, current: &VirtualMachine) -> Option<&'static str> {
+    if current.uid().as_deref() != Some(vm.spec.id.0.as_str()) {
+        Some("its VirtualMachine was replaced")
+    } else if current.metadata.deletion_timestamp.is_some() {
+        Some("its VirtualMachine is being deleted")
+    } else if current.spec.replicas == 0 {
+        Some("its VirtualMachine was scaled to 0")
+    } else if current.status.as_ref().and_then(|s| s.pod_name.as_deref()) != Some(pod.name_any().as_str()) {
+        Some("its VirtualMachine has another current pod")
+    } else {
+        None
+    }
+}
+
+/// Whether the watch cache shows `pod` deleted, replaced or being deleted
+/// since this pass began (its deletion pass then runs next).
+fn pod_deleted_meanwhile(pod: &Pod, agent: &Agent) -> bool {
+    let key = ObjectRef::new(&pod.name_any()).within(&pod.namespace().unwrap_or_default());
+    match agent.watches.pods.get(&key) {
+        Some(now) => now.uid() != pod.uid() || now.metadata.deletion_timestamp.is_some(),
+        None => true,
+    }
 }
 
 /// The pod's VirtualMachine, read fresh from the API server (not from a watch
-/// cache, which may lag), when it still wants to run through this pod; else
-/// why not: its VirtualMachine is gone, replaced (another UID), being deleted,
-/// scaled to 0 or has another current pod, or the pod is gone or being deleted.
+/// cache, which may lag), when it still wants to run through this pod
+/// ([`unwanted`]), and the pod is not gone or being deleted; else why not.
 /// Errors: the API server could not be read (the pass retries; nothing was
 /// done).
-async fn wanted(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Result<VirtualMachine, &'static str>, Error> {
+async fn wanted(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Result<(), &'static str>, Error> {
     let namespace = pod.namespace().unwrap_or_default();
     let kube_err = |action| move |source| Error::Kube { action, pod: pod.name_any(), source };
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
-    let fresh = match vms.get_opt(&vm.spec.name).await.map_err(kube_err("read the VirtualMachine of"))? {
+    match vms.get_opt(&vm.spec.name).await.map_err(kube_err("read the VirtualMachine of"))? {
         None => return Ok(Err("its VirtualMachine was deleted")),
-        Some(v) if v.uid().as_deref() != Some(vm.spec.id.0.as_str()) => {
-            return Ok(Err("its VirtualMachine was replaced"))
+        Some(fresh) => {
+            if let Some(why) = unwanted(pod, vm, &fresh) {
+                return Ok(Err(why));
+            }
         }
-        Some(v) if v.metadata.deletion_timestamp.is_some() => return Ok(Err("its VirtualMachine is being deleted")),
-        Some(v) if v.spec.replicas == 0 => return Ok(Err("its VirtualMachine was scaled to 0")),
-        Some(v) if v.status.as_ref().and_then(|s| s.pod_name.as_deref()) != Some(pod.name_any().as_str()) => {
-            return Ok(Err("its VirtualMachine has another current pod"))
-        }
-        Some(v) => v,
-    };
+    }
     let pods: Api<Pod> = Api::namespaced(agent.client.clone(), &namespace);
     Ok(match pods.get_opt(&pod.name_any()).await.map_err(kube_err("read"))? {
         None => Err("the pod was deleted"),
         Some(p) if p.uid() != pod.uid() => Err("the pod was replaced"),
         Some(p) if p.metadata.deletion_timestamp.is_some() => Err("the pod is being deleted"),
-        Some(_) => Ok(fresh),
+        Some(_) => Ok(()),
     })
 }
 
@@ -362,28 +554,23 @@ async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
     };
     if !status.power.is_active() {
         agent.forget(&uid);
-        agent
-            .events
-            .publish(
-                pod,
-                Reason::Stopped,
-                &format!("{} is off; its definition and disks are kept", status.backend_name),
-            )
-            .await;
+        agent.events.publish(
+            pod,
+            Reason::Stopped,
+            &format!("{} is off; its definition and disks are kept", status.backend_name),
+        );
         return finish_deletion(pod, agent).await;
     }
-    if was_evicted(pod) && still_wanted(pod, agent).await {
+    if vm.eviction_strategy != EvictionStrategy::None && was_evicted(pod) && still_wanted(pod, agent).await {
         if agent.remember(&agent.held, &uid) {
             warn!("evicted pod's VM still wants to run; keeping it powered on");
-            agent
-                .events
-                .publish(
-                    pod,
-                    Reason::EvictionHeld,
-                    "the pod was evicted but its VirtualMachine still has replicas 1: the VM keeps running until it \
-                     is stopped (kubectl scale virtualmachine/<name> --replicas=0)",
-                )
-                .await;
+            agent.events.publish(
+                pod,
+                Reason::EvictionHeld,
+                "the pod was evicted but its VirtualMachine still has replicas 1: the VM keeps running here until \
+                 it has moved to another host (status.migration) or is stopped (kubectl scale \
+                 virtualmachine/<name> --replicas=0)",
+            );
         }
         return Ok(Action::requeue(Duration::from_secs(10)));
     }
@@ -402,23 +589,14 @@ async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
     if hard {
         provider.destroy(&vm.spec.id).await?;
         info!(domain = %status.backend_name, "destroyed");
-        agent.events.publish(pod, Reason::Destroyed, &format!("powered {} off", status.backend_name)).await;
+        agent.events.publish(pod, Reason::Destroyed, &format!("powered {} off", status.backend_name));
     } else if asked_at.is_none() {
         provider.shutdown(&vm.spec.id).await?;
         agent.shutdown_sent.lock().expect("agent set poisoned").insert(uid.clone(), Instant::now());
         info!(domain = %status.backend_name, grace_seconds = grace.as_secs(), "asked the guest to shut down");
-        agent.events.publish(pod, Reason::ShuttingDown, &format!("asked {} to shut down", status.backend_name)).await;
+        agent.events.publish(pod, Reason::ShuttingDown, &format!("asked {} to shut down", status.backend_name));
     }
     Ok(Action::requeue(TRANSITION))
-}
-
-/// The pod carries the DisruptionTarget condition set by an eviction or the
-/// taint manager.
-fn was_evicted(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "DisruptionTarget" && c.status == "True"))
 }
 
 /// Whether the pod's VirtualMachine still exists, is not being deleted and wants
@@ -440,7 +618,7 @@ async fn still_wanted(pod: &Pod, agent: &Agent) -> bool {
 
 /// Complete a pod's deletion (grace period 0), as the kubelet does once its
 /// containers are gone.
-async fn finish_deletion(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
+pub(super) async fn finish_deletion(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
     let pods: Api<Pod> = Api::namespaced(agent.client.clone(), &pod.namespace().unwrap_or_default());
     let params = DeleteParams {
         grace_period_seconds: Some(0),
@@ -466,7 +644,7 @@ async fn refuse_plain_pod(pod: &Pod, agent: &Agent, why: &str) -> Result<Action,
         return Ok(Action::await_change());
     }
     let message = format!("{why}; only VirtualMachines run on vmlet's nodes");
-    agent.events.publish(pod, Reason::NotAVirtualMachine, &message).await;
+    agent.events.publish(pod, Reason::NotAVirtualMachine, &message);
     write_status(pod, agent, |p| PodStatus {
         phase: Some("Failed".into()),
         reason: Some("NotAVirtualMachine".into()),

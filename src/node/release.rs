@@ -106,14 +106,11 @@ async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<A
         }
         host.provider.undefine(&id).await?;
         info!(node.name = %host.name, domain = %status.backend_name, "undefined");
-        releaser
-            .events
-            .publish(
-                &*vm,
-                Reason::Undefined,
-                &format!("undefined {} on {} (deletionPolicy Delete)", status.backend_name, host.name),
-            )
-            .await;
+        releaser.events.publish(
+            &*vm,
+            Reason::Undefined,
+            &format!("undefined {} on {} (deletionPolicy Delete)", status.backend_name, host.name),
+        );
     }
     let history = console::vm_log_dir(&releaser.state_dir, &namespace, &vm.name_any(), &id.0);
     if let Err(e) = tokio::fs::remove_dir_all(&history).await {

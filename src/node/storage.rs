@@ -64,23 +64,14 @@ pub(super) async fn refuse(pod: &Pod, agent: &Agent, refusal: &StorageRefusal) -
         pod_status(p, &agent.host_ip, &Observed::Waiting { reason, message: &message }, false)
     })
     .await?;
-    agent.events.publish(pod, Reason::StorageNotAllowed, &message).await;
+    agent.events.publish(pod, Reason::StorageNotAllowed, &message);
     Ok(Action::requeue(RECHECK))
 }
 
 /// True when `pod`'s container already waits with reason `StorageNotAllowed`
 /// and `message`.
 fn shows_refusal(pod: &Pod, message: &str) -> bool {
-    let waiting = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.state.as_ref())
-        .and_then(|s| s.waiting.as_ref());
-    waiting.is_some_and(|w| {
-        w.reason.as_deref() == Some(Reason::StorageNotAllowed.as_str()) && w.message.as_deref() == Some(message)
-    })
+    crate::vmpod::waiting_reason(pod) == Some((Reason::StorageNotAllowed.as_str(), Some(message)))
 }
 
 #[cfg(test)]

@@ -201,18 +201,26 @@ pub struct Host<'a> {
     pub cpu_allocation_ratio: f64,
     /// `accelerator` (`auto`, `kvm`, `tcg`); `None` leaves the default, auto.
     pub accelerator: Option<&'static str>,
+    /// More fields of the host's config (e.g. `migrationUri`), set last.
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl<'a> Host<'a> {
     /// A host without overcommit.
     pub fn new(suffix: &'a str, uri: String) -> Self {
-        Host { suffix, uri, cpu_allocation_ratio: 1.0, accelerator: None }
+        Host { suffix, uri, cpu_allocation_ratio: 1.0, accelerator: None, extra: Default::default() }
+    }
+
+    /// This host with config field `key` (camelCase) set to `value`.
+    pub fn with(mut self, key: &str, value: serde_json::Value) -> Self {
+        self.extra.insert(key.to_owned(), value);
+        self
     }
 
     /// The real libvirtd (`qemu:///system`), its CPUs overcommitted 8 times so
     /// that ten 1-cpu VMs fit on a 2-core machine, as on a real VM host.
     pub fn qemu(suffix: &'a str) -> Self {
-        Host { suffix, uri: qemu_uri(), cpu_allocation_ratio: 8.0, accelerator: None }
+        Host { suffix, uri: qemu_uri(), cpu_allocation_ratio: 8.0, accelerator: None, extra: Default::default() }
     }
 }
 
@@ -331,6 +339,9 @@ impl TestEnv {
                        "storageRoots": [storage_root(self)]});
                 if let Some(accelerator) = h.accelerator {
                     host["accelerator"] = json!(accelerator);
+                }
+                for (key, value) in &h.extra {
+                    host[key] = value.clone();
                 }
                 host
             })
