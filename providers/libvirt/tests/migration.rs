@@ -178,6 +178,8 @@ async fn move_live(spec: &VmSpec, from: &LibvirtProvider, to: &LibvirtProvider) 
     let uptime_before = uptime(from, id).await;
 
     let sampler = Sampler::start(&before.backend_name, from.uri(), to.uri());
+    // A sample of the start state before anything moves.
+    sampler.wait_for_sample_after(Instant::now()).await;
     let started = Instant::now();
     migration(from)
         .migrate(id, &migration(to).target(), MigrationMode::Live, MIGRATION_TIMEOUT)
