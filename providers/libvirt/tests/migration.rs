@@ -89,6 +89,7 @@ fn running_on(uri: &str) -> Vec<String> {
 /// One sample of where the domain runs.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
+    /// When the sample began (its target listing), since the sampler started.
     at: Duration,
     on_target: bool,
     on_source: bool,
@@ -122,20 +123,21 @@ impl Sampler {
         let (name, into, flag) = (name.to_owned(), Arc::clone(&samples), Arc::clone(&stop));
         let thread = thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
+                let at = started.elapsed();
                 let on_target = is_running(&target, &name);
                 let on_source = is_running(&source, &name);
-                into.lock().unwrap().push(Sample { at: started.elapsed(), on_target, on_source });
+                into.lock().unwrap().push(Sample { at, on_target, on_source });
                 thread::sleep(Duration::from_millis(50));
             }
         });
         Sampler { started, samples, stop, thread }
     }
 
-    /// Wait (up to a minute) until a sample begun after `instant` was taken.
+    /// Wait (up to a minute) until a sample begun after `instant` was taken
+    /// (both its listings then saw the hosts as they were after `instant`).
     async fn wait_for_sample_after(&self, instant: Instant) {
         let since = instant - self.started;
-        let taken =
-            || self.samples.lock().unwrap().last().is_some_and(|last| last.at > since + Duration::from_millis(1));
+        let taken = || self.samples.lock().unwrap().last().is_some_and(|last| last.at > since);
         let until = Instant::now() + Duration::from_secs(60);
         while !taken() {
             assert!(Instant::now() < until, "the sampler took no sample for a minute");
