@@ -182,10 +182,11 @@ fn abort_job(domain: &Domain) -> Result<(), VirtError> {
 ///
 /// - an unsafe disk (`VIR_ERR_MIGRATE_UNSAFE`) → `Unsupported`, saying why;
 /// - an aborted job → `Transient`;
-/// - a state that does not fit (`VIR_ERR_OPERATION_INVALID`, e.g. "migrate to
-///   the same host") → `InvalidInput`;
-/// - otherwise the libvirt error's kind (a target that cannot be reached is a
-///   system or RPC error: `Transient`).
+/// - a state that does not fit (`VIR_ERR_OPERATION_INVALID`, e.g. the domain
+///   stopped meanwhile) → `InvalidInput`;
+/// - otherwise the libvirt error's kind: a target that cannot be reached is a
+///   system or RPC error (`Transient`); a target that is this host ("Attempt to
+///   migrate guest to the same host", an internal error) is `Permanent`.
 fn migrate_error(uri: &str, err: VirtError) -> Error {
     let code = err.code();
     let (kind, message) = if code.is(ErrorNumber::MigrateUnsafe) {

@@ -58,7 +58,7 @@ pub enum AcceleratorSetting {
 ///
 /// Capabilities: on QEMU the serial console ([`Console`]: history from virtlogd's
 /// log, live attach through `virDomainOpenConsole`), commands in the guest
-/// ([`GuestExec`], through qemu-guest-agent), [`Stats`] and [`Resize`] (vCPU
+/// ([`GuestExec`], through qemu-guest-agent), [`Stats`], [`Resize`] (vCPU
 /// hot-plug and the balloon within the ceilings a VM was defined with, or its
 /// definition for the next start) and [`Migration`] (peer-to-peer live and
 /// offline migration to another libvirt host: see

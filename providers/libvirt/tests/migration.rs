@@ -16,6 +16,7 @@ use common::guest::{exec_when_ready, guest_accelerator, guest_dir, remove_leftov
 
 use std::io::ErrorKind as IoErrorKind;
 use std::net::TcpListener;
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,7 +28,6 @@ use vmlet_provider::{
     ErrorKind, Migration, MigrationMode, MigrationProgress, MigrationTarget, PowerState, Provider, VmSpec,
 };
 
-const MIB: u64 = 1024 * 1024;
 /// A live migration of the idle 256 MiB guest took 2–4 s here; generous for
 /// a loaded 2-core CI host.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(300);
@@ -62,20 +62,17 @@ impl Hosts {
     }
 }
 
-/// A spec unique to this run in `namespace`: 1 vCPU, 256 MiB, no disk.
-fn spec(namespace: &str, what: &str) -> VmSpec {
-    let (id, nanos) = common::unique_uid();
-    VmSpec {
-        id,
-        namespace: namespace.into(),
-        name: format!("{what}-{}-{}", std::process::id(), nanos % 1_000_000_000),
-        cpus: 1,
-        memory_bytes: 256 * MIB,
-        max_cpus: None,
-        max_memory_bytes: None,
-        image: None,
-        kernel_boot: None,
-    }
+/// The test guest booted on `provider`'s host from a kernel and initramfs in
+/// a run directory of its own (which must outlive the VM), its agent
+/// answering.
+async fn boot_guest(provider: &LibvirtProvider, guest: &Path, namespace: &str, what: &str) -> (VmSpec, RunDir) {
+    let mut spec = common::unique_spec(namespace, what);
+    let run_dir = RunDir::new(guest, &spec.name, &["vmlinuz", "initrd.img"]);
+    spec.kernel_boot = Some(run_dir.kernel_boot(guest));
+    provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("start");
+    exec_when_ready(provider, &spec.id, &["true"], BOOT_DEADLINE).await;
+    (spec, run_dir)
 }
 
 fn migration(provider: &LibvirtProvider) -> &dyn Migration {
@@ -92,6 +89,7 @@ fn running_on(uri: &str) -> Vec<String> {
 /// One sample of where the domain runs.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
+    /// When the sample began (its target listing), since the sampler started.
     at: Duration,
     on_target: bool,
     on_source: bool,
@@ -125,20 +123,21 @@ impl Sampler {
         let (name, into, flag) = (name.to_owned(), Arc::clone(&samples), Arc::clone(&stop));
         let thread = thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
+                let at = started.elapsed();
                 let on_target = is_running(&target, &name);
                 let on_source = is_running(&source, &name);
-                into.lock().unwrap().push(Sample { at: started.elapsed(), on_target, on_source });
+                into.lock().unwrap().push(Sample { at, on_target, on_source });
                 thread::sleep(Duration::from_millis(50));
             }
         });
         Sampler { started, samples, stop, thread }
     }
 
-    /// Wait (up to a minute) until a sample begun after `instant` was taken.
+    /// Wait (up to a minute) until a sample begun after `instant` was taken
+    /// (both its listings then saw the hosts as they were after `instant`).
     async fn wait_for_sample_after(&self, instant: Instant) {
         let since = instant - self.started;
-        let taken =
-            || self.samples.lock().unwrap().last().is_some_and(|last| last.at > since + Duration::from_millis(1));
+        let taken = || self.samples.lock().unwrap().last().is_some_and(|last| last.at > since);
         let until = Instant::now() + Duration::from_secs(60);
         while !taken() {
             assert!(Instant::now() < until, "the sampler took no sample for a minute");
@@ -181,6 +180,8 @@ async fn move_live(spec: &VmSpec, from: &LibvirtProvider, to: &LibvirtProvider) 
     let uptime_before = uptime(from, id).await;
 
     let sampler = Sampler::start(&before.backend_name, from.uri(), to.uri());
+    // A sample of the start state before anything moves.
+    sampler.wait_for_sample_after(Instant::now()).await;
     let started = Instant::now();
     migration(from)
         .migrate(id, &migration(to).target(), MigrationMode::Live, MIGRATION_TIMEOUT)
@@ -236,13 +237,8 @@ async fn a_running_guest_moves_live_to_the_other_host_and_back() {
     let guest = guest_dir();
     const NS: &str = "vmlet-mig-live";
     let hosts = Hosts::connect(uris, guest_accelerator(&guest), NS).await;
-    let mut spec = spec(NS, "live");
-    let run_dir = RunDir::new(&guest, &spec.name, &["vmlinuz", "initrd.img"]);
-    spec.kernel_boot = Some(run_dir.kernel_boot(&guest));
+    let (spec, _run_dir) = boot_guest(&hosts.a, &guest, NS, "live").await;
     let id = spec.id.clone();
-    hosts.a.ensure_defined(&spec).await.expect("define on mig-a");
-    hosts.a.start(&id).await.expect("start on mig-a");
-    exec_when_ready(&hosts.a, &id, &["true"], BOOT_DEADLINE).await;
 
     move_live(&spec, &hosts.a, &hosts.b).await;
     let on_b = exec_when_ready(&hosts.b, &id, &["uname", "-r"], BOOT_DEADLINE).await;
@@ -259,16 +255,12 @@ async fn a_migration_that_outlasts_its_timeout_is_aborted_and_the_guest_keeps_ru
     let guest = guest_dir();
     const NS: &str = "vmlet-mig-abort";
     let hosts = Hosts::connect(uris, guest_accelerator(&guest), NS).await;
-    let mut spec = spec(NS, "slow");
-    let run_dir = RunDir::new(&guest, &spec.name, &["vmlinuz", "initrd.img"]);
-    spec.kernel_boot = Some(run_dir.kernel_boot(&guest));
+    let (spec, _run_dir) = boot_guest(&hosts.a, &guest, NS, "slow").await;
     let id = spec.id.clone();
-    let defined = hosts.a.ensure_defined(&spec).await.expect("define on mig-a");
-    hosts.a.start(&id).await.expect("start on mig-a");
     let uptime_before = uptime(&hosts.a, &id).await;
 
     // 1 MiB/s: copying the booted guest's memory takes far longer than 8 s.
-    set_migration_speed(hosts.a.uri(), &defined.backend_name, 1);
+    set_migration_speed(hosts.a.uri(), &spec.backend_name(), 1);
     let timeout = Duration::from_secs(8);
     let (source, watch_id, stop) = (hosts.a.clone(), id.clone(), Arc::new(AtomicBool::new(false)));
     let watching = Arc::clone(&stop);
@@ -297,7 +289,7 @@ async fn a_migration_that_outlasts_its_timeout_is_aborted_and_the_guest_keeps_ru
     let here = hosts.a.get(&id).await.expect("get").expect("still on mig-a");
     assert_eq!(here.power, PowerState::Running);
     assert_eq!(hosts.b.get(&id).await.expect("get on mig-b"), None);
-    assert!(!running_on(hosts.b.uri()).contains(&defined.backend_name));
+    assert!(!running_on(hosts.b.uri()).contains(&spec.backend_name()));
     assert!(uptime(&hosts.a, &id).await > uptime_before, "the guest kept running");
     assert_eq!(migration(&hosts.a).progress(&id).await.expect("progress"), None, "no migration runs now");
 
@@ -317,7 +309,7 @@ async fn a_shut_off_vm_moves_cold_with_its_identity() {
     const NS: &str = "vmlet-mig-cold";
     let hosts = Hosts::connect(uris, AcceleratorSetting::Tcg, NS).await;
     // No guest OS: QEMU idles in the firmware, enough for a definition's move.
-    let spec = spec(NS, "cold");
+    let spec = common::unique_spec(NS, "cold");
     let id = &spec.id;
     let defined = hosts.a.ensure_defined(&spec).await.expect("define on mig-a");
     let to_b = migration(&hosts.b).target();
@@ -390,7 +382,7 @@ async fn a_migration_to_a_target_that_cannot_be_reached_fails_transient_and_the_
     let Some(uris) = common::two_hosts("a_migration_to_a_target_that_cannot_be_reached") else { return };
     const NS: &str = "vmlet-mig-unreachable";
     let hosts = Hosts::connect(uris, AcceleratorSetting::Tcg, NS).await;
-    let spec = spec(NS, "stay");
+    let spec = common::unique_spec(NS, "stay");
     let id = &spec.id;
     hosts.a.ensure_defined(&spec).await.expect("define on mig-a");
     hosts.a.start(id).await.expect("start on mig-a");
@@ -441,7 +433,7 @@ async fn a_vm_with_a_local_disk_moves_live_only_where_unsafe_migration_is_allowe
     let hosts = Hosts::connect(uris, AcceleratorSetting::Tcg, NS).await;
     // A qcow2 disk on the local file system both hosts see at the same path,
     // and no OS: the firmware finds nothing to boot and idles.
-    let mut spec = spec(NS, "disk");
+    let mut spec = common::unique_spec(NS, "disk");
     let run_dir = RunDir::new(&guest, &spec.name, &["disk.qcow2"]);
     spec.image = Some(run_dir.path("disk.qcow2"));
     let id = &spec.id;

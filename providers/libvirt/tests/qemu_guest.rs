@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use vmlet_libvirt::LibvirtProvider;
-use vmlet_provider::{ErrorKind, Provider, StreamIo, VmId, VmSpec};
+use vmlet_provider::{ErrorKind, Provider, StreamIo, VmId};
 
 const NAMESPACE: &str = "vmlet-guest-it";
 const BOOTED: &str = "vmlet-guest: booted";
@@ -24,12 +24,6 @@ const BOOTED: &str = "vmlet-guest: booted";
 /// going back after the cycles): generous, so that only a hang or a leak
 /// reaches it on a loaded CI host, never slowness.
 const PROMPT_DEADLINE: Duration = Duration::from_secs(60);
-
-/// A unique uid and name for this run.
-fn unique() -> (VmId, String) {
-    let (uid, nanos) = common::unique_uid();
-    (uid, format!("guest-{}-{}", std::process::id(), nanos % 1_000_000_000))
-}
 
 /// Poll the console history from offset 0 until it contains `needle`; returns
 /// the boot and the text so far.
@@ -142,19 +136,11 @@ async fn real_guest_serves_logs_exec_attach_and_stats() {
 
     let provider = LibvirtProvider::connect_with(&uri, guest_accelerator(&guest)).await.expect("connect");
     remove_leftovers(&provider, NAMESPACE).await;
-    let (id, name) = unique();
-    let run = RunDir::new(&guest, &name, &["vmlinuz", "initrd.img", "disk.qcow2"]);
-    let spec = VmSpec {
-        id: id.clone(),
-        namespace: NAMESPACE.into(),
-        name,
-        cpus: 1,
-        memory_bytes: 256 * 1024 * 1024,
-        max_cpus: None,
-        max_memory_bytes: None,
-        image: Some(run.path("disk.qcow2")),
-        kernel_boot: Some(run.kernel_boot(&guest)),
-    };
+    let mut spec = common::unique_spec(NAMESPACE, "guest");
+    let run = RunDir::new(&guest, &spec.name, &["vmlinuz", "initrd.img", "disk.qcow2"]);
+    spec.image = Some(run.path("disk.qcow2"));
+    spec.kernel_boot = Some(run.kernel_boot(&guest));
+    let id = spec.id.clone();
     provider.ensure_defined(&spec).await.expect("define");
 
     // Before the first start there is no output yet, and no boot.

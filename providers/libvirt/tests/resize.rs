@@ -17,7 +17,7 @@ use common::guest::{
 use std::time::Duration;
 
 use vmlet_libvirt::LibvirtProvider;
-use vmlet_provider::{ErrorKind, PowerState, Provider, ResizeScope, Resources, VmId, VmSpec, VmStatus};
+use vmlet_provider::{ErrorKind, PowerState, Provider, ResizeScope, Resources, VmId, VmStatus};
 
 const NAMESPACE: &str = "vmlet-resize-it";
 const MIB: u64 = 1024 * 1024;
@@ -75,20 +75,11 @@ async fn a_running_guest_grows_and_shrinks_within_its_ceilings_and_takes_a_new_s
     let guest = guest_dir();
     let provider = LibvirtProvider::connect_with(&uri, guest_accelerator(&guest)).await.expect("connect");
     remove_leftovers(&provider, NAMESPACE).await;
-    let (id, nanos) = common::unique_uid();
-    let name = format!("resize-{}-{}", std::process::id(), nanos % 1_000_000_000);
-    let run_dir = RunDir::new(&guest, &name, &["vmlinuz", "initrd.img"]);
-    let spec = VmSpec {
-        id: id.clone(),
-        namespace: NAMESPACE.into(),
-        name,
-        cpus: 1,
-        memory_bytes: 256 * MIB,
-        max_cpus: Some(2),
-        max_memory_bytes: Some(512 * MIB),
-        image: None,
-        kernel_boot: Some(run_dir.kernel_boot(&guest)),
-    };
+    let mut spec = common::unique_spec(NAMESPACE, "resize");
+    let run_dir = RunDir::new(&guest, &spec.name, &["vmlinuz", "initrd.img"]);
+    (spec.max_cpus, spec.max_memory_bytes) = (Some(2), Some(512 * MIB));
+    spec.kernel_boot = Some(run_dir.kernel_boot(&guest));
+    let id = spec.id.clone();
     provider.ensure_defined(&spec).await.expect("define");
     provider.start(&id).await.expect("start");
     let resize = provider.resize().expect("QEMU resizes");
@@ -140,21 +131,22 @@ async fn a_running_guest_grows_and_shrinks_within_its_ceilings_and_takes_a_new_s
     let unchanged = status(&provider, &id).await;
     assert_eq!((unchanged.cpus, unchanged.memory_bytes, unchanged.next_start), (2, 384 * MIB, None));
 
-    // Below what the guest uses: refused, with both figures.
-    exec_when_ready(&provider, &id, &["dd", "if=/dev/zero", "of=/run/fill", "bs=1M", "count=200"], SETTLE).await;
-    let used = wait_for("the guest to report 200 MiB more in use", SETTLE, || async {
+    // Below what the guest uses: refused, with both figures. 150 MiB in its
+    // tmpfs leave the 384 MiB guest room for its agent and shell.
+    exec_when_ready(&provider, &id, &["dd", "if=/dev/zero", "of=/run/fill", "bs=1M", "count=150"], SETTLE).await;
+    let used = wait_for("the guest to report the 150 MiB in use", SETTLE, || async {
         let used = used_mib(&provider, &id).await;
-        if used >= 200 {
+        if used >= 150 {
             Ok(used)
         } else {
             Err(format!("{used} MiB in use"))
         }
     })
     .await;
-    let err = resize.resize(&id, resources(2, 160), resources(2, 512), ResizeScope::Live).await.expect_err("shrink");
+    let err = resize.resize(&id, resources(2, 128), resources(2, 512), ResizeScope::Live).await.expect_err("shrink");
     println!("shrinking below use ({used} MiB): {err}");
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
-    assert!(err.message.contains("MiB of memory now") && err.message.contains("160 MiB"), "{err}");
+    assert!(err.message.contains("MiB of memory now") && err.message.contains("128 MiB"), "{err}");
     assert_eq!(status(&provider, &id).await.memory_bytes, 384 * MIB, "nothing taken");
     let now = uptime(&provider, &id).await;
     assert!(now > last_uptime, "the guest runs on: uptime {last_uptime} s, then {now} s");
@@ -164,7 +156,7 @@ async fn a_running_guest_grows_and_shrinks_within_its_ceilings_and_takes_a_new_s
     exec_when_ready(&provider, &id, &["rm", "/run/fill"], SETTLE).await;
     wait_for("the guest to report its memory freed", SETTLE, || async {
         let used = used_mib(&provider, &id).await;
-        if used < 160 {
+        if used < 128 {
             Ok(())
         } else {
             Err(format!("{used} MiB in use"))

@@ -10,7 +10,7 @@ pub mod deadline;
 pub mod guest;
 
 use std::time::{SystemTime, UNIX_EPOCH};
-use vmlet_provider::VmId;
+use vmlet_provider::{VmId, VmSpec};
 
 /// The real libvirtd's URI (`hack/test.sh` starts it and sets the variable).
 #[allow(dead_code)] // the tests on two hosts use their own
@@ -67,4 +67,22 @@ pub fn unique_uid() -> (VmId, u128) {
         nanos as u64 & 0xffff_ffff_ffff,
     );
     (VmId(uid), nanos)
+}
+
+/// A spec unique to this run in `namespace`, named `<what>-<pid>-<n>`: 1 vCPU,
+/// 256 MiB, no ceilings, no files.
+#[allow(dead_code)] // not every test binary defines VMs this way
+pub fn unique_spec(namespace: &str, what: &str) -> VmSpec {
+    let (id, nanos) = unique_uid();
+    VmSpec {
+        id,
+        namespace: namespace.into(),
+        name: format!("{what}-{}-{}", std::process::id(), nanos % 1_000_000_000),
+        cpus: 1,
+        memory_bytes: 256 * 1024 * 1024,
+        max_cpus: None,
+        max_memory_bytes: None,
+        image: None,
+        kernel_boot: None,
+    }
 }
