@@ -168,7 +168,18 @@ async fn a_real_guest_gets_a_vcpu_and_memory_live_through_kubectl_without_a_rebo
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
     assert_eq!(exec_in_guest(&env, &pod, &["nproc"]).await.trim(), "1");
-    let (memory_before, uptime_before) = memory_and_uptime(&env, &pod).await;
+    // The guest boots with its ceiling (512 MiB) until its balloon driver
+    // takes the rest back: measure once it has.
+    let (memory_before, uptime_before) = env
+        .wait_for("the guest's balloon to settle at 256 MiB", || {
+            let env = &env;
+            let pod = pod.clone();
+            async move {
+                let (kib, uptime) = memory_and_uptime(env, &pod).await;
+                (kib <= 256 * 1024).then_some((kib, uptime))
+            }
+        })
+        .await;
 
     patch_vm(&env, "web", json!({"spec": {"resources": {"cpu": 2, "memory": "384Mi"}}}));
     wait_resize(&env, "web", size(2, "384Mi"), ("True", "Synced")).await;
