@@ -212,9 +212,13 @@ async fn a_move_to_a_target_the_source_cannot_reach_fails_and_the_vm_runs_on() {
         .wait_for("the migration to report its failure", || {
             let vms = vms.clone();
             async move {
+                // The agent records the failure, the controller mirrors it
+                // into the condition; the agent retries with backoff, so wait
+                // for a moment that shows both.
                 let status = vms.get("web").await.ok()?.status?;
-                let migration = status.migration.clone()?;
-                (serde_json::to_value(migration.phase).ok()? == "Failed").then_some(status)
+                let failed = serde_json::to_value(status.migration.as_ref()?.phase).ok()? == "Failed";
+                let shown = status.conditions.iter().any(|c| c.type_ == "Migrating" && c.reason == "MigrationFailed");
+                (failed && shown).then_some(status)
             }
         })
         .await;
