@@ -58,7 +58,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::{Component, Path, PathBuf};
 
-use vmlet_provider::{HostInfo, VmSpec};
+use vmlet_provider::{HostInfo, ImageReference, VmSpec};
 
 use crate::config::HostConfig;
 
@@ -188,6 +188,9 @@ pub struct StorageRoots {
     local: bool,
     /// Backend defaults that were not used, each with the reason.
     ignored: Vec<(String, String)>,
+    /// What `spec.image` names on this host's backend: only a host path is
+    /// checked against the roots (a catalog image is the back end's business).
+    image: ImageReference,
 }
 
 impl StorageRoots {
@@ -203,6 +206,7 @@ impl StorageRoots {
                 origin: RootsOrigin::Config,
                 local,
                 ignored: vec![],
+                image: ImageReference::HostPath,
             };
         }
         let mut roots = Vec::new();
@@ -216,7 +220,23 @@ impl StorageRoots {
                 Ok(()) => roots.push(root.clone()),
             }
         }
-        StorageRoots { host: host.name.clone(), roots, origin: RootsOrigin::Backend, local, ignored }
+        StorageRoots {
+            host: host.name.clone(),
+            roots,
+            origin: RootsOrigin::Backend,
+            local,
+            ignored,
+            image: ImageReference::HostPath,
+        }
+    }
+
+    /// These roots for a backend whose `spec.image` names `image`: with
+    /// [`ImageReference::Catalog`] (a Nova image, a vSphere template) the image
+    /// is not a host file and is not checked; kernels and initrds still are.
+    #[must_use]
+    pub fn with_image_reference(mut self, image: ImageReference) -> StorageRoots {
+        self.image = image;
+        self
     }
 
     /// The roots, as configured or reported.
@@ -245,7 +265,7 @@ impl StorageRoots {
     /// really is. Pure: what the file system says comes from `resolve`.
     /// Errors: the first file that is not allowed, as a [`StorageRefusal`].
     pub fn check(&self, spec: &VmSpec, resolve: impl Fn(&Path) -> Resolution) -> Result<(), StorageRefusal> {
-        for (field, path) in files_of(spec) {
+        for (field, path) in self.files_of(spec) {
             if let Err(why) = self.check_file(path, &resolve) {
                 return Err(StorageRefusal {
                     field,
@@ -267,13 +287,18 @@ impl StorageRoots {
             return self.check(spec, |_| Resolution::Unseen);
         }
         let mut seen = HashMap::new();
-        let paths = files_of(spec).into_iter().map(|(_, path)| path).chain(self.roots.iter().map(String::as_str));
+        let paths = self.files_of(spec).into_iter().map(|(_, path)| path).chain(self.roots.iter().map(String::as_str));
         for path in paths {
             let path = PathBuf::from(path);
             let resolution = resolve_here(&path).await;
             seen.insert(path, resolution);
         }
         self.check(spec, |path| seen.get(path).cloned().unwrap_or(Resolution::Unseen))
+    }
+
+    /// The host files `spec` names, each with its field.
+    fn files_of<'s>(&self, spec: &'s VmSpec) -> Vec<(StorageField, &'s str)> {
+        host_files_of(spec, self.image)
     }
 
     fn check_file(&self, path: &str, resolve: &impl Fn(&Path) -> Resolution) -> Result<(), NotAllowed> {
@@ -316,10 +341,10 @@ impl fmt::Display for StorageRoots {
 }
 
 /// The host files `spec` names, with their fields.
-fn files_of(spec: &VmSpec) -> Vec<(StorageField, &str)> {
+fn host_files_of(spec: &VmSpec, image: ImageReference) -> Vec<(StorageField, &str)> {
     let mut files = Vec::new();
-    if let Some(image) = &spec.image {
-        files.push((StorageField::Image, image.as_str()));
+    if let (Some(path), ImageReference::HostPath) = (&spec.image, image) {
+        files.push((StorageField::Image, path.as_str()));
     }
     if let Some(boot) = &spec.kernel_boot {
         files.push((StorageField::Kernel, boot.kernel.as_str()));
@@ -410,6 +435,7 @@ mod tests {
 
     fn vm() -> VmSpec {
         VmSpec {
+            options: Default::default(),
             id: VmId("6d0c1e52-0000-4000-8000-000000000001".into()),
             namespace: "team-a".into(),
             name: "web".into(),
@@ -502,6 +528,16 @@ mod tests {
         assert_eq!((kernel.field, kernel.path.as_str()), (StorageField::Kernel, "/boot/vmlinuz"));
         let initrd = refusal(&roots, &with_kernel("/var/lib/vmlet/guest/vmlinuz", Some("/boot/initrd.img")));
         assert_eq!((initrd.field, initrd.path.as_str()), (StorageField::Initrd, "/boot/initrd.img"));
+    }
+
+    #[test]
+    fn a_catalog_image_is_the_backends_business_but_a_kernel_is_still_a_host_file() {
+        let nova = configured(&[IMAGES]).with_image_reference(ImageReference::Catalog);
+        assert!(allowed(&nova, &with_image("cirros-0.6")));
+        let kernel = refusal(&nova, &VmSpec { image: Some("cirros-0.6".into()), ..with_kernel("/boot/vmlinuz", None) });
+        assert_eq!((kernel.field, kernel.path.as_str()), (StorageField::Kernel, "/boot/vmlinuz"));
+        let libvirt = configured(&[IMAGES]);
+        assert_eq!(refusal(&libvirt, &with_image("cirros-0.6")).field, StorageField::Image, "a name is no host path");
     }
 
     #[test]

@@ -80,6 +80,16 @@ pub struct VirtualMachineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel_boot: Option<KernelBoot>,
 
+    /// Settings that only the host's back end reads, as strings: for OpenStack
+    /// `flavor` (a flavor name or id; default: the smallest flavor that fits
+    /// `resources`) and `networks` (comma-separated network ids, or `auto` /
+    /// `none`). A back end refuses keys it does not know, naming the key, and
+    /// libvirt reads none. Passed to the host on the VM's pod; changes apply
+    /// to the next pod.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 32))]
+    pub provider_options: BTreeMap<String, String>,
+
     /// Copied onto the VM's pod: only hosts whose node has these labels qualify.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<BTreeMap<String, String>>,

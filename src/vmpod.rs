@@ -8,7 +8,8 @@
 //!   `status.podName` before the pod is created; label `vmlet.io/vm=<name>`, a
 //!   controller ownerReference to the VM;
 //! - annotation `vmlet.io/vm-uid` = the VM's UID, the provider identity;
-//! - annotations `vmlet.io/image`, `vmlet.io/kernel-boot`, `vmlet.io/power-off-mode`;
+//! - annotations `vmlet.io/image`, `vmlet.io/kernel-boot`, `vmlet.io/provider-options`,
+//!   `vmlet.io/power-off-mode`;
 //! - one container `vm` whose requests and limits are the VM's cpu and memory;
 //! - `terminationGracePeriodSeconds` = `spec.shutdownTimeoutSeconds`.
 
@@ -30,6 +31,8 @@ pub const UID_ANNOTATION: &str = "vmlet.io/vm-uid";
 pub const IMAGE_ANNOTATION: &str = "vmlet.io/image";
 /// Annotation holding `spec.kernelBoot` as JSON.
 pub const KERNEL_BOOT_ANNOTATION: &str = "vmlet.io/kernel-boot";
+/// Annotation holding `spec.providerOptions` as a JSON object.
+pub const PROVIDER_OPTIONS_ANNOTATION: &str = "vmlet.io/provider-options";
 /// Annotation holding `spec.powerOffMode`.
 pub const POWER_OFF_ANNOTATION: &str = "vmlet.io/power-off-mode";
 /// Annotation: the VM's vCPU hot-plug ceiling (`spec.resources.maxCpu`).
@@ -105,6 +108,10 @@ pub fn pod_for_vm(
     if let Some(boot) = &spec.kernel_boot {
         annotations
             .insert(KERNEL_BOOT_ANNOTATION.to_owned(), serde_json::to_string(boot).expect("KernelBoot serializes"));
+    }
+    if !spec.provider_options.is_empty() {
+        let options = serde_json::to_string(&spec.provider_options).expect("a string map serializes");
+        annotations.insert(PROVIDER_OPTIONS_ANNOTATION.to_owned(), options);
     }
 
     let mut node_selector = spec.node_selector.clone().unwrap_or_default();
@@ -400,8 +407,16 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             message: e.to_string(),
         })?),
     };
+    let options = match annotations.get(PROVIDER_OPTIONS_ANNOTATION) {
+        None => BTreeMap::new(),
+        Some(json) => serde_json::from_str(json).map_err(|e| PodVmError::Invalid {
+            field: "metadata.annotations[vmlet.io/provider-options]",
+            message: e.to_string(),
+        })?,
+    };
     Ok(PodVm {
         spec: VmSpec {
+            options,
             id: VmId(uid.clone()),
             namespace: pod.namespace().unwrap_or_default(),
             name,
@@ -434,6 +449,19 @@ mod tests {
     use crate::testing::VmBuilder;
 
     #[test]
+    fn provider_options_reach_the_host_as_written_and_a_mangled_annotation_names_itself() {
+        let mut vm = VmBuilder::new("db").build();
+        vm.spec.provider_options =
+            BTreeMap::from([("flavor".to_owned(), "c2-m1024".to_owned()), ("networks".to_owned(), "auto".to_owned())]);
+        let mut pod = pod_for_vm(&vm, "db-b8r2x", "team-a", None).unwrap();
+        assert_eq!(vm_from_pod(&pod).unwrap().spec.options, vm.spec.provider_options);
+
+        pod.annotations_mut().insert(PROVIDER_OPTIONS_ANNOTATION.to_owned(), "[\"flavor\"]".to_owned());
+        let error = vm_from_pod(&pod).unwrap_err().to_string();
+        assert!(error.contains("metadata.annotations[vmlet.io/provider-options]"), "{error}");
+    }
+
+    #[test]
     fn pod_carries_the_vm_and_round_trips_to_the_same_spec() {
         let vm = VmBuilder::new("web")
             .cpu(2)
@@ -455,6 +483,7 @@ mod tests {
         assert_eq!(requests["memory"].0, "1Gi");
 
         let read = vm_from_pod(&pod).unwrap();
+        assert!(read.spec.options.is_empty(), "no providerOptions: none read back");
         assert_eq!(read.spec.id, VmId(vm.uid().unwrap()));
         assert_eq!((read.spec.namespace.as_str(), read.spec.name.as_str()), ("default", "web"));
         assert_eq!(read.spec.cpus, 2);

@@ -127,7 +127,7 @@ pub async fn run(
         host: host.clone(),
         watches: watches.clone(),
         hosts: hosts.clone(),
-        storage: storage::roots_for(&host, &info),
+        storage: storage::roots_for(&host, &info).with_image_reference(provider.image_reference()),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
         backoff: Default::default(),

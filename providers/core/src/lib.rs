@@ -11,6 +11,7 @@
 //!
 //! This crate names no backend and no Kubernetes type.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
@@ -61,6 +62,24 @@ pub struct VmSpec {
     /// Optional direct kernel boot (backends that cannot boot a kernel directly
     /// refuse it with `InvalidInput`).
     pub kernel_boot: Option<KernelBoot>,
+    /// Backend-specific settings from the VirtualMachine's
+    /// `spec.providerOptions` (e.g. a Nova flavor or networks), keys and values
+    /// as the user wrote them. Each provider documents the keys it reads and
+    /// refuses any other with `InvalidInput` naming
+    /// `spec.providerOptions.<key>`, so a typo never passes silently.
+    pub options: BTreeMap<String, String>,
+}
+
+/// What [`VmSpec::image`] names on a backend ([`Provider::image_reference`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageReference {
+    /// A file on the host (libvirt): vmlet allows it only under the host's
+    /// storage roots.
+    HostPath,
+    /// An image in the back end's own catalog, by name or id (Nova's Glance,
+    /// a vSphere template): the back end's access rules apply, not storage
+    /// roots.
+    Catalog,
 }
 
 /// Boot a kernel directly instead of from a disk's boot loader.
@@ -268,6 +287,11 @@ pub trait Provider: Send + Sync + 'static {
     /// Power off at once, keeping the definition and disks; an inactive VM is
     /// left alone.
     async fn destroy(&self, id: &VmId) -> Result<()>;
+
+    /// What [`VmSpec::image`] names on this backend; host paths by default.
+    fn image_reference(&self) -> ImageReference {
+        ImageReference::HostPath
+    }
 
     /// The serial-console capability, if this backend (and host) has one.
     fn console(&self) -> Option<&dyn Console> {

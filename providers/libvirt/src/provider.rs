@@ -722,10 +722,21 @@ impl Provider for LibvirtProvider {
     /// on QEMU. The test driver ignores `spec.image` and `spec.kernel_boot`. The
     /// domain UUID is random, so a redefined VM gets a new backend id. Errors:
     /// `InvalidInput` for zero CPUs, less than 1 MiB or a relative image or
-    /// kernel path; `Unsupported` for drivers other than test and QEMU;
+    /// kernel path, and for any `spec.providerOptions` key (libvirt reads
+    /// none); `Unsupported` for drivers other than test and QEMU;
     /// `Permanent` when the name is taken by a domain without this identity.
     #[instrument(skip(self, spec), fields(provider = "libvirt", vm.uid = %spec.id, vm.name = %spec.name))]
     async fn ensure_defined(&self, spec: &VmSpec) -> Result<VmStatus> {
+        if let Some(key) = spec.options.keys().next() {
+            return Err(Error::new(
+                "define domain",
+                ErrorKind::InvalidInput,
+                format!(
+                    "spec.providerOptions.{key}: the libvirt back end reads no provider options; remove \
+                     spec.providerOptions (its keys are for other back ends, e.g. OpenStack's flavor)"
+                ),
+            ));
+        }
         let spec = spec.clone();
         self.blocking("define domain", move |host, conn| host.ensure_defined(conn, &spec)).await
     }

@@ -35,6 +35,7 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
     static NEXT: AtomicU32 = AtomicU32::new(1);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     VmSpec {
+        options: Default::default(),
         id: VmId(format!("00000000-0000-4000-8000-{n:012x}")),
         namespace: namespace.into(),
         name: name.into(),
@@ -117,6 +118,17 @@ async fn connecting_to_a_missing_inventory_fails() {
     let err = err.expect("missing inventory must not open");
     assert_eq!(err.operation, "connect to libvirt");
     assert!(err.source.is_some(), "libvirt error kept as source");
+}
+
+#[tokio::test]
+async fn a_provider_option_is_refused_by_name_and_defines_nothing() {
+    let provider = host("host-b").await;
+    let mut spec = vm("team-a", "options");
+    spec.options.insert("flavor".into(), "m1.small".into());
+    let error = provider.ensure_defined(&spec).await.expect_err("libvirt reads no provider options");
+    assert_eq!(error.kind, ErrorKind::InvalidInput);
+    assert!(error.message.starts_with("spec.providerOptions.flavor: "), "{}", error.message);
+    assert_eq!(provider.get(&spec.id).await.expect("get"), None);
 }
 
 #[tokio::test]

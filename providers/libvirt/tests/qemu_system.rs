@@ -22,6 +22,7 @@ fn unique_spec() -> VmSpec {
     let (id, nanos) = common::unique_uid();
     let pid = std::process::id();
     VmSpec {
+        options: Default::default(),
         id,
         namespace: NAMESPACE.into(),
         name: format!("lifecycle-{pid}-{}", nanos % 1_000_000_000),
