@@ -42,6 +42,12 @@ pub enum Reason {
     PlacedOnAnotherHost,
     /// The VM's host does not answer (a transient provider failure).
     HostNotResponding,
+    /// The back end is busy with another operation on the VM.
+    ProviderBusy,
+    /// The back end refused vmlet's credentials the right to act.
+    PermissionDenied,
+    /// The back end's quota for vmlet's project is used up.
+    QuotaExceeded,
     /// The back end lacks what the VM needs.
     Unsupported,
     /// The VM stopped by itself and its restart policy leaves it off.
@@ -83,6 +89,9 @@ impl Reason {
             Reason::StorageNotAllowed => "StorageNotAllowed",
             Reason::PlacedOnAnotherHost => "PlacedOnAnotherHost",
             Reason::HostNotResponding => "HostNotResponding",
+            Reason::ProviderBusy => "ProviderBusy",
+            Reason::PermissionDenied => "PermissionDenied",
+            Reason::QuotaExceeded => "QuotaExceeded",
             Reason::Unsupported => "Unsupported",
             Reason::LeftOff => "LeftOff",
             Reason::Resized => "Resized",
@@ -105,6 +114,9 @@ impl Reason {
                 | Reason::StorageNotAllowed
                 | Reason::PlacedOnAnotherHost
                 | Reason::HostNotResponding
+                | Reason::ProviderBusy
+                | Reason::PermissionDenied
+                | Reason::QuotaExceeded
                 | Reason::Unsupported
                 | Reason::RestartRequired
                 | Reason::ResizeNotApplied

@@ -28,6 +28,9 @@ pub enum PodEffect {
     /// plus the condition [`HOST_RESPONDING`] = False saying the host does
     /// not answer: a host that is down for a while is not a disruption.
     KeepLastKnown,
+    /// The pod stays exactly as it is: the VM is only busy with something
+    /// else (the Event says with what), and its status is still right.
+    Unchanged,
 }
 
 /// Pod condition type set to False while the VM's host does not answer.
@@ -54,6 +57,9 @@ pub fn handling(kind: ErrorKind) -> Handling {
         ErrorKind::InvalidInput => (OnChange, Waiting, Reason::InvalidSpec, 400),
         ErrorKind::Unsupported => (OnChange, Waiting, Reason::Unsupported, 501),
         ErrorKind::NotFound => (Backoff, Waiting, Reason::ProviderFailed, 404),
+        ErrorKind::Conflict => (Backoff, Unchanged, Reason::ProviderBusy, 409),
+        ErrorKind::PermissionDenied => (Backoff, Waiting, Reason::PermissionDenied, 403),
+        ErrorKind::QuotaExceeded => (Backoff, Waiting, Reason::QuotaExceeded, 429),
         ErrorKind::Permanent => (Backoff, Waiting, Reason::ProviderFailed, 500),
     };
     Handling { retry, pod, reason, http_status }
@@ -123,6 +129,19 @@ mod tests {
             assert_eq!((h.retry, h.pod), (Retry::OnChange, PodEffect::Waiting), "{kind:?}");
         }
         assert_eq!(handling(ErrorKind::Unsupported).http_status, 501);
+    }
+
+    #[test]
+    fn a_busy_vm_keeps_its_status_while_denied_rights_and_spent_quota_say_so() {
+        let busy = handling(ErrorKind::Conflict);
+        assert_eq!((busy.retry, busy.pod, busy.http_status), (Retry::Backoff, PodEffect::Unchanged, 409));
+        let denied = handling(ErrorKind::PermissionDenied);
+        assert_eq!(
+            (denied.pod, denied.reason, denied.http_status),
+            (PodEffect::Waiting, Reason::PermissionDenied, 403)
+        );
+        let quota = handling(ErrorKind::QuotaExceeded);
+        assert_eq!((quota.retry, quota.reason, quota.http_status), (Retry::Backoff, Reason::QuotaExceeded, 429));
     }
 
     #[test]

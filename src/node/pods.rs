@@ -207,14 +207,14 @@ async fn provider_failed(pod: &Pod, agent: &Agent, e: vmlet_provider::Error) -> 
     let message = e.to_string();
     agent.events.publish(pod, handling.reason, &message);
     let reason = handling.reason.as_str();
-    write_status(pod, agent, |p| {
-        let observed = match handling.pod {
-            PodEffect::Waiting => Observed::Waiting { reason, message: &message },
-            PodEffect::KeepLastKnown => Observed::HostNotResponding { message: &message },
-        };
-        pod_status(p, &agent.host_ip, &observed, false)
-    })
-    .await?;
+    let observed = match handling.pod {
+        PodEffect::Waiting => Some(Observed::Waiting { reason, message: &message }),
+        PodEffect::KeepLastKnown => Some(Observed::HostNotResponding { message: &message }),
+        PodEffect::Unchanged => None,
+    };
+    if let Some(observed) = observed {
+        write_status(pod, agent, |p| pod_status(p, &agent.host_ip, &observed, false)).await?;
+    }
     match handling.retry {
         Retry::Backoff => Err(e.into()),
         Retry::OnChange => Ok(Action::await_change()),

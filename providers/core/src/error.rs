@@ -15,6 +15,18 @@ pub enum ErrorKind {
     Unsupported,
     /// Worth retrying: connection lost, timeout, backend busy.
     Transient,
+    /// The VM is busy with another operation or in a state that forbids this
+    /// one for now (libvirt `OPERATION_INVALID` mid-transition, Nova's 409
+    /// while a task runs); retrying once it settled may succeed.
+    Conflict,
+    /// The back end refused vmlet's credentials the right to do this (Nova
+    /// 403, libvirt `AUTH_FAILED`/`ACCESS_DENIED`): an administrator must
+    /// grant it.
+    PermissionDenied,
+    /// The back end's quota or capacity for the project is used up (Nova 403
+    /// "Quota exceeded", 413): retrying after something else was freed may
+    /// succeed.
+    QuotaExceeded,
     /// Retrying the same request will not help until something else changes.
     Permanent,
 }

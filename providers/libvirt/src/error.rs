@@ -6,6 +6,7 @@ use vmlet_provider::{Error, ErrorKind};
 /// The provider error kind for a libvirt error code.
 ///
 /// - `VIR_ERR_NO_DOMAIN` → `NotFound`
+/// - access denied, authentication failed → `PermissionDenied`
 /// - XML errors, invalid arguments, unsupported configuration → `InvalidInput`
 /// - missing driver or operation support → `Unsupported`
 /// - system, RPC, connection and timeout errors → `Transient` (libvirtd restarting,
@@ -15,6 +16,7 @@ pub(crate) fn kind_of(err: &VirtError) -> ErrorKind {
     use ErrorNumber::*;
     match err.code().unwrap_or(InternalError) {
         NoDomain => ErrorKind::NotFound,
+        AccessDenied | AuthFailed | AuthCancelled | AuthUnavailable => ErrorKind::PermissionDenied,
         XmlError | XmlDetail | XmlInvalidSchema | InvalidArg | ConfigUnsupported => ErrorKind::InvalidInput,
         NoSupport | OperationUnsupported | ArgumentUnsupported => ErrorKind::Unsupported,
         SystemError | Rpc | NoConnect | InvalidConn | OperationTimeout | AgentUnresponsive | ResourceBusy => {
