@@ -7,6 +7,7 @@
 //! running) and stop.
 
 pub mod console;
+pub mod decide;
 pub mod directory;
 pub mod lease;
 mod migration;
@@ -18,6 +19,8 @@ pub mod registration;
 pub mod release;
 pub mod resize;
 pub mod restart;
+#[cfg(test)]
+mod scenarios;
 mod storage;
 
 use crate::config::{Config, HostConfig};

@@ -12,17 +12,18 @@
 //! Nothing here undefines a VM, and nothing powers one off unless its pod was
 //! deleted on purpose.
 
-use super::placement::{self, HereState, Recorded, Verdict};
+use super::decide::{start_step, stop_step, unwanted, OnHost, StartStep, StartView, StopStep, StopView};
+use super::placement::{self, Recorded};
 use super::pod_status::{pod_status, same_pod_status, Observed};
 use super::resize::{self, Shown};
-use super::restart::{self, AfterStop, Ended};
+use super::restart::Ended;
 use super::Agent;
 use crate::controller::decide::was_evicted;
 use crate::events::Reason;
 use crate::failure::{self, PodEffect, Retry};
 use crate::identity::{resolve, Refusal, ResolveError};
 use crate::v1alpha1::EvictionStrategy;
-use crate::v1alpha1::{Placement, PowerOffMode, VirtualMachine};
+use crate::v1alpha1::{Placement, VirtualMachine};
 use crate::vmpod::{PodRole, PodVm};
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::api::{DeleteParams, PostParams, Preconditions};
@@ -254,7 +255,7 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
 
     // The cache's "yes" is enough before a define (the guarded placement
     // write checks again); its "no" may only be lag, so it is checked fresh.
-    let cached = match cached.filter(|c| unwanted(pod, vm, c).is_none()) {
+    let cached = match cached.filter(|c| unwanted(pod, &vm.spec.id.0, c).is_none()) {
         Some(cached) => cached,
         None => {
             let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
@@ -264,19 +265,26 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
                 source,
             })?;
             let Some(fresh) = fresh else { return Ok(Started::Abandoned("its VirtualMachine was deleted")) };
-            if let Some(why) = unwanted(pod, vm, &fresh) {
+            if let Some(why) = unwanted(pod, &vm.spec.id.0, &fresh) {
                 return Ok(Started::Abandoned(why));
             }
             Arc::new(fresh)
         }
     };
     let recorded = placement::recorded_node(&cached).map(str::to_owned);
-    let state = if on_host.is_some() { HereState::Inactive } else { HereState::Absent };
     let elsewhere = placement::held_elsewhere(&agent.hosts, here_name, &vm.spec.id, &vm.spec.backend_name()).await;
-    let ours = |node: &str| agent.hosts.get(node).is_some();
-    let write_record = match placement::verdict(here_name, state, recorded.as_deref(), &elsewhere, ours) {
-        Verdict::LivesElsewhere { node } => {
-            if elsewhere.contains(&node) && recorded.as_deref() != Some(node.as_str()) {
+    let restarted = crate::vmpod::was_running(pod);
+    let view = StartView {
+        here: here_name,
+        on_host: on_host.as_ref().map_or(OnHost::Absent, |s| OnHost::Defined(s.power, s.stop_reason)),
+        record: recorded.as_deref(),
+        held_elsewhere: &elsewhere,
+        pod_saw_running: restarted,
+        restart_policy: vm.restart_policy,
+    };
+    let (status, defined_now, write_record) = match start_step(view, |node| agent.hosts.get(node).is_some()) {
+        StartStep::LivesElsewhere { node, record_it } => {
+            if record_it {
                 // Another host of ours holds it: the record says so from now on.
                 let placement = Placement { node_name: node.clone(), backend_id: None };
                 let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
@@ -286,26 +294,26 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
             }
             return Ok(Started::Elsewhere(node));
         }
-        Verdict::RunHere { record } => record,
-    };
-
-    // The pod saw the VM running: it stopped by itself (the guest powered
-    // off, or it was destroyed behind vmlet). Its restart policy decides.
-    let restarted = crate::vmpod::was_running(pod);
-    if let (Some(status), true) = (&on_host, restarted) {
-        if let AfterStop::LeaveOff(ended) = restart::after_stop(vm.restart_policy, status.stop_reason) {
-            return Ok(Started::LeftOff { status: status.clone(), ended });
+        // The pod saw the VM running: it stopped by itself (the guest powered
+        // off, or it was destroyed behind vmlet), and its restart policy
+        // leaves it off.
+        StartStep::LeaveOff(ended) => {
+            let status = on_host.expect("only a VM defined here is left off");
+            return Ok(Started::LeftOff { status, ended });
         }
-    }
-    let (status, defined_now) = match on_host {
-        Some(status) => (status, false),
-        None => {
+        StartStep::Running { .. } => {
+            // It started meanwhile (it was inactive when read above).
+            let status = on_host.expect("only a VM defined here runs");
+            return Ok(Started::Synced { status, restarted: false });
+        }
+        StartStep::Start { record } => (on_host.expect("only a VM defined here is started"), false, record),
+        StartStep::DefineAndStart { record } => {
             // Only files under the host's storage roots; a VM defined
             // already is never checked (nothing running is stopped).
             if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
                 return Ok(Started::Refused(refusal));
             }
-            (provider.ensure_defined(&vm.spec).await?, true)
+            (provider.ensure_defined(&vm.spec).await?, true, record)
         }
     };
     let still_wanted = if write_record {
@@ -495,31 +503,15 @@ async fn record_here(
     let placement = Placement { node_name: agent.host.name.clone(), backend_id: Some(status.backend_id.clone()) };
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
     let (name, uid) = (&vm.spec.name, &vm.spec.id.0);
-    let done =
-        placement::record_from(&vms, name, uid, cached.cloned(), expected, placement, |fresh| unwanted(pod, vm, fresh))
-            .await
-            .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
+    let done = placement::record_from(&vms, name, uid, cached.cloned(), expected, placement, |fresh| {
+        unwanted(pod, &vm.spec.id.0, fresh)
+    })
+    .await
+    .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
     if done == Recorded::Done {
         info!(vm.uid = %vm.spec.id, node.name = %agent.host.name, "placement recorded");
     }
     Ok(done)
-}
-
-/// Why the VirtualMachine `current` (from the cache or read fresh) no longer
-/// wants to run through `pod`: it is another object (replaced, same name),
-/// being deleted, scaled to 0, or names another current pod. `None`: it does.
-fn unwanted(pod: &Pod, vm: &PodVm, current: &VirtualMachine) -> Option<&'static str> {
-    if current.uid().as_deref() != Some(vm.spec.id.0.as_str()) {
-        Some("its VirtualMachine was replaced")
-    } else if current.metadata.deletion_timestamp.is_some() {
-        Some("its VirtualMachine is being deleted")
-    } else if current.spec.replicas == 0 {
-        Some("its VirtualMachine was scaled to 0")
-    } else if current.status.as_ref().and_then(|s| s.pod_name.as_deref()) != Some(pod.name_any().as_str()) {
-        Some("its VirtualMachine has another current pod")
-    } else {
-        None
-    }
 }
 
 /// Whether the watch cache shows `pod` deleted, replaced or being deleted
@@ -544,7 +536,7 @@ async fn wanted(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Result<(), &'sta
     match vms.get_opt(&vm.spec.name).await.map_err(kube_err("read the VirtualMachine of"))? {
         None => return Ok(Err("its VirtualMachine was deleted")),
         Some(fresh) => {
-            if let Some(why) = unwanted(pod, vm, &fresh) {
+            if let Some(why) = unwanted(pod, &vm.spec.id.0, &fresh) {
                 return Ok(Err(why));
             }
         }
@@ -561,52 +553,52 @@ async fn wanted(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Result<(), &'sta
 async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
     let provider = &agent.provider;
     let uid = pod.uid().unwrap_or_default();
-    let Some(status) = provider.get(&vm.spec.id).await? else {
-        return finish_deletion(pod, agent).await;
+    let status = provider.get(&vm.spec.id).await?;
+    let active = status.as_ref().map(|s| s.power.is_active());
+    let may_hold = active == Some(true) && vm.eviction_strategy != EvictionStrategy::None && was_evicted(pod);
+    let view = StopView {
+        active,
+        evicted_and_wanted: may_hold && still_wanted(pod, agent).await,
+        power_off_mode: vm.power_off_mode,
+        asked_ago: agent.shutdown_sent.lock().expect("agent set poisoned").get(&uid).map(Instant::elapsed),
+        grace: Duration::from_secs(
+            pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds).unwrap_or(30).max(0) as u64,
+        ),
     };
-    if !status.power.is_active() {
-        agent.forget(&uid);
-        agent.events.publish(
-            pod,
-            Reason::Stopped,
-            &format!("{} is off; its definition and disks are kept", status.backend_name),
-        );
-        return finish_deletion(pod, agent).await;
-    }
-    if vm.eviction_strategy != EvictionStrategy::None && was_evicted(pod) && still_wanted(pod, agent).await {
-        if agent.remember(&agent.held, &uid) {
-            warn!("evicted pod's VM still wants to run; keeping it powered on");
-            agent.events.publish(
-                pod,
-                Reason::EvictionHeld,
-                "the pod was evicted but its VirtualMachine still has replicas 1: the VM keeps running here until \
-                 it has moved to another host (status.migration) or is stopped (kubectl scale \
-                 virtualmachine/<name> --replicas=0)",
-            );
+    let step = stop_step(view);
+    let Some(status) = status else { return finish_deletion(pod, agent).await };
+    match step {
+        StopStep::FinishDeletion => {
+            agent.forget(&uid);
+            let note = format!("{} is off; its definition and disks are kept", status.backend_name);
+            agent.events.publish(pod, Reason::Stopped, &note);
+            return finish_deletion(pod, agent).await;
         }
-        return Ok(Action::requeue(Duration::from_secs(10)));
-    }
-
-    // The grace period runs from the first shutdown request, not from the
-    // deletion: a pod held after an eviction may have been deleted long ago.
-    let grace = Duration::from_secs(
-        pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds).unwrap_or(30).max(0) as u64,
-    );
-    let asked_at = agent.shutdown_sent.lock().expect("agent set poisoned").get(&uid).copied();
-    let hard = match (vm.power_off_mode, asked_at) {
-        (PowerOffMode::Hard, _) => true,
-        (PowerOffMode::TrySoft, Some(at)) => at.elapsed() >= grace,
-        _ => false,
-    };
-    if hard {
-        provider.destroy(&vm.spec.id).await?;
-        info!(domain = %status.backend_name, "destroyed");
-        agent.events.publish(pod, Reason::Destroyed, &format!("powered {} off", status.backend_name));
-    } else if asked_at.is_none() {
-        provider.shutdown(&vm.spec.id).await?;
-        agent.shutdown_sent.lock().expect("agent set poisoned").insert(uid.clone(), Instant::now());
-        info!(domain = %status.backend_name, grace_seconds = grace.as_secs(), "asked the guest to shut down");
-        agent.events.publish(pod, Reason::ShuttingDown, &format!("asked {} to shut down", status.backend_name));
+        StopStep::Hold => {
+            if agent.remember(&agent.held, &uid) {
+                warn!("evicted pod's VM still wants to run; keeping it powered on");
+                agent.events.publish(
+                    pod,
+                    Reason::EvictionHeld,
+                    "the pod was evicted but its VirtualMachine still has replicas 1: the VM keeps running here \
+                     until it has moved to another host (status.migration) or is stopped (kubectl scale \
+                     virtualmachine/<name> --replicas=0)",
+                );
+            }
+            return Ok(Action::requeue(Duration::from_secs(10)));
+        }
+        StopStep::Destroy => {
+            provider.destroy(&vm.spec.id).await?;
+            info!(domain = %status.backend_name, "destroyed");
+            agent.events.publish(pod, Reason::Destroyed, &format!("powered {} off", status.backend_name));
+        }
+        StopStep::Shutdown => {
+            provider.shutdown(&vm.spec.id).await?;
+            agent.shutdown_sent.lock().expect("agent set poisoned").insert(uid.clone(), Instant::now());
+            info!(domain = %status.backend_name, grace_seconds = view.grace.as_secs(), "asked the guest to shut down");
+            agent.events.publish(pod, Reason::ShuttingDown, &format!("asked {} to shut down", status.backend_name));
+        }
+        StopStep::Wait => {}
     }
     Ok(Action::requeue(TRANSITION))
 }
