@@ -5,7 +5,8 @@
 #   initrd.img     busybox-static, the virtio modules the guest needs (with their
 #                  dependencies from modules.dep), Debian's qemu-guest-agent with
 #                  the shared libraries and loader it links, and an /init that
-#                  brings it all up and keeps a shell on the serial console
+#                  brings it all up (busybox acpid powers off on the ACPI power
+#                  button) and keeps a shell on the serial console
 #   disk.qcow2     a small empty qcow2 disk (shows up as /dev/vda)
 #   cmdline        the kernel command line to boot with (console=ttyS0 ...)
 #   kernel-release `uname -r` of the guest kernel
@@ -33,7 +34,7 @@ set -euo pipefail
 CACHE=${VMLET_CACHE:-$HOME/.cache/vmlet}
 ARCH=amd64
 # The virtio drivers the guest loads, in addition to their dependencies.
-MODULES=(virtio_pci virtio_console virtio_blk virtio_net virtio_balloon virtio-rng)
+MODULES=(virtio_pci virtio_console virtio_blk virtio_net virtio_balloon virtio-rng button evdev)
 # Packages whose files end up in the guest besides the kernel and busybox: the
 # agent and what its binary links (checked below: a missing library fails the build).
 AGENT_PACKAGES=(qemu-guest-agent libc6 libglib2.0-0 libnuma1 libudev1 liburing2 libpcre2-8-0
@@ -223,6 +224,15 @@ exit 0
 EOF
 chmod 755 "$ROOT/usr/share/udhcpc/default.script"
 
+mkdir -p "$ROOT/etc/acpi/PWRF"
+cat >"$ROOT/etc/acpi/PWRF/00000080" <<'EOF'
+#!/bin/sh
+echo "vmlet-guest: ACPI power button: powering off" >/dev/console
+sync
+poweroff -f
+EOF
+chmod 755 "$ROOT/etc/acpi/PWRF/00000080"
+
 cat >"$ROOT/init" <<'EOF'
 #!/bin/sh
 # vmlet test guest: bring up the virtio devices, the guest agent and the network,
@@ -257,6 +267,16 @@ if [ -n "$port" ]; then
   echo "vmlet-guest: qemu-ga on $port"
 else
   echo "vmlet-guest: no virtio-serial port org.qemu.guest_agent.0; qemu-ga not started"
+fi
+
+# The ACPI power button (virsh shutdown) powers the guest off, as a guest OS
+# with acpid would: busybox acpid reads the button's input device and runs
+# /etc/acpi/PWRF/00000080.
+if ls /dev/input/event* >/dev/null 2>&1; then
+  acpid -c /etc/acpi -l /run/acpid.log
+  echo "vmlet-guest: acpid started"
+else
+  echo "vmlet-guest: no input devices; the power button is ignored"
 fi
 
 ip link set lo up

@@ -14,6 +14,8 @@ type Checked<T = Outcome> = Result<T, String>;
 const MIB: u64 = 1 << 20;
 /// How often a wait reads the VM again.
 const POLL: Duration = Duration::from_millis(200);
+/// How long a soft stop waits before it asks the guest again.
+const RESEND: Duration = Duration::from_secs(5);
 
 pub(crate) async fn run(subject: &Subject, case: Case) -> Outcome {
     let checked = match case {
@@ -181,21 +183,58 @@ async fn soft_stop(subject: &Subject) -> Checked {
     with_vm(subject, "soft-stop", |spec| async move {
         let host = home(subject).as_ref();
         started(subject, host, &spec).await?;
-        match host.shutdown(&spec.id).await {
-            Err(e) if e.kind == ErrorKind::Unsupported && !subject.declared.soft_stop => {
-                return Ok(Outcome::Unsupported(e.message))
+        // A guest that is still booting misses the request (an ACPI event
+        // before its handler runs is lost), so it is repeated, as a user
+        // presses the button again; the back end must take that.
+        let deadline = Instant::now() + subject.deadline;
+        let off = loop {
+            match host.shutdown(&spec.id).await {
+                Err(e) if e.kind == ErrorKind::Unsupported && !subject.declared.soft_stop => {
+                    return Ok(Outcome::Unsupported(e.message))
+                }
+                other => other.map_err(failed("shutdown"))?,
             }
-            other => other.map_err(failed("shutdown"))?,
-        }
-        let result = off(subject, host, &spec.id).await;
-        match (result, subject.declared.soft_stop) {
-            (Ok(_), true) => Ok(Outcome::Passed(None)),
-            (Ok(_), false) => Err("declared unsupported, yet the guest powered off".into()),
-            (Err(_), false) => Ok(Outcome::Unsupported("the guest ignores the shutdown request".into())),
-            (Err(why), true) => Err(why),
+            let until = (Instant::now() + RESEND).min(deadline);
+            let status = loop {
+                let status = host.get(&spec.id).await.map_err(failed("get"))?;
+                if status.as_ref().is_none_or(|s| !s.power.is_active()) || Instant::now() >= until {
+                    break status;
+                }
+                sleep(POLL).await;
+            };
+            if status.as_ref().is_none_or(|s| !s.power.is_active()) {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+        };
+        match (off, subject.declared.soft_stop) {
+            (true, true) => Ok(Outcome::Passed(None)),
+            (true, false) => Err("declared unsupported, yet the guest powered off".into()),
+            (false, false) => Ok(Outcome::Unsupported("the guest ignores the shutdown request".into())),
+            (false, true) => Err(format!(
+                "still running {:?} after shutdown requests{}",
+                subject.deadline,
+                console_tail(subject, &spec.id).await
+            )),
         }
     })
     .await
+}
+
+/// The end of the VM's console output, for a failure message (empty when
+/// the provider has no console).
+async fn console_tail(subject: &Subject, id: &VmId) -> String {
+    let Some(console) = home(subject).console() else { return String::new() };
+    match console.console_output(id, 0, 1 << 20).await {
+        Ok(chunk) => {
+            let text = String::from_utf8_lossy(&chunk.data);
+            let tail: String = text.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
+            format!("; console ends:\n{tail}")
+        }
+        Err(e) => format!("; console unreadable: {e}"),
+    }
 }
 
 async fn adopt_after_restart(subject: &Subject) -> Checked {
