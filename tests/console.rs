@@ -541,7 +541,7 @@ fn virsh(args: &[&str]) -> (bool, String) {
 /// the VM off (phase Stopped, reason GuestPoweredOff, `spec.replicas` still 1,
 /// an Event saying how to start it); a scale to 0 and back to 1 starts it; a
 /// `virsh destroy` from the host counts as a failure and the VM is started
-/// again by itself.
+/// again by itself; a `virsh shutdown` (ACPI) leaves it off again.
 #[tokio::test]
 async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed_one() {
     let mut env = TestEnv::new("onfailure").await;
@@ -608,4 +608,32 @@ async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed
     let last = restarted.last_state.and_then(|s| s.terminated).expect("the destroyed run, as last state");
     assert_eq!(last.reason.as_deref(), Some("PoweredOff"));
     env.wait_vm_phase("web", "Running").await;
+
+    // `virsh shutdown` from the host (ACPI, which the guest honours) is the
+    // guest powering itself off too: left off. Asked again while the guest
+    // may still be booting (a press before its handler runs is lost).
+    let vms = env.vms();
+    let polls = std::sync::atomic::AtomicU32::new(0);
+    let vm = env
+        .wait_for("the VM to be left off after virsh shutdown", || {
+            let (vms, domain) = (vms.clone(), domain.clone());
+            // Every 20th poll (about 5 s apart).
+            let ask = polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 20 == 0;
+            async move {
+                let vm = vms.get("web").await.ok()?;
+                let phase = vm.status.as_ref().and_then(|s| s.phase.clone());
+                if phase != Some(vmlet::v1alpha1::VmPhase::Stopped) {
+                    if ask {
+                        let _ = virsh(&["shutdown", &domain]);
+                    }
+                    return None;
+                }
+                Some(vm)
+            }
+        })
+        .await;
+    assert_eq!(vm.spec.replicas, 1);
+    let ready = vm.status.unwrap().conditions.into_iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!(ready.reason, "GuestPoweredOff", "an ACPI shutdown is the guest's own power-off");
+    assert_eq!(virsh(&["domstate", &domain]).1, "shut off");
 }
