@@ -103,7 +103,12 @@ pub struct Config {
     #[serde(default)]
     pub kubelet_api: crate::api::ApiConfig,
     /// The hypervisor hosts this process serves, one virtual node each.
+    #[serde(default)]
     pub hosts: Vec<HostConfig>,
+    /// Clouds whose compute hosts this process serves, found at start
+    /// ([`crate::clouds`]).
+    #[serde(default)]
+    pub clouds: Vec<crate::clouds::CloudHostsConfig>,
 }
 
 /// One hypervisor host.
@@ -259,8 +264,14 @@ impl Config {
 
     fn validate(&self, known_providers: &[&str]) -> Result<(), ConfigError> {
         let invalid = |field: String, message: String| Err(ConfigError::Invalid { field, message });
-        if self.hosts.is_empty() {
-            return invalid("hosts".into(), "lists no host; add at least one {name, provider, uri}".into());
+        if self.hosts.is_empty() && self.clouds.is_empty() {
+            return invalid(
+                "hosts".into(),
+                "lists no host and there are no clouds; add at least one {name, provider, uri}".into(),
+            );
+        }
+        for (i, cloud) in self.clouds.iter().enumerate() {
+            cloud.validate(i, known_providers)?;
         }
         if self.lease_duration_seconds < 10 {
             return invalid(
@@ -285,9 +296,6 @@ impl Config {
         let mut names = BTreeSet::new();
         for (i, host) in self.hosts.iter().enumerate() {
             let at = |f: &str| format!("hosts[{i}].{f}");
-            if let Err(why) = check_subdomain(&host.name) {
-                return invalid(at("name"), format!("{:?} is not a valid node name: {why}", host.name));
-            }
             if !names.insert(host.name.as_str()) {
                 return invalid(at("name"), format!("{:?} appears twice; node names must be unique", host.name));
             }
@@ -297,43 +305,54 @@ impl Config {
                     format!("{:?} is not a provider of this build; use one of {known_providers:?}", host.provider),
                 );
             }
-            if let Err(why) = check_uri(&host.uri) {
-                return invalid(at("uri"), format!("{:?} {why}", host.uri));
+            if let Err((field, message)) = host.validate_one() {
+                return invalid(at(&field), message);
             }
-            for (key, value) in &host.labels {
-                if let Err(why) = check_label(key, value) {
-                    return invalid(at(&format!("labels[{key:?}]")), why);
-                }
+        }
+        Ok(())
+    }
+}
+
+impl HostConfig {
+    /// Check this host's own fields: `(field, message)` of the first that
+    /// cannot be used, the field relative to the host (`labels["x"]`).
+    pub fn validate_one(&self) -> Result<(), (String, String)> {
+        let invalid = |field: &str, message: String| Err((field.to_owned(), message));
+        if let Err(why) = check_subdomain(&self.name) {
+            return invalid("name", format!("{:?} is not a valid node name: {why}", self.name));
+        }
+        if let Err(why) = check_uri(&self.uri) {
+            return invalid("uri", format!("{:?} {why}", self.uri));
+        }
+        for (key, value) in &self.labels {
+            if let Err(why) = check_label(key, value) {
+                return invalid(&format!("labels[{key:?}]"), why);
             }
-            for (field, ratio) in [
-                ("cpuAllocationRatio", host.cpu_allocation_ratio),
-                ("memoryAllocationRatio", host.memory_allocation_ratio),
-            ] {
-                if !(ratio > 0.0 && ratio <= 64.0) {
-                    return invalid(
-                        at(field),
-                        format!("{ratio} is out of range; use a number above 0 and at most 64 (1.0 = no overcommit)"),
-                    );
-                }
+        }
+        for (field, ratio) in
+            [("cpuAllocationRatio", self.cpu_allocation_ratio), ("memoryAllocationRatio", self.memory_allocation_ratio)]
+        {
+            if !(ratio > 0.0 && ratio <= 64.0) {
+                return invalid(
+                    field,
+                    format!("{ratio} is out of range; use a number above 0 and at most 64 (1.0 = no overcommit)"),
+                );
             }
-            if host.max_pods == 0 {
-                return invalid(at("maxPods"), "is 0; a node needs room for at least one pod".into());
+        }
+        if self.max_pods == 0 {
+            return invalid("maxPods", "is 0; a node needs room for at least one pod".into());
+        }
+        for (j, root) in self.storage_roots.iter().flatten().enumerate() {
+            if let Err(why) = crate::storage::check_root(root) {
+                return invalid(&format!("storageRoots[{j}]"), format!("{root:?} {why}"));
             }
-            for (j, root) in host.storage_roots.iter().flatten().enumerate() {
-                if let Err(why) = crate::storage::check_root(root) {
-                    return invalid(at(&format!("storageRoots[{j}]")), format!("{root:?} {why}"));
-                }
-            }
-            for (j, taint) in host.effective_taints().iter().enumerate() {
-                if !matches!(taint.effect.as_str(), "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
-                    return invalid(
-                        at(&format!("taints[{j}].effect")),
-                        format!(
-                            "{:?} is not a taint effect; use NoSchedule, PreferNoSchedule or NoExecute",
-                            taint.effect
-                        ),
-                    );
-                }
+        }
+        for (j, taint) in self.effective_taints().iter().enumerate() {
+            if !matches!(taint.effect.as_str(), "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+                return invalid(
+                    &format!("taints[{j}].effect"),
+                    format!("{:?} is not a taint effect; use NoSchedule, PreferNoSchedule or NoExecute", taint.effect),
+                );
             }
         }
         Ok(())
