@@ -621,7 +621,7 @@ async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed
             let ask = polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 20 == 0;
             async move {
                 let vm = vms.get("web").await.ok()?;
-                let phase = vm.status.as_ref().and_then(|s| s.phase.clone());
+                let phase = vm.status.as_ref().and_then(|s| s.phase);
                 if phase != Some(vmlet::v1alpha1::VmPhase::Stopped) {
                     if ask {
                         let _ = virsh(&["shutdown", &domain]);
