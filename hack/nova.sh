@@ -82,7 +82,7 @@ pid_ours() {
   [[ -f $1 ]] || return 1
   pid=$(<"$1")
   [[ $pid =~ ^[0-9]+$ ]] || return 1
-  tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF "VMLET_NOVA_DIR=$STATE"
+  { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qxF "VMLET_NOVA_DIR=$STATE"
 }
 
 # start NAME ENV=... CMD...: run in a new session (its own process group,
@@ -94,6 +94,14 @@ start() {
   setsid nice -n "${NICE:-0}" env VMLET_NOVA_DIR="$STATE" "$@" \
     >"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
   echo $! >"$PIDS/$name.pid"
+  # Until setsid/nice/env have exec'd the service, its environment lacks the
+  # marker that pid_ours looks for.
+  local i
+  for i in $(seq 40); do
+    pid_ours "$PIDS/$name.pid" && return 0
+    kill -0 "$(<"$PIDS/$name.pid")" 2>/dev/null || return 0
+    sleep 0.05
+  done
 }
 
 stop_one() {
@@ -218,29 +226,28 @@ EOF
   } >"$ETC/nova/nova.conf"
 }
 
-# Keystone, the critical path of `up`: db_sync and the two key repositories
-# in parallel; then bootstrap (admin, project admin, region, identity
-# endpoints) while the server starts; then keystone_setup.py (service users,
-# project vmlet, compute and placement endpoints). Runs in the background.
+# Keystone, the critical path of `up`: keystone-manage fernet_setup,
+# credential_setup, db_sync and bootstrap (admin, project admin, region,
+# identity endpoints) in one process (keystone_manage.py), while the server
+# (started by `up`) imports Keystone and waits for the key repositories; then
+# keystone_setup.py (service users, project vmlet, compute and placement
+# endpoints). Runs in the background of `up`.
 keystone_chain() {
-  local km=("$VENV/bin/keystone-manage" --config-file "$ETC/keystone/keystone.conf")
-  local pids=() pid i
-  timeout 90 "${km[@]}" db_sync & pids+=($!)
-  timeout 60 "${km[@]}" fernet_setup --keystone-user root --keystone-group root & pids+=($!)
-  timeout 60 "${km[@]}" credential_setup --keystone-user root --keystone-group root & pids+=($!)
-  for pid in "${pids[@]}"; do wait "$pid" || { echo "keystone-manage failed"; return 1; }; done
-  start keystone OS_KEYSTONE_CONFIG_FILES="$ETC/keystone/keystone.conf" \
-    "$PY" "$HACK/wsgi_serve.py" keystone keystone.wsgi.api:application "$KEYSTONE_PORT" 8
-  timeout 90 "${km[@]}" bootstrap --bootstrap-password "$ADMIN_PASSWORD" \
+  local i
+  timeout 120 "$PY" "$HACK/keystone_manage.py" "$ETC/keystone/keystone.conf" \
+    fernet_setup --keystone-user root --keystone-group root -- \
+    credential_setup --keystone-user root --keystone-group root -- \
+    db_sync -- \
+    bootstrap --bootstrap-password "$ADMIN_PASSWORD" \
     --bootstrap-username admin --bootstrap-project-name admin \
     --bootstrap-role-name admin --bootstrap-service-name keystone \
     --bootstrap-region-id "$REGION" \
     --bootstrap-admin-url "$KEYSTONE_URL" --bootstrap-public-url "$KEYSTONE_URL" \
     --bootstrap-internal-url "$KEYSTONE_URL"
-  for i in $(seq 120); do
+  for i in $(seq 240); do
     curl -fsS -m 2 -o /dev/null "$KEYSTONE_URL" 2>/dev/null && break
     pid_ours "$PIDS/keystone.pid" || { echo "keystone exited"; return 1; }
-    sleep 0.5
+    sleep 0.25
   done
   KEYSTONE_URL=$KEYSTONE_URL OS_PASSWORD=$ADMIN_PASSWORD OS_REGION_NAME=$REGION \
     NOVA_URL=$NOVA_URL PLACEMENT_URL=$PLACEMENT_URL \
@@ -294,9 +301,8 @@ up() {
   t0=$SECONDS
   deadline=$((SECONDS + UP_TIMEOUT))
   log "starting; logs in $LOGS"
-  # Keystone's chain (five Python processes one after another, in part) is
-  # the critical path on two cores: Nova and Placement start niced so they
-  # take the CPU it leaves (Nova waits by itself for Keystone and Placement
+  # Keystone's chain is the critical path on two cores: Nova and Placement
+  # start niced so they take the CPU it leaves (Nova waits by itself for Keystone and Placement
   # before it starts the computes); both are reniced to 0 once ready.
   NICE=10 start nova VMLET_NOVA_PORT="$NOVA_PORT" \
     VMLET_KEYSTONE_URL="$KEYSTONE_URL" \
@@ -305,6 +311,10 @@ up() {
     "$PY" "$HACK/serve.py"
   NICE=10 start placement OS_PLACEMENT_CONFIG_DIR="$ETC/placement" \
     "$PY" "$HACK/wsgi_serve.py" placement placement.wsgi.api:application "$PLACEMENT_PORT" 8
+  start keystone OS_KEYSTONE_CONFIG_FILES="$ETC/keystone/keystone.conf" \
+    WSGI_SERVE_PRELOAD=keystone.server.wsgi \
+    WSGI_SERVE_WAIT_FOR="$STATE/keystone/fernet-keys/0:$STATE/keystone/credential-keys/0" \
+    "$PY" "$HACK/wsgi_serve.py" keystone keystone.wsgi.api:application "$KEYSTONE_PORT" 8
   (keystone_chain >"$LOGS/keystone-setup.log" 2>&1) &
   local chain=$!
   local chain_done=
@@ -316,7 +326,6 @@ up() {
       log "keystone ready after $((SECONDS - t0)) s"
     fi
     for name in "${SERVICES[@]}"; do
-      [[ $name == keystone && -z $chain_done ]] && continue
       pid_ours "$PIDS/$name.pid" || { tail_logs 40; down; die "$name exited (log $LOGS/$name.log)"; }
     done
     if [[ -n $chain_done && -f $STATE/nova-ready ]] &&

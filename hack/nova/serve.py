@@ -48,7 +48,6 @@ import sqlite3  # noqa: E402
 import time  # noqa: E402
 import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
-import warnings  # noqa: E402
 
 import fixtures  # noqa: E402
 from oslo_log import log as logging  # noqa: E402
@@ -255,22 +254,21 @@ def main():
     neutron = cloud.useFixture(nova_fixtures.NeutronFixture(cloud))
     cloud.useFixture(nova_fixtures.CinderFixture(cloud))
     step('glance/neutron/cinder test doubles installed')
+    create_flavors(ctxt)
+    # Conductor, scheduler and the API set up Placement clients as they
+    # start, which authenticate as `nova` right away.
     wait_for_identity_and_placement(deadline)
     step('keystone and placement answer')
     start_service('nova-conductor', CTL_HOST, topic='conductor')
     start_service('nova-scheduler', CTL_HOST, topic='scheduler')
     step('conductor and scheduler started')
+    app = wsgi_app.init_application('osapi_compute', 'nova-api-os-compute')
+    step('API application loaded')
     start_computes(hosts)
     for mapping in host_mapping.discover_hosts(ctxt):
         step('discovered host %s' % mapping.host)
-    create_flavors(ctxt)
     create_zones(ctxt, zones)
-    app = wsgi_app.init_application('osapi_compute', 'nova-api-os-compute')
-    # Keep the API's answers to its own code: no warning may become an
-    # exception in a request (see README: quirks).
-    warnings.resetwarnings()
-    warnings.simplefilter('ignore')
-    step('API application loaded (image %s, network %s)'
+    step('serving (image %s, network %s)'
          % (glance.image1['id'], neutron.network_1['id']))
     with open(os.path.join(STATE, 'nova-ready'), 'w') as f:
         f.write(json.dumps({'pid': os.getpid(), 'hosts': hosts}) + '\n')

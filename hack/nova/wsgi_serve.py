@@ -5,6 +5,12 @@
 Used by hack/nova.sh for Keystone (keystone.wsgi.api:application) and
 Placement (placement.wsgi.api:application): their own WSGI entry points, the
 ones a real deployment hands to uwsgi or mod_wsgi. Only loopback is bound.
+
+WSGI_SERVE_PRELOAD=MODULE imports MODULE first, and WSGI_SERVE_WAIT_FOR=
+PATH[:PATH...] then waits (up to 120 s) until those files exist before the
+entry point is imported: Keystone's entry point refuses to start without its
+key repositories, but the expensive part, importing Keystone, can overlap
+with the keystone-manage run that makes them.
 SIGTERM/SIGINT stop the server; the process then exits at once, without
 waiting for library threads (oslo timers, keystonemiddleware caches) that
 would otherwise keep it alive.
@@ -15,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from cheroot import wsgi
 
@@ -26,11 +33,11 @@ def serve(name, app, port, threads=8):
 
     The server runs in a daemon thread and the main thread only waits for a
     signal: cheroot's stop() called from a signal handler that interrupted
-    serve() on the same thread never returns. Stopping is bounded (5 s);
+    serve() on the same thread never returns. Stopping is bounded (3 s);
     the process exits right after.
     """
     server = wsgi.Server((BIND_HOST, port), app, numthreads=threads,
-                         server_name=name, timeout=30, shutdown_timeout=5)
+                         server_name=name, timeout=30, shutdown_timeout=2)
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
@@ -52,7 +59,7 @@ def serve(name, app, port, threads=8):
     rc = 0 if stopping.is_set() else 1
     stopper = threading.Thread(target=server.stop, daemon=True)
     stopper.start()
-    stopper.join(5)
+    stopper.join(3)
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(rc)
@@ -66,6 +73,16 @@ def main(argv):
     module_name, attribute = target.split(':')
     # The entry points read sys.argv as their command line (oslo.config).
     sys.argv = [name]
+    if os.environ.get('WSGI_SERVE_PRELOAD'):
+        importlib.import_module(os.environ['WSGI_SERVE_PRELOAD'])
+    wait_for = [p for p in os.environ.get('WSGI_SERVE_WAIT_FOR', '').split(':')
+                if p]
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(p) for p in wait_for):
+        if time.monotonic() > deadline:
+            raise SystemExit('%s: still missing after 120 s: %s'
+                             % (name, wait_for))
+        time.sleep(0.1)
     app = getattr(importlib.import_module(module_name), attribute)
     serve(name, app, port, threads)
 
