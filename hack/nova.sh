@@ -235,8 +235,8 @@ EOF
 keystone_chain() {
   local i
   timeout 120 "$PY" "$HACK/keystone_manage.py" "$ETC/keystone/keystone.conf" \
-    fernet_setup --keystone-user root --keystone-group root -- \
-    credential_setup --keystone-user root --keystone-group root -- \
+    fernet_setup --keystone-user "$(id -un)" --keystone-group "$(id -gn)" -- \
+    credential_setup --keystone-user "$(id -un)" --keystone-group "$(id -gn)" -- \
     db_sync -- \
     bootstrap --bootstrap-password "$ADMIN_PASSWORD" \
     --bootstrap-username admin --bootstrap-project-name admin \
@@ -289,7 +289,7 @@ tail_logs() {
 }
 
 up() {
-  local t0=$SECONDS deadline name
+  local t0=$SECONDS deadline name left
   ensure_venv
   down >/dev/null 2>&1 || true
   for port in "$KEYSTONE_PORT" "$PLACEMENT_PORT" "$NOVA_PORT"; do
@@ -302,8 +302,8 @@ up() {
   deadline=$((SECONDS + UP_TIMEOUT))
   log "starting; logs in $LOGS"
   # Keystone's chain is the critical path on two cores: Nova and Placement
-  # start niced so they take the CPU it leaves (Nova waits by itself for Keystone and Placement
-  # before it starts the computes); both are reniced to 0 once ready.
+  # start niced so they take the CPU it leaves (Nova waits by itself for
+  # Keystone and Placement); both are reniced to 0 once ready.
   NICE=10 start nova VMLET_NOVA_PORT="$NOVA_PORT" \
     VMLET_KEYSTONE_URL="$KEYSTONE_URL" \
     VMLET_NOVA_SERVICE_PASSWORD="$SERVICE_PASSWORD" VMLET_NOVA_HOSTS="$HOSTS" \
@@ -328,8 +328,10 @@ up() {
     for name in "${SERVICES[@]}"; do
       pid_ours "$PIDS/$name.pid" || { tail_logs 40; down; die "$name exited (log $LOGS/$name.log)"; }
     done
-    if [[ -n $chain_done && -f $STATE/nova-ready ]] &&
-      timeout 30 "$PY" "$HACK/smoke.py" --ready >"$LOGS/ready-check.log" 2>&1; then
+    left=$((deadline - SECONDS))
+    if [[ -n $chain_done && -f $STATE/nova-ready ]] && ((left > 0)) &&
+      timeout "$((left < 30 ? left : 30))" "$PY" "$HACK/smoke.py" --ready \
+        >"$LOGS/ready-check.log" 2>&1; then
       break
     fi
     if ((SECONDS >= deadline)); then
@@ -377,6 +379,7 @@ logs() {
 
 # One up/down at a time per state directory.
 lock() {
+  [[ $STATE == /*/* ]] || die "VMLET_NOVA_DIR=$STATE: want an absolute path below a directory (it is wiped)"
   mkdir -p "$(dirname "$STATE")"
   exec 9>"$STATE.lock"
   flock -w 300 9 || die "another hack/nova.sh holds $STATE.lock"
