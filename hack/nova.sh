@@ -104,28 +104,33 @@ start() {
   done
 }
 
-stop_one() {
-  local name=$1 file=$PIDS/$1.pid pid i
-  pid_ours "$file" || { rm -f "$file"; return 0; }
-  pid=$(<"$file")
-  kill -TERM -- "-$pid" 2>/dev/null || true
-  for i in $(seq 50); do
-    kill -0 -- "-$pid" 2>/dev/null || break
-    sleep 0.2
-  done
-  if kill -0 -- "-$pid" 2>/dev/null; then
-    log "$name (pgid $pid) still there after 10 s: SIGKILL"
-    kill -KILL -- "-$pid" 2>/dev/null || true
-    sleep 0.5
-  fi
-  rm -f "$file"
-  log "$name stopped"
-}
-
+# Stop the recorded services: SIGTERM to each process group at once, up to
+# 10 s for all of them to go, then SIGKILL to what is left.
 down() {
-  local name
+  local name pid i names=() pids=()
   [[ -d $PIDS ]] || { log "nothing recorded in $PIDS"; return 0; }
-  for name in "${SERVICES[@]}"; do stop_one "$name"; done
+  for name in "${SERVICES[@]}"; do
+    if pid_ours "$PIDS/$name.pid"; then
+      pid=$(<"$PIDS/$name.pid")
+      kill -TERM -- "-$pid" 2>/dev/null || true
+      names+=("$name")
+      pids+=("$pid")
+    fi
+    rm -f "$PIDS/$name.pid"
+  done
+  for i in $(seq 50); do
+    for pid in "${pids[@]}"; do
+      if kill -0 -- "-$pid" 2>/dev/null; then sleep 0.2; continue 2; fi
+    done
+    break
+  done
+  for i in "${!pids[@]}"; do
+    if kill -0 -- "-${pids[$i]}" 2>/dev/null; then
+      log "${names[$i]} (pgid ${pids[$i]}) still there after 10 s: SIGKILL"
+      kill -KILL -- "-${pids[$i]}" 2>/dev/null || true
+    fi
+    log "${names[$i]} stopped"
+  done
 }
 
 port_free() {
