@@ -17,9 +17,10 @@ Databases are real sqlite files in the state directory (API database, cell0
 and cell1), made by Nova's own migrations and cell mappings, as
 `nova-manage api_db sync`, `cell_v2 map_cell0`, `cell_v2 create_cell`,
 `db sync` and `cell_v2 discover_hosts` would. Keystone and Placement are
-separate real services (hack/nova.sh starts them); this process waits for
-them before starting the computes, whose resource providers go to Placement
-over HTTP.
+separate real services (hack/nova.sh starts them); this process migrates
+its databases meanwhile and waits for them (a `nova` token whose catalog
+lists placement and compute) before starting the services, whose Placement
+clients authenticate at once; the computes report to Placement over HTTP.
 
 Test doubles from Nova's functional tests (nova.tests.fixtures) stand in for
 the services Nova only talks to: GlanceFixture (images), NeutronFixture
@@ -27,7 +28,8 @@ the services Nova only talks to: GlanceFixture (images), NeutronFixture
 make one process behave as several hosts: DatabaseWriteLock (one sqlite
 writer at a time) and ComputeNodeIdFixture (no shared compute_id file).
 
-Once the API answers, the file $VMLET_NOVA_DIR/nova-ready is written.
+Just before the API starts listening, $VMLET_NOVA_DIR/nova-ready is
+written. A failure while starting exits the process (status 1).
 SIGTERM or SIGINT ends the process.
 """
 

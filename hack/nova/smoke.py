@@ -1,7 +1,7 @@
 """Drive the Nova harness over real HTTP as a vmlet provider would.
 
     eval "$(hack/nova.sh env)"
-    python3 hack/nova/smoke.py            # the whole walk, ~30 s
+    python3 hack/nova/smoke.py            # the whole walk, ~15 s
     python3 hack/nova/smoke.py --ready    # one readiness check (for nova.sh)
 
 Stdlib only (urllib, json); every request has a timeout and every wait a
