@@ -110,13 +110,19 @@ pub(crate) fn from_status(operation: &'static str, service: &str, what: &str, st
 }
 
 /// True when `err` or one of its causes is a TLS failure (handshake,
-/// certificate), as rustls reports them.
+/// certificate): a `rustls::Error`, directly or wrapped in `io::Error`s
+/// (hyper's connector nests two; `io::Error::source` skips the wrapped
+/// error, so they are opened with `get_ref`).
 fn is_tls(err: &(dyn StdError + 'static)) -> bool {
     let mut cause: Option<&(dyn StdError + 'static)> = Some(err);
     while let Some(e) = cause {
-        let text = e.to_string().to_ascii_lowercase();
-        if text.contains("certificate") || text.contains("tls") || text.contains("handshake") {
-            return true;
+        let mut wrapped: Option<&(dyn StdError + 'static)> = Some(e);
+        while let Some(w) = wrapped {
+            if w.is::<rustls::Error>() {
+                return true;
+            }
+            wrapped =
+                w.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()).map(|r| r as &(dyn StdError + 'static));
         }
         cause = e.source();
     }
