@@ -49,6 +49,11 @@ pub struct CloudOptions {
     pub build_timeout: Duration,
     /// Longest wait for a resize, its confirmation or a deletion (300 s).
     pub task_timeout: Duration,
+    /// Speak at most this compute microversion, even where Nova and vmlet
+    /// know a higher one (`None`: no cap). For clouds whose policy or
+    /// proxies misbehave at recent versions; below 2.74 servers are placed
+    /// with `availability_zone: "<zone>:<host>"`.
+    pub max_microversion: Option<Microversion>,
 }
 
 impl Default for CloudOptions {
@@ -61,6 +66,7 @@ impl Default for CloudOptions {
             poll_interval: Duration::from_secs(1),
             build_timeout: Duration::from_secs(300),
             task_timeout: Duration::from_secs(300),
+            max_microversion: None,
         }
     }
 }
@@ -387,7 +393,8 @@ impl Cloud {
                 format!("{url} has no v2.1 version document with microversions: is this Nova's compute endpoint?"),
             ));
         };
-        let chosen = negotiate(min, max).map_err(|why| Error::new(OP, ErrorKind::Permanent, why))?;
+        let capped = self.options.max_microversion.map_or(max, |cap| max.min(cap));
+        let chosen = negotiate(min, capped).map_err(|why| Error::new(OP, ErrorKind::Permanent, why))?;
         tracing::info!(cloud = %self.config.name, microversion = %chosen, nova_max = %max, "compute API");
         Ok((chosen, max))
     }

@@ -278,3 +278,47 @@ async fn a_tls_failure_is_transient_and_says_tls_and_names_the_endpoint() {
     assert_eq!(err.kind, ErrorKind::Transient, "{err}");
     assert!(err.message.starts_with("TLS with Keystone at https://127.0.0.1:"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn below_2_74_a_server_is_placed_on_its_host_through_the_zone_form() {
+    let Some(h) = harness("below_2_74_a_server_is_placed_through_the_zone_form") else { return };
+    const NS: &str = "vmlet-os-zonehost";
+    let options = vmlet_openstack::CloudOptions {
+        max_microversion: vmlet_openstack::Microversion::parse("2.73"),
+        ..common::test_options()
+    };
+    let cloud = vmlet_openstack::Cloud::connect(h.config(), options).await.expect("connect");
+    assert_eq!(cloud.compute_microversion().await.expect("version").0.to_string(), "2.73");
+    let providers = h.providers(&cloud);
+    remove_leftovers(&providers, NS).await;
+    // The last host: placement must come from the request, not luck.
+    let last = providers.last().expect("hosts");
+    let spec = h.spec(NS, "zone");
+    let defined = last.ensure_defined(&spec).await.expect("define through zone:host");
+    assert_eq!(last.get(&spec.id).await.expect("get").map(|s| s.backend_id), Some(defined.backend_id));
+    remove(last, &spec.id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_user_is_told_that_vmlet_needs_the_admin_role() {
+    let Some(h) = harness("a_member_user_is_told_that_vmlet_needs_the_admin_role") else { return };
+    let (Ok(user), Ok(password), Ok(project)) = (
+        std::env::var("VMLET_NOVA_USER_USERNAME"),
+        std::env::var("VMLET_NOVA_USER_PASSWORD"),
+        std::env::var("VMLET_NOVA_USER_PROJECT_NAME"),
+    ) else {
+        panic!("VMLET_NOVA_USER_* unset: `eval \"$(hack/nova.sh env)\"` sets them");
+    };
+    let admin = h.config();
+    let yaml = format!(
+        "clouds: {{m: {{auth: {{auth_url: '{}', username: {user}, password: {password:?}, user_domain_name: Default, \
+         project_name: {project}, project_domain_name: Default}}, region_name: {}}}}}",
+        admin.auth_url,
+        admin.region.clone().unwrap_or_default()
+    );
+    let config = vmlet_openstack::CloudConfig::from_bytes(yaml.as_bytes(), "m").expect("member config");
+    let cloud = vmlet_openstack::Cloud::connect(config, common::test_options()).await.expect("a member authenticates");
+    let err = cloud.hypervisors().await.expect_err("os-hypervisors needs admin");
+    assert_eq!(err.kind, ErrorKind::PermissionDenied, "{err}");
+    assert!(err.message.contains("admin role"), "{err}");
+}
