@@ -364,13 +364,23 @@ impl Cloud {
         #[derive(Deserialize)]
         struct Image {
             id: String,
+            #[serde(default)]
+            name: Option<String>,
         }
         let call = if self.has_service(Service::Image).await? {
             Call::new(Service::Image, Method::GET, "/images").query("name", reference)
         } else {
             Call::get("/images").query("name", reference).at_most(IMAGE_PROXY)
         };
-        let images = self.json::<Images>(OP, &call).await?.images;
+        // Exact names only: a service that ignores the filter (the image
+        // proxy of Nova's test fixtures does) must not pass for a match.
+        let images: Vec<Image> = self
+            .json::<Images>(OP, &call)
+            .await?
+            .images
+            .into_iter()
+            .filter(|image| image.name.as_deref() == Some(reference))
+            .collect();
         match images.as_slice() {
             [one] => Ok(one.id.clone()),
             [] => Err(Error::new(

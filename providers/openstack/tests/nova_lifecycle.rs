@@ -212,6 +212,21 @@ async fn an_unknown_option_or_kernel_boot_is_refused_naming_the_field_and_nothin
     assert_eq!(err.kind, ErrorKind::InvalidInput);
     assert!(err.message.contains("64 vCPUs"), "{err}");
 
+    // An image by name: resolved when one image has it (the harness has no
+    // Glance endpoint: through Nova's image proxy), refused when none or
+    // several have it.
+    for (name, why) in [("no-such-image", "no image named"), ("fakeimage123456", "images are named")] {
+        let mut spec = h.spec(NS, "image");
+        spec.image = Some(name.into());
+        let err = a.ensure_defined(&spec).await.expect_err(name);
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+        assert!(err.message.contains("spec.image") && err.message.contains(why), "{err}");
+    }
+    let mut spec = h.spec(NS, "by-name");
+    spec.image = Some("fakeimage6".into());
+    a.ensure_defined(&spec).await.expect("image by name");
+    remove(a, &spec.id).await;
+
     // A named flavor is used as given.
     let mut spec = h.spec(NS, "named");
     spec.options.insert("flavor".into(), "c2-m512".into());
