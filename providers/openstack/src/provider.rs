@@ -227,7 +227,8 @@ impl OpenStackProvider {
         self.wait_server(operation, server_id, &waiting_for, timeout, |s| {
             if s.status == status && s.task_state.is_none() {
                 Some(Ok(()))
-            } else if s.status == "ERROR" {
+            } else if s.status == "ERROR" && s.task_state.is_none() {
+                // (ERROR with a task: a hard reboot out of ERROR is running.)
                 Some(Err(Error::new(
                     operation,
                     ErrorKind::Permanent,
@@ -311,6 +312,11 @@ impl OpenStackProvider {
     pub(crate) async fn apply_pending_flavor(&self, server: &Server) -> Result<Server> {
         crate::resize::resize_stopped_to(self, server, server.metadata[NEXT_FLAVOR_KEY].as_str()).await
     }
+}
+
+/// Off or crashed with no task running: nothing to stop.
+fn is_inactive(server: &Server) -> bool {
+    matches!(server.status.as_str(), "SHUTOFF" | "ERROR") && server.task_state.is_none()
 }
 
 #[async_trait::async_trait]
@@ -463,9 +469,11 @@ impl Provider for OpenStackProvider {
         self.status(&server).await
     }
 
-    /// `os-start`, after applying a resize recorded for the next start; waits
-    /// until the server is ACTIVE ([`crate::CloudOptions::task_timeout`]). A
-    /// running server is left alone.
+    /// `os-start` (a hard `reboot` for a server in ERROR that ran before:
+    /// Nova refuses os-start there), after applying a resize recorded for
+    /// the next start; waits until the server is ACTIVE
+    /// ([`crate::CloudOptions::task_timeout`]). A running server is left
+    /// alone.
     #[instrument(skip(self), fields(provider = "openstack", host = %self.host, vm.uid = %id))]
     async fn start(&self, id: &VmId) -> Result<()> {
         const OP: &str = "start server";
@@ -473,7 +481,13 @@ impl Provider for OpenStackProvider {
         if server.metadata.contains_key(NEXT_FLAVOR_KEY) && server.status == "SHUTOFF" && server.task_state.is_none() {
             server = self.apply_pending_flavor(&server).await?;
         }
-        self.power_action(OP, &server, "os-start", "ACTIVE", "powering-on").await?;
+        if server.status == "ERROR" && server.launched_at.is_some() {
+            // Nova refuses os-start in ERROR; a hard reboot is its way back.
+            tracing::info!(server.id = %server.id, "server in ERROR: hard reboot");
+            self.cloud.server_action(OP, &server.id, json!({ "reboot": { "type": "HARD" } })).await?;
+        } else {
+            self.power_action(OP, &server, "os-start", "ACTIVE", "powering-on").await?;
+        }
         self.wait_settled(OP, &server.id, "ACTIVE", self.cloud.options.task_timeout).await.map(|_| ())
     }
 
@@ -484,6 +498,9 @@ impl Provider for OpenStackProvider {
     async fn shutdown(&self, id: &VmId) -> Result<()> {
         const OP: &str = "shut down server";
         let server = self.find_here(OP, id).await?;
+        if is_inactive(&server) {
+            return Ok(());
+        }
         self.power_action(OP, &server, "os-stop", "SHUTOFF", "powering-off").await
     }
 
@@ -493,6 +510,9 @@ impl Provider for OpenStackProvider {
     async fn destroy(&self, id: &VmId) -> Result<()> {
         const OP: &str = "power off server";
         let server = self.find_here(OP, id).await?;
+        if is_inactive(&server) {
+            return Ok(());
+        }
         self.power_action(OP, &server, "os-stop", "SHUTOFF", "powering-off").await?;
         self.wait_settled(OP, &server.id, "SHUTOFF", self.cloud.options.task_timeout).await.map(|_| ())
     }

@@ -91,6 +91,15 @@ async fn defining_twice_gives_one_server_that_starts_stops_and_starts_again_with
         assert_eq!(status.backend_id, first.backend_id, "the same server throughout");
     }
 
+    // Crashed behind vmlet's back (Nova's ERROR): reported as Crashed, and
+    // start brings it back (Nova refuses os-start in ERROR: a hard reboot).
+    common::nova_action_behind_vmlet(&first.backend_id, serde_json::json!({"os-resetState": {"state": "error"}})).await;
+    let crashed = wait_power(a, &spec.id, PowerState::Crashed).await;
+    assert_eq!(crashed.stop_reason, Some(vmlet_provider::StopReason::Crashed));
+    a.shutdown(&spec.id).await.expect("shutdown of a crashed server: nothing to do");
+    a.start(&spec.id).await.expect("start from ERROR");
+    assert_eq!(a.get(&spec.id).await.expect("get").expect("here").power, PowerState::Running);
+
     // Active: undefine refuses.
     let err = a.undefine(&spec.id).await.expect_err("undefine of a running server");
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");

@@ -216,3 +216,30 @@ pub async fn count_everywhere(providers: &[OpenStackProvider], id: &VmId) -> usi
     }
     n
 }
+
+/// Post a server action to Nova as the harness's admin, behind the
+/// provider's back (e.g. `os-resetState` to make a server look crashed).
+/// Uses the `OS_*` variables of `hack/nova.sh env` and `VMLET_NOVA_URL`.
+pub async fn nova_action_behind_vmlet(server_id: &str, body: serde_json::Value) {
+    let os = |name: &str| required(name);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
+    let auth = serde_json::json!({"auth": {
+        "identity": {"methods": ["password"], "password": {"user": {
+            "name": os("OS_USERNAME"), "domain": {"name": var("OS_USER_DOMAIN_NAME").unwrap_or_else(|| "Default".into())},
+            "password": os("OS_PASSWORD")}}},
+        "scope": {"project": {"name": os("OS_PROJECT_NAME"),
+            "domain": {"name": var("OS_PROJECT_DOMAIN_NAME").unwrap_or_else(|| "Default".into())}}}
+    }});
+    let response = http.post(format!("{}/auth/tokens", os("OS_AUTH_URL"))).json(&auth).send().await.expect("token");
+    assert!(response.status().is_success(), "token: {}", response.status());
+    let token = response.headers()["X-Subject-Token"].to_str().expect("token header").to_owned();
+    let response = http
+        .post(format!("{}/servers/{server_id}/action", os("VMLET_NOVA_URL")))
+        .header("X-Auth-Token", token)
+        .header("OpenStack-API-Version", "compute 2.60")
+        .json(&body)
+        .send()
+        .await
+        .expect("action");
+    assert!(response.status().is_success(), "{body}: {}", response.status());
+}
