@@ -135,6 +135,23 @@ fn route(
                 s.revoked.insert(token.to_owned());
             }
             match p {
+                "/v2.1/servers/detail" => {
+                    let server = |id: &str, host: &str, uid: Option<&str>| {
+                        let metadata = uid.map_or(serde_json::json!({}), |u| serde_json::json!({"vmlet.io:uid": u}));
+                        serde_json::json!({"id": id, "name": id, "status": "ACTIVE", "OS-EXT-STS:power_state": 1,
+                            "OS-EXT-SRV-ATTR:host": host, "metadata": metadata,
+                            "flavor": {"vcpus": 1, "ram": 256, "disk": 1, "original_name": "c1-m256"}})
+                    };
+                    let page = if path.contains("marker=s3") {
+                        serde_json::json!({"servers": [server("s4", "h3", Some("u4"))]})
+                    } else {
+                        serde_json::json!({
+                            "servers": [server("s1", "h1", Some("u1")), server("s2", "h2", Some("u2")), server("s3", "h1", None)],
+                            "servers_links": [{"rel": "next", "href": format!("{compute}/servers/detail?all_tenants=1&limit=1000&marker=s3")}]
+                        })
+                    };
+                    (200, String::new(), page.to_string())
+                }
                 "/v2.1/os-services" => {
                     (200, String::new(), r#"{"services": [{"host": "h1", "state": "up", "zone": "az9"}]}"#.into())
                 }
@@ -233,4 +250,25 @@ async fn compute_calls_carry_the_negotiated_microversion_and_hypervisors_pin_2_8
     let header_of = |path: &str| s.compute_calls.iter().find(|(p, _)| p == path).map(|(_, v)| v.clone());
     assert_eq!(header_of("/v2.1/os-hypervisors/detail").as_deref(), Some("compute 2.87"));
     assert_eq!(header_of("/v2.1/os-services").as_deref(), Some("compute 2.100"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_hosts_share_one_paginated_listing_of_vmlet_s_servers() {
+    let stand_in = StandIn::start(3000);
+    let cloud = Cloud::connect(stand_in.config(), options()).await.expect("connect");
+    let lists = ["h1", "h2", "h3"].map(|host| {
+        let provider = OpenStackProvider::new(cloud.clone(), host);
+        tokio::spawn(async move { provider.list().await })
+    });
+    let mut seen = Vec::new();
+    for list in lists {
+        let statuses = list.await.expect("join").expect("list");
+        seen.push(statuses.iter().map(|s| s.backend_id.clone()).collect::<Vec<_>>());
+    }
+    // s3 has no vmlet.io:uid: not vmlet's. s4 came from the second page.
+    assert_eq!(seen, [vec!["s1".to_owned()], vec!["s2".to_owned()], vec!["s4".to_owned()]]);
+    let s = stand_in.script();
+    let listings: Vec<&String> =
+        s.compute_calls.iter().map(|(p, _)| p).filter(|p| p.as_str() == "/v2.1/servers/detail").collect();
+    assert_eq!(listings.len(), 2, "one listing of two pages for three hosts: {:?}", s.compute_calls);
 }
