@@ -34,6 +34,10 @@ pub const NAME_KEY: &str = "vmlet.io:name";
 /// on: where an unscheduled server (no `OS-EXT-SRV-ATTR:host` yet, or a
 /// build that failed before reaching a host) belongs.
 pub const HOST_KEY: &str = "vmlet.io:host";
+/// Server metadata key recording that the user chose the flavor
+/// (`spec.providerOptions.flavor`, its id): a resize keeps it while it
+/// still fits the wanted size.
+pub const FLAVOR_PIN_KEY: &str = "vmlet.io:flavor";
 /// Server metadata key holding the id of the flavor a running server takes
 /// at its next start (a resize that waits for a restart).
 pub const NEXT_FLAVOR_KEY: &str = "vmlet.io:next-flavor";

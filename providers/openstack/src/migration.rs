@@ -66,7 +66,7 @@ impl Migration for OpenStackProvider {
         }
         match mode {
             MigrationMode::Live => live_migrate(self, &server, &to.address, timeout).await,
-            MigrationMode::Cold => cold_migrate(&self.cloud, self, &server, &self.host, &to.address, timeout).await,
+            MigrationMode::Cold => cold_migrate(self, &server, &self.host, &to.address, timeout).await,
         }
     }
 
@@ -154,7 +154,6 @@ async fn live_migrate(provider: &OpenStackProvider, server: &Server, target: &st
 /// Cold-migrate the stopped `server` from `source` to `target` and confirm;
 /// returns once it is SHUTOFF on `target`.
 pub(crate) async fn cold_migrate(
-    cloud: &Cloud,
     provider: &OpenStackProvider,
     server: &Server,
     source: &str,
@@ -162,6 +161,7 @@ pub(crate) async fn cold_migrate(
     timeout: Duration,
 ) -> Result<()> {
     const OP: &str = "cold-migrate server";
+    let cloud = &provider.cloud;
     cloud.server_action(OP, &server.id, json!({ "migrate": { "host": target } })).await?;
     tracing::info!(server.id = %server.id, from = source, to = target, "cold migration started");
     let waited = provider

@@ -14,8 +14,8 @@ use vmlet_provider::{
 use crate::compute::Server;
 use crate::hosts::HostState;
 use crate::mapping::{
-    flavor_named, host_of, mib_ceil, smallest_fitting, status_of, uid_of, HOST_KEY, NAMESPACE_KEY, NAME_KEY,
-    NEXT_FLAVOR_KEY, UID_KEY,
+    flavor_named, host_of, mib_ceil, smallest_fitting, status_of, uid_of, FLAVOR_PIN_KEY, HOST_KEY, NAMESPACE_KEY,
+    NAME_KEY, NEXT_FLAVOR_KEY, UID_KEY,
 };
 use crate::microversion::CREATE_WITH_HOST;
 use crate::options;
@@ -285,6 +285,9 @@ impl OpenStackProvider {
         metadata.insert(NAMESPACE_KEY.into(), json!(spec.namespace));
         metadata.insert(NAME_KEY.into(), json!(spec.name));
         metadata.insert(HOST_KEY.into(), json!(self.host));
+        if options.flavor.is_some() {
+            metadata.insert(FLAVOR_PIN_KEY.into(), json!(flavor.id));
+        }
         let mut server = json!({
             "name": spec.backend_name(),
             "imageRef": image_id,

@@ -15,13 +15,17 @@
 //!   ([`NEXT_FLAVOR_KEY`]); [`vmlet_provider::VmStatus::next_start`] reports it
 //!   and `start` applies it before `os-start`.
 //!
+//! A flavor the user chose (`spec.providerOptions.flavor`, recorded as
+//! [`FLAVOR_PIN_KEY`]) is kept as long as it has at least the wanted vCPUs
+//! and memory; otherwise the smallest fitting flavor replaces it.
+//!
 //! Ceilings do not apply: a Nova server's ceilings are its size.
 
 use serde_json::json;
 use vmlet_provider::{Error, ErrorKind, Resize, ResizeScope, Resources, Result, VmId};
 
 use crate::compute::Server;
-use crate::mapping::{mib_ceil, smallest_fitting, NEXT_FLAVOR_KEY};
+use crate::mapping::{mib_ceil, smallest_fitting, FLAVOR_PIN_KEY, NEXT_FLAVOR_KEY};
 use crate::migration::cold_migrate;
 use crate::provider::OpenStackProvider;
 
@@ -52,7 +56,11 @@ impl Resize for OpenStackProvider {
                 ),
             )
         })?;
-        let has_it = (server.flavor.vcpus, server.flavor.ram) == (flavor.vcpus, flavor.ram);
+        // The flavor the user chose stays while it is big enough.
+        let pinned_fits = server.metadata.contains_key(FLAVOR_PIN_KEY)
+            && server.flavor.vcpus >= to.cpus
+            && server.flavor.ram >= mib_ceil(to.memory_bytes);
+        let has_it = pinned_fits || (server.flavor.vcpus, server.flavor.ram) == (flavor.vcpus, flavor.ram);
         if has_it {
             if server.metadata.contains_key(NEXT_FLAVOR_KEY) {
                 self.cloud.delete_server_metadata(&server.id, NEXT_FLAVOR_KEY).await?;
@@ -132,7 +140,7 @@ pub(crate) async fn resize_stopped_to(
             "Nova resized the server on another host (allow_resize_to_same_host = False); moving it back"
         );
         let from = after.host.clone().unwrap_or_default();
-        cold_migrate(cloud, provider, &after, &from, &provider.host, timeout).await?;
+        cold_migrate(provider, &after, &from, &provider.host, timeout).await?;
         after = cloud.server(&after.id).await?.ok_or_else(|| Error::new(OP, ErrorKind::NotFound, "server gone"))?;
     }
     if after.metadata.contains_key(NEXT_FLAVOR_KEY) {

@@ -241,6 +241,12 @@ async fn an_unknown_option_or_kernel_boot_is_refused_naming_the_field_and_nothin
     spec.options.insert("flavor".into(), "c2-m512".into());
     let named = a.ensure_defined(&spec).await.expect("named flavor");
     assert_eq!((named.cpus, named.memory_bytes), (2, 512 * MIB));
+    // A resize to a size the chosen flavor still has keeps it.
+    let resize = a.resize().expect("resize");
+    let smaller = vmlet_provider::Resources { cpus: 1, memory_bytes: 256 * MIB };
+    resize.resize(&spec.id, smaller, smaller, vmlet_provider::ResizeScope::NextStart).await.expect("resize");
+    let kept = a.get(&spec.id).await.expect("get").expect("here");
+    assert_eq!((kept.cpus, kept.memory_bytes, kept.next_start), (2, 512 * MIB, None));
     remove(a, &spec.id).await;
     assert!(a.list().await.expect("list").iter().all(|s| !s.backend_name.starts_with(NS)));
 }
