@@ -161,7 +161,9 @@ impl OpenStackProvider {
     }
 
     /// Wait while the server builds; an error for one whose build failed
-    /// (ERROR without ever having run), with Nova's fault.
+    /// (ERROR without ever having run), with Nova's fault: `Transient` after
+    /// deleting it when the scheduler found no valid host (the next attempt
+    /// creates it again), `Permanent` otherwise (the user must act).
     async fn built(&self, operation: &'static str, server: Server) -> Result<Server> {
         let server = if server.status == "BUILD" {
             let timeout = self.cloud.options.build_timeout;
@@ -173,7 +175,23 @@ impl OpenStackProvider {
             server
         };
         if server.status == "ERROR" && server.launched_at.is_none() {
-            let fault = server.fault.as_ref().map(|f| f.message.as_str()).unwrap_or("no fault recorded");
+            let fault = server.fault.as_ref().map(|f| f.message.trim_end_matches('.')).unwrap_or("no fault recorded");
+            if fault.contains("No valid host") {
+                // The scheduler found no room (or Placement failed): the
+                // server never ran and holds nothing. Remove it so that
+                // the next attempt creates it again.
+                self.cloud.delete_server(&server.id).await?;
+                tracing::warn!(server.id = %server.id, fault, "build failed; deleted the never-started server");
+                return Err(Error::new(
+                    operation,
+                    ErrorKind::Transient,
+                    format!(
+                        "Nova could not place server {} on host {}: {fault}; vmlet deleted the never-started server \
+                         and retries (is the host full or disabled?)",
+                        server.id, self.host
+                    ),
+                ));
+            }
             return Err(Error::new(
                 operation,
                 ErrorKind::Permanent,
@@ -424,7 +442,9 @@ impl Provider for OpenStackProvider {
     /// Errors: `InvalidInput` for kernel boot, a missing or unknown image or
     /// flavor, no fitting flavor, an unknown `spec.providerOptions` key;
     /// `Conflict` when the server is on another host; `Permanent` when Nova
-    /// could not build it (with Nova's fault); `QuotaExceeded`; `Transient`.
+    /// could not build it (with Nova's fault); `QuotaExceeded`; `Transient`
+    /// (also when the scheduler found no room on this host: the failed,
+    /// never-started server is deleted so that a retry creates it again).
     #[instrument(skip(self, spec), fields(provider = "openstack", host = %self.host, vm.uid = %spec.id, vm.name = %spec.backend_name()))]
     async fn ensure_defined(&self, spec: &VmSpec) -> Result<VmStatus> {
         const OP: &str = "define server";

@@ -60,8 +60,8 @@ async fn defining_twice_gives_one_server_that_starts_stops_and_starts_again_with
     let a = &providers[0];
     let spec = h.spec(NS, "twice");
 
-    let first = a.ensure_defined(&spec).await.expect("define");
-    let second = a.ensure_defined(&spec).await.expect("define again");
+    let first = common::define(a, &spec).await;
+    let second = common::define(a, &spec).await;
     assert_eq!(first.backend_id, second.backend_id);
     assert_eq!(first.backend_name, spec.backend_name());
     assert_eq!(first.id, spec.id);
@@ -119,8 +119,8 @@ async fn every_host_locates_a_server_and_a_restarted_session_finds_all_without_c
     let (a, b) = (&providers[0], &providers[1]);
     let on_a = h.spec(NS, "on-a");
     let on_b = h.spec(NS, "on-b");
-    let defined_a = a.ensure_defined(&on_a).await.expect("define on a");
-    let defined_b = b.ensure_defined(&on_b).await.expect("define on b");
+    let defined_a = common::define(a, &on_a).await;
+    let defined_b = common::define(b, &on_b).await;
 
     match a.locate(&on_a.id, &on_a.backend_name()).await.expect("locate") {
         Location::ThisHost(status) => assert_eq!(status.backend_id, defined_a.backend_id),
@@ -144,7 +144,7 @@ async fn every_host_locates_a_server_and_a_restarted_session_finds_all_without_c
     assert_eq!(listed_b.len(), 1);
     assert_eq!(listed_a[0].backend_id, defined_a.backend_id);
     assert_eq!(listed_b[0].backend_id, defined_b.backend_id);
-    let redefined = again[0].ensure_defined(&on_a).await.expect("define after restart");
+    let redefined = common::define(&again[0], &on_a).await;
     assert_eq!(redefined.backend_id, defined_a.backend_id);
     assert_eq!(count_everywhere(&again, &on_a.id).await, 1);
     assert_eq!(count_everywhere(&again, &on_b.id).await, 1);
@@ -162,7 +162,7 @@ async fn console_output_is_nova_s_log_sliced_by_offset_with_a_boot_that_changes_
     remove_leftovers(&providers, NS).await;
     let a = &providers[0];
     let spec = h.spec(NS, "console");
-    a.ensure_defined(&spec).await.expect("define");
+    common::define(a, &spec).await;
     let console = a.console().expect("console capability");
 
     let whole = console.console_output(&spec.id, 0, 1 << 20).await.expect("output");
@@ -233,13 +233,13 @@ async fn an_unknown_option_or_kernel_boot_is_refused_naming_the_field_and_nothin
     }
     let mut spec = h.spec(NS, "by-name");
     spec.image = Some("fakeimage6".into());
-    a.ensure_defined(&spec).await.expect("image by name");
+    common::define(a, &spec).await;
     remove(a, &spec.id).await;
 
     // A named flavor is used as given.
     let mut spec = h.spec(NS, "named");
     spec.options.insert("flavor".into(), "c2-m512".into());
-    let named = a.ensure_defined(&spec).await.expect("named flavor");
+    let named = common::define(a, &spec).await;
     assert_eq!((named.cpus, named.memory_bytes), (2, 512 * MIB));
     // A resize to a size the chosen flavor still has keeps it.
     let resize = a.resize().expect("resize");
@@ -324,7 +324,7 @@ async fn below_2_74_a_server_is_placed_on_its_host_through_the_zone_form() {
     // The last host: placement must come from the request, not luck.
     let last = providers.last().expect("hosts");
     let spec = h.spec(NS, "zone");
-    let defined = last.ensure_defined(&spec).await.expect("define through zone:host");
+    let defined = common::define(last, &spec).await;
     assert_eq!(last.get(&spec.id).await.expect("get").map(|s| s.backend_id), Some(defined.backend_id));
     remove(last, &spec.id).await;
 }

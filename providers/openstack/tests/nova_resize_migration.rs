@@ -27,7 +27,7 @@ async fn a_stopped_server_is_resized_at_once_and_a_running_one_at_its_next_start
     let a = &providers[0];
     let resize = a.resize().expect("resize capability");
     let spec = h.spec(NS, "resize");
-    let defined = a.ensure_defined(&spec).await.expect("define");
+    let defined = common::define(a, &spec).await;
     assert_eq!((defined.cpus, defined.memory_bytes), (1, 256 * MIB));
 
     let err = resize.resize(&spec.id, size(2, 512), size(2, 512), ResizeScope::Live).await.expect_err("live");
@@ -68,7 +68,7 @@ async fn a_running_server_live_migrates_and_a_stopped_one_cold_migrates_keeping_
     remove_leftovers(&providers, NS).await;
     let (a, b) = (&providers[0], &providers[1]);
     let spec = h.spec(NS, "mover");
-    let defined = a.ensure_defined(&spec).await.expect("define on a");
+    let defined = common::define(a, &spec).await;
     let to_b = b.migration().expect("migration").target();
     assert_eq!((to_b.host.as_str(), to_b.address.as_str()), (b.host(), b.host()));
 

@@ -243,3 +243,21 @@ pub async fn nova_action_behind_vmlet(server_id: &str, body: serde_json::Value) 
         .expect("action");
     assert!(response.status().is_success(), "{body}: {}", response.status());
 }
+
+/// `ensure_defined`, retried on `Transient` errors as vmlet's node agent
+/// retries (the harness's Placement, on sqlite, sometimes fails a
+/// scheduling with "database is locked", which Nova reports as no valid host).
+pub async fn define(provider: &OpenStackProvider, spec: &VmSpec) -> VmStatus {
+    let mut attempt = 1;
+    loop {
+        match provider.ensure_defined(spec).await {
+            Ok(status) => return status,
+            Err(e) if e.is_transient() && attempt < 3 => {
+                eprintln!("define {} on {} (attempt {attempt}): {e}; retrying", spec.backend_name(), provider.host());
+                attempt += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => panic!("define {} on {}: {e}", spec.backend_name(), provider.host()),
+        }
+    }
+}
