@@ -439,6 +439,12 @@ impl Provider for OpenStackProvider {
     /// (fresh listing first, so a retry after a crash finds the one created
     /// before). Waits until it leaves BUILD ([`crate::CloudOptions::build_timeout`]).
     ///
+    /// Nova boots every server it creates (it has no "create stopped"); a
+    /// server created here is therefore stopped at once (`os-stop`, waiting
+    /// for SHUTOFF), so that a defined VM is off until [`Provider::start`]
+    /// as the contract says. The guest runs briefly during that first boot.
+    /// An existing server is returned as it is.
+    ///
     /// Errors: `InvalidInput` for kernel boot, a missing or unknown image or
     /// flavor, no fitting flavor, an unknown `spec.providerOptions` key;
     /// `Conflict` when the server is on another host; `Permanent` when Nova
@@ -460,6 +466,7 @@ impl Provider for OpenStackProvider {
             Some(server) => Some(self.cloud.server(&server.id).await?),
             None => None,
         };
+        let mut created_now = false;
         let server = match existing.flatten() {
             Some(server) => {
                 match host_of(&server) {
@@ -482,13 +489,19 @@ impl Provider for OpenStackProvider {
             None => {
                 let body = self.create_body(spec, &server_options).await?;
                 let id = self.cloud.create_server(body).await?;
+                created_now = true;
                 tracing::info!(server.id = %id, "server created");
                 self.cloud.server(&id).await?.ok_or_else(|| {
                     Error::new(OP, ErrorKind::Transient, format!("server {id} vanished right after its creation"))
                 })?
             }
         };
-        let server = self.built(OP, server).await?;
+        let mut server = self.built(OP, server).await?;
+        if created_now && server.status == "ACTIVE" {
+            // Nova starts what it creates; a defined VM is off until `start`.
+            self.power_action(OP, &server, "os-stop", "SHUTOFF", "powering-off").await?;
+            server = self.wait_settled(OP, &server.id, "SHUTOFF", self.cloud.options.task_timeout).await?;
+        }
         self.status(&server).await
     }
 

@@ -71,8 +71,10 @@ async fn defining_twice_gives_one_server_that_starts_stops_and_starts_again_with
     // Addresses: Nova's `addresses` of the harness's servers stay empty (its
     // NeutronFixture ports never reach the info cache), so only real clouds
     // show them; mapping.rs's unit test covers reading them.
-    // Nova starts a server when it creates it.
-    assert_eq!(first.power, PowerState::Running, "{first:?}");
+    // Nova boots what it creates; the provider stops it: defined means off.
+    assert_eq!(first.power, PowerState::Off, "{first:?}");
+    a.start(&spec.id).await.expect("first start");
+    assert_eq!(a.get(&spec.id).await.expect("get").expect("here").power, PowerState::Running);
 
     a.shutdown(&spec.id).await.expect("shutdown");
     a.shutdown(&spec.id).await.expect("shutdown again (idempotent)");
@@ -163,6 +165,7 @@ async fn console_output_is_nova_s_log_sliced_by_offset_with_a_boot_that_changes_
     let a = &providers[0];
     let spec = h.spec(NS, "console");
     common::define(a, &spec).await;
+    a.start(&spec.id).await.expect("start");
     let console = a.console().expect("console capability");
 
     let whole = console.console_output(&spec.id, 0, 1 << 20).await.expect("output");

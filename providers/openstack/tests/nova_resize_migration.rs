@@ -34,6 +34,7 @@ async fn a_stopped_server_is_resized_at_once_and_a_running_one_at_its_next_start
     assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
 
     // Running: recorded for the next start.
+    a.start(&spec.id).await.expect("start");
     resize.resize(&spec.id, size(2, 512), size(2, 512), ResizeScope::NextStart).await.expect("next start");
     let pending = a.get(&spec.id).await.expect("get").expect("here");
     assert_eq!((pending.cpus, pending.memory_bytes), (1, 256 * MIB), "unchanged while it runs");
@@ -69,6 +70,7 @@ async fn a_running_server_live_migrates_and_a_stopped_one_cold_migrates_keeping_
     let (a, b) = (&providers[0], &providers[1]);
     let spec = h.spec(NS, "mover");
     let defined = common::define(a, &spec).await;
+    a.start(&spec.id).await.expect("start");
     let to_b = b.migration().expect("migration").target();
     assert_eq!((to_b.host.as_str(), to_b.address.as_str()), (b.host(), b.host()));
 
