@@ -9,8 +9,11 @@
 # ~15 min on 2 cores), libvirtd for qemu:///system with KVM where the machine
 # has it (hack/libvirtd.sh up; needs root) and the two libvirt hosts mig-a and
 # mig-b in namespaces for the migration and resize tests (hack/hosts.sh up; as
-# root only, else those tests skip), exports VMLET_LIBVIRT_QEMU_URI,
-# VMLET_LIBVIRT_MIG_A_URI and VMLET_LIBVIRT_MIG_B_URI, then runs
+# root only, else those tests skip), the real Nova API behind Keystone for the
+# OpenStack provider's tests (hack/nova.sh up: a Python venv cached in
+# ~/.cache/vmlet, ~3 min to install once, ~30 s to start), exports
+# VMLET_LIBVIRT_QEMU_URI, VMLET_LIBVIRT_MIG_A_URI, VMLET_LIBVIRT_MIG_B_URI and
+# the harness's OS_* / VMLET_NOVA_* variables, then runs
 # `cargo test --workspace --no-fail-fast "$@"`. All stay running afterwards so
 # the next run is fast, except with CI=true, where they are stopped on exit.
 # On failure it prints where the logs are and the last lines of each.
@@ -23,7 +26,7 @@ log() { echo "test.sh: $*" >&2; }
 
 if [[ ${CI:-} == true ]]; then
   # Stop what this run started, whatever happens.
-  trap 'log "CI=true: stopping the control plane, libvirtd and the two libvirt hosts"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true; "$REPO/hack/hosts.sh" down || true' EXIT
+  trap 'log "CI=true: stopping the control plane, libvirtd, the two libvirt hosts and the Nova harness"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true; "$REPO/hack/hosts.sh" down || true; "$REPO/hack/nova.sh" down || true' EXIT
 fi
 
 if [[ $(id -u) != 0 ]] && ! virsh -c "$(hack/libvirtd.sh uri)" version >/dev/null 2>&1; then
@@ -45,6 +48,9 @@ else
   log "not root: the two libvirt hosts (hack/hosts.sh) need root; the migration and resize tests skip"
 fi
 
+hack/nova.sh up
+eval "$(hack/nova.sh env)" # OS_* (Keystone admin), VMLET_NOVA_IMAGE, VMLET_NOVA_NETWORK, VMLET_NOVA_HOSTS, ...
+
 status=0
 # --no-fail-fast: report every failing test binary, not just the first.
 cargo test --workspace --no-fail-fast "$@" || status=$?
@@ -58,6 +64,7 @@ if ((status != 0)); then
     echo "  each test's vmlet:        $REPO/target/it/<test namespace>/vmlet.log"
     echo "  libvirtd / virtlogd:      /var/log/libvirt/libvirtd.log, /var/log/libvirt/virtlogd.log"
     echo "  hosts mig-a, mig-b:       ${VMLET_HOSTS_DIR:-/var/lib/vmlet/hosts}/<host>/log/ (hack/hosts.sh status)"
+    echo "  Nova harness:             ${VMLET_NOVA_LOG_DIR:-/tmp/vmlet-nova/logs}/ (hack/nova.sh logs nova|keystone|placement)"
     for f in "$VMLET_CLUSTER_LOGS"/*.log /var/log/libvirt/libvirtd.log; do
       [[ -f $f ]] || continue
       echo
