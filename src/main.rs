@@ -17,8 +17,11 @@ use vmlet::config::{Config, HostConfig};
 use vmlet::v1alpha1::VirtualMachine;
 use vmlet_provider::Provider;
 
-/// Backends this binary is built with.
-const PROVIDERS: &[&str] = &["libvirt"];
+mod cloud_hosts;
+
+/// Backends this binary is built with: `hosts[]` are libvirt hosts, `clouds[]`
+/// OpenStack clouds.
+const PROVIDERS: &[&str] = &["libvirt", "openstack"];
 
 /// Exit code for a bad command line or configuration (sysexits EX_USAGE).
 const EX_USAGE: u8 = 64;
@@ -94,6 +97,10 @@ fn init_tracing() {
 
 async fn connect(host: &HostConfig) -> anyhow::Result<Arc<dyn Provider>> {
     match host.provider.as_str() {
+        "openstack" => anyhow::bail!(
+            "host {}: OpenStack compute hosts are found through clouds[] (provider: openstack), not listed in hosts[]",
+            host.name
+        ),
         "libvirt" => {
             use vmlet::config::AcceleratorConfig;
             use vmlet_libvirt::AcceleratorSetting;
@@ -120,8 +127,32 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API server (KUBECONFIG or in-cluster)")?;
-    let config = Arc::new(config);
     let shutdown = CancellationToken::new();
+    // The compute hosts of the configured clouds join the hosts as nodes.
+    let mut config = config;
+    let mut providers = Vec::new();
+    for host in &config.hosts {
+        providers.push(connect(host).await?);
+    }
+    let discovered = tokio::select! {
+        found = cloud_hosts::discover(&client, &config.clouds, &shutdown) => found?,
+        _ = wait_for_signal() => None,
+    };
+    let Some(discovered) = discovered else {
+        info!("shut down before the clouds' compute hosts were found");
+        return Ok(());
+    };
+    for (host, provider) in discovered {
+        if config.hosts.iter().any(|h| h.name == host.name) {
+            anyhow::bail!(
+                "node name {} is used twice (hosts[] and a cloud's compute host); set clouds[].nodeNamePrefix",
+                host.name
+            );
+        }
+        config.hosts.push(host);
+        providers.push(provider);
+    }
+    let config = Arc::new(config);
     let mut tasks = tokio::task::JoinSet::new();
 
     // One pod watch and one VirtualMachine watch for the whole process,
@@ -133,8 +164,7 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     watches.start(writers, &client, &config, shutdown.child_token());
 
     let hosts = vmlet::node::Hosts::default();
-    for host in &config.hosts {
-        let provider = connect(host).await?;
+    for (host, provider) in config.hosts.iter().zip(providers) {
         tasks.spawn(vmlet::node::run(
             client.clone(),
             config.clone(),

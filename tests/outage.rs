@@ -57,10 +57,10 @@ async fn a_host_that_stops_answering_for_a_minute_leaves_its_vm_running_and_noth
     let restart = RestartLibvirtd;
     let since = Instant::now();
 
-    // The node goes NotReady (no more heartbeats); the pod stays Running,
-    // with a condition saying the host does not answer. (Its Ready condition
-    // is Kubernetes' to set meanwhile: the node lifecycle controller marks
-    // the pods of a NotReady node not Ready.)
+    // The node goes NotReady, saying why (the agent reports it, keeping its
+    // Lease); the pod stays Running, with a condition saying the host does
+    // not answer. (Its Ready condition is Kubernetes' to set meanwhile: the
+    // node lifecycle controller marks the pods of a NotReady node not Ready.)
     let nodes = env.nodes_api();
     env.wait_for("the node to go NotReady", || {
         let nodes = nodes.clone();
@@ -68,7 +68,8 @@ async fn a_host_that_stops_answering_for_a_minute_leaves_its_vm_running_and_noth
         async move {
             let n = nodes.get(&node).await.ok()?;
             let ready = n.status?.conditions?.into_iter().find(|c| c.type_ == "Ready")?;
-            (ready.status != "True").then_some(())
+            let why = ready.reason.as_deref() == Some("HostNotResponding");
+            (ready.status == "False" && why).then_some(())
         }
     })
     .await;

@@ -2,9 +2,10 @@
 //! the pods bound to it.
 //!
 //! Order, as the kubelet's: probe the host, start the pod and cleanup loops, then
-//! register the Node as Ready; renew the Lease every `leaseDuration / 4` only
-//! while the provider answers its ping; on shutdown, report NotReady (the VMs keep
-//! running) and stop.
+//! register the Node as Ready; renew the Lease every `leaseDuration / 4`; while
+//! the provider fails its ping, report the Node NotReady with the failure's kind
+//! and message (as a kubelet whose runtime fails), Ready once it answers; on
+//! shutdown, report NotReady (the VMs keep running) and stop.
 
 pub mod console;
 pub mod decide;
@@ -249,7 +250,8 @@ async fn heartbeat(
 
     let mut node_uid = None;
     let mut last_status: Option<Instant> = None;
-    let mut reachable = true;
+    // The back end's last failure, while it fails: (reason, message).
+    let mut failing: Option<(&'static str, String)> = None;
     loop {
         if node_uid.is_none() {
             match registration::register(&nodes, &desired).await {
@@ -263,9 +265,9 @@ async fn heartbeat(
         if let Some(uid) = &node_uid {
             match provider.ping().await {
                 Ok(()) => {
-                    if !reachable {
-                        info!("host answers again; resuming heartbeats");
-                        reachable = true;
+                    if failing.take().is_some() {
+                        info!("host answers again");
+                        last_status = None;
                         recovered();
                     }
                     if let Ok(fresh) = provider.host_info().await {
@@ -274,41 +276,50 @@ async fn heartbeat(
                             last_status = None;
                         }
                     }
-                    if last_status.is_none_or(|t| t.elapsed() >= status_every) {
-                        let status = registration::node_status(config, host, &info, Readiness::Ready);
-                        match registration::write_status(&nodes, &host.name, &status).await {
-                            Ok(()) => last_status = Some(Instant::now()),
-                            Err(kube::Error::Api(s)) if s.code == 404 => {
-                                warn!("the Node was deleted; registering it again");
-                                node_uid = None;
-                                last_status = None;
-                                continue;
-                            }
-                            Err(e) => warn!(error = %e, "node status write failed"),
-                        }
-                    }
-                    match lease::renew(&leases, &host.name, uid, lease_seconds).await {
-                        // The garbage collector removes the Lease of a deleted
-                        // Node: a Lease that had to be created again is the
-                        // first sign. Then register at once, within one lease
-                        // period of the deletion; the VMs' pods come back to
-                        // the node through their placement records.
-                        Ok(lease::Renewal::Created) if !node_exists(&nodes, &host.name, uid).await => {
-                            warn!("the Node was deleted; registering it again");
-                            node_uid = None;
-                            last_status = None;
-                            continue;
-                        }
-                        Ok(_) => {}
-                        Err(e) => warn!(error = %e, "lease renewal failed"),
-                    }
                 }
                 Err(e) => {
-                    if reachable {
-                        warn!(error = %e, "host unreachable: no more heartbeats until it answers");
-                        reachable = false;
+                    let now = (crate::failure::handling(e.kind).reason.as_str(), e.to_string());
+                    if failing.as_ref() != Some(&now) {
+                        warn!(error = %e, "the host's back end fails; reporting the node NotReady until it answers");
+                        failing = Some(now);
+                        last_status = None;
                     }
                 }
+            }
+            // The kubelet's way: while its runtime fails, it keeps its Lease
+            // and says NotReady itself, with why (the node lifecycle
+            // controller would only say that status stopped coming).
+            let readiness = match &failing {
+                None => Readiness::Ready,
+                Some((reason, message)) => Readiness::BackendFailing { reason, message },
+            };
+            if last_status.is_none_or(|t| t.elapsed() >= status_every) {
+                let status = registration::node_status(config, host, &info, readiness);
+                match registration::write_status(&nodes, &host.name, &status).await {
+                    Ok(()) => last_status = Some(Instant::now()),
+                    Err(kube::Error::Api(s)) if s.code == 404 => {
+                        warn!("the Node was deleted; registering it again");
+                        node_uid = None;
+                        last_status = None;
+                        continue;
+                    }
+                    Err(e) => warn!(error = %e, "node status write failed"),
+                }
+            }
+            match lease::renew(&leases, &host.name, uid, lease_seconds).await {
+                // The garbage collector removes the Lease of a deleted
+                // Node: a Lease that had to be created again is the
+                // first sign. Then register at once, within one lease
+                // period of the deletion; the VMs' pods come back to
+                // the node through their placement records.
+                Ok(lease::Renewal::Created) if !node_exists(&nodes, &host.name, uid).await => {
+                    warn!("the Node was deleted; registering it again");
+                    node_uid = None;
+                    last_status = None;
+                    continue;
+                }
+                Ok(_) => {}
+                Err(e) => warn!(error = %e, "lease renewal failed"),
             }
         }
         tokio::select! {

@@ -66,11 +66,21 @@ pub fn node_for_host(host: &HostConfig, provider: &str, info: &HostInfo, scope: 
 
 /// Whether the node reports Ready, and why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Readiness {
+pub enum Readiness<'a> {
     /// The provider answers; pod loops run.
     Ready,
     /// vmlet is shutting down; the VMs keep running.
     Stopping,
+    /// The host's back end does not answer vmlet's calls (the ping failed):
+    /// `reason` names the kind (`HostNotResponding`, `PermissionDenied`, ...),
+    /// `message` what the back end said, so that `kubectl describe node`
+    /// shows whether it is down, refusing credentials or failing TLS.
+    BackendFailing {
+        /// PascalCase reason.
+        reason: &'a str,
+        /// The provider's error.
+        message: &'a str,
+    },
 }
 
 /// The Node status for `host`: capacity from the probed host (cpu in cores,
@@ -104,6 +114,12 @@ pub fn node_status(config: &Config, host: &HostConfig, info: &HostInfo, readines
         Readiness::Stopping => {
             condition("Ready", "False", "KubeletNotReady", "vmlet is stopping; the host's VMs keep running")
         }
+        Readiness::BackendFailing { reason, message } => condition(
+            "Ready",
+            "False",
+            reason,
+            &format!("the host's back end fails vmlet's calls; its VMs are left as they are: {message}"),
+        ),
     };
     NodeStatus {
         capacity: Some(capacity),
@@ -263,6 +279,15 @@ mod tests {
         let allocatable = status.allocatable.unwrap();
         assert_eq!(allocatable["cpu"].0, "32");
         assert_eq!(allocatable["memory"].0, "24Gi");
+    }
+
+    #[test]
+    fn a_failing_back_end_is_named_in_the_ready_condition() {
+        let (config, info) = host();
+        let failing = Readiness::BackendFailing { reason: "PermissionDenied", message: "keystone: 401 wrong password" };
+        let ready = node_status(&config, &config.hosts[0], &info, failing).conditions.unwrap().remove(0);
+        assert_eq!((ready.status.as_str(), ready.reason.as_deref()), ("False", Some("PermissionDenied")));
+        assert!(ready.message.unwrap().ends_with("keystone: 401 wrong password"));
     }
 
     #[test]
