@@ -86,9 +86,12 @@ pub fn start_step(view: StartView<'_>, ours: impl Fn(&str) -> bool) -> StartStep
         OnHost::Defined(power, _) if power.is_active() => HereState::Active,
         OnHost::Defined(..) => HereState::Inactive,
     };
-    let record = match verdict(view.here, state, view.record, view.held_elsewhere, ours) {
+    let record = match verdict(view.here, state, view.record, view.held_elsewhere, &ours) {
         Verdict::LivesElsewhere { node } => {
-            let record_it = view.held_elsewhere.contains(&node) && view.record != Some(node.as_str());
+            // Only a node of this process is recorded: a host of the back end
+            // that no node serves keeps the VM from being defined here, but a
+            // record naming it would pin the VM's pods to no node.
+            let record_it = view.held_elsewhere.contains(&node) && view.record != Some(node.as_str()) && ours(&node);
             return StartStep::LivesElsewhere { node, record_it };
         }
         Verdict::RunHere { record } => record,
@@ -220,6 +223,13 @@ mod tests {
         assert_eq!(step, StartStep::LivesElsewhere { node: "host-b".into(), record_it: true });
         let step = start_step(view(OnHost::Absent, Some("host-b"), &b), ours);
         assert_eq!(step, StartStep::LivesElsewhere { node: "host-b".into(), record_it: false });
+    }
+
+    #[test]
+    fn a_vm_on_a_back_end_host_no_node_serves_is_not_defined_here_nor_recorded_there() {
+        let compute_9 = ["compute-9".to_owned()];
+        let step = start_step(view(OnHost::Absent, Some("host-a"), &compute_9), ours);
+        assert_eq!(step, StartStep::LivesElsewhere { node: "compute-9".into(), record_it: false });
     }
 
     #[test]

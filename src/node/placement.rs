@@ -77,20 +77,39 @@ pub fn verdict(
 }
 
 /// The nodes of this process, other than `here`, whose host holds the VM
-/// `id` (named `backend_name` by vmlet), plus back-end hosts a provider names
-/// (Nova, vSphere). A host that does not answer is left out (logged): the
-/// record still guards it.
+/// `id` (named `backend_name` by vmlet). A back end that sees beyond its host
+/// (Nova, vSphere) may name a host of its own ([`Location::OtherHost`]): that
+/// becomes the node of this process that serves the host, or, when none does,
+/// the back end's host name (not a node of ours: it keeps the VM from being
+/// defined here, but is never recorded). A host that does not answer is left
+/// out (logged): the record still guards it.
 pub async fn held_elsewhere(hosts: &Hosts, here: &str, id: &VmId, backend_name: &str) -> Vec<String> {
+    let all = hosts.list();
     let mut nodes = Vec::new();
-    for host in hosts.list().into_iter().filter(|h| h.name != here) {
-        match host.provider.locate(id, backend_name).await {
-            Ok(Location::ThisHost(_)) => nodes.push(host.name),
-            Ok(Location::OtherHost(name)) if name != here && !nodes.contains(&name) => nodes.push(name),
-            Ok(_) => {}
-            Err(e) => debug!(node.name = %host.name, vm.uid = %id, error = %e, "host did not answer where the VM is"),
+    for host in all.iter().filter(|h| h.name != here) {
+        let node = match host.provider.locate(id, backend_name).await {
+            Ok(Location::ThisHost(_)) => host.name.clone(),
+            Ok(Location::OtherHost(backend_host)) => node_of_backend_host(&all, &backend_host),
+            Ok(_) => continue,
+            Err(e) => {
+                debug!(node.name = %host.name, vm.uid = %id, error = %e, "host did not answer where the VM is");
+                continue;
+            }
+        };
+        if node != here && !nodes.contains(&node) {
+            nodes.push(node);
         }
     }
     nodes
+}
+
+/// The node of `hosts` whose provider's back-end host is `backend_host`, or
+/// `backend_host` itself when no node of this process serves it.
+fn node_of_backend_host(hosts: &[super::HostHandle], backend_host: &str) -> String {
+    hosts
+        .iter()
+        .find(|h| h.provider.backend_host().as_deref() == Some(backend_host))
+        .map_or_else(|| backend_host.to_owned(), |h| h.name.clone())
 }
 
 /// Every host of this process that holds VM `id` (named `backend_name`). Errors: the

@@ -165,11 +165,20 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             Ok(Action::requeue(TRANSITION * 2))
         }
         Ok(Started::Elsewhere(node)) => {
-            let message = format!(
-                "VirtualMachine {} lives on host {node} (status.placement): it is not defined or started on {}; \
-                 the controller replaces this pod with one pinned to {node}",
-                vm.spec.name, agent.host.name
-            );
+            let message = if agent.hosts.get(&node).is_some() {
+                format!(
+                    "VirtualMachine {} lives on host {node} (status.placement): it is not defined or started on \
+                     {}; the controller replaces this pod with one pinned to {node}",
+                    vm.spec.name, agent.host.name
+                )
+            } else {
+                format!(
+                    "VirtualMachine {} lives on {node}, which no node of this vmlet serves (moved there outside \
+                     vmlet, or recorded by another vmlet): it is not defined or started on {}; serve that host, or \
+                     move the VM back to one of this vmlet's hosts",
+                    vm.spec.name, agent.host.name
+                )
+            };
             warn!(vm.uid = %vm.spec.id, placement = %node, "VM lives on another host; not defining it here");
             agent.events.publish(pod, Reason::PlacedOnAnotherHost, &message);
             write_status(pod, agent, |p| {

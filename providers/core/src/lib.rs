@@ -288,6 +288,15 @@ pub trait Provider: Send + Sync + 'static {
     /// left alone.
     async fn destroy(&self, id: &VmId) -> Result<()>;
 
+    /// The back end's own name for this provider's host (a Nova compute
+    /// host, a vSphere HostSystem): the name [`Location::OtherHost`] gives
+    /// when another provider finds a VM here, so the core can tell which of
+    /// its nodes that is. `None` (the default) for back ends that never
+    /// answer `OtherHost`.
+    fn backend_host(&self) -> Option<String> {
+        None
+    }
+
     /// What [`VmSpec::image`] names on this backend; host paths by default.
     fn image_reference(&self) -> ImageReference {
         ImageReference::HostPath

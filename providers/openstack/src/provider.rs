@@ -424,6 +424,12 @@ impl Provider for OpenStackProvider {
 
     /// Where the cloud holds the server with this UID: `ThisHost`,
     /// `OtherHost(<compute host>)`, or `Nowhere` (after a fresh listing).
+    /// The compute host's name, as `OS-EXT-SRV-ATTR:host` and
+    /// [`Location::OtherHost`] give it.
+    fn backend_host(&self) -> Option<String> {
+        Some(self.host.clone())
+    }
+
     async fn locate(&self, id: &VmId, _backend_name: &str) -> Result<Location> {
         Ok(match self.find_anywhere(id).await? {
             None => Location::Nowhere,
