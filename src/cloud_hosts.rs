@@ -17,6 +17,10 @@ use vmlet_provider::Provider;
 /// when it must (hosts chosen by zone, or all of them).
 const LIST_RETRY: Duration = Duration::from_secs(10);
 
+/// What the cloud says of one compute host: its availability zone and its
+/// CPU and memory allocation ratios.
+type Found = (Option<String>, (Option<f64>, Option<f64>));
+
 /// The host configs and providers of every cloud's selected compute hosts.
 /// A cloud whose hosts are named is served even when it cannot be listed now
 /// (its nodes then report NotReady, saying why); one chosen by zone or in
@@ -60,8 +64,7 @@ pub async fn discover(
                 }
             }
         };
-        // compute host -> (zone, reported cpu and memory allocation ratios)
-        let mut hosts: BTreeMap<String, (Option<String>, (Option<f64>, Option<f64>))> = BTreeMap::new();
+        let mut hosts: BTreeMap<String, Found> = BTreeMap::new();
         match &listed {
             Some(list) => {
                 for h in list.iter().filter(|h| entry.selects(&h.host, h.availability_zone.as_deref())) {
