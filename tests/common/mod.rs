@@ -365,6 +365,25 @@ impl TestEnv {
         })
     }
 
+    /// Start vmlet serving the compute hosts `hosts` of cloud `cloud` of
+    /// `clouds_yaml` (written to `<dir>/clouds.yaml`, mode 0600) as nodes
+    /// `<ns>-<host>`, with no libvirt host: the `clouds` section of the
+    /// config, as a user writes it.
+    pub fn start_vmlet_on_cloud(&mut self, clouds_yaml: &str, cloud: &str, hosts: &[String]) {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.dir.join("clouds.yaml");
+        std::fs::write(&path, clouds_yaml).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut config = self.vmlet_config(&[], true);
+        config["clouds"] = json!([{
+            "provider": "openstack", "cloud": cloud, "cloudsFile": path, "hosts": hosts,
+            "nodeNamePrefix": format!("{}-", self.ns), "labels": {"vmlet.io/test": self.ns},
+        }]);
+        self.nodes = hosts.iter().map(|h| self.node(h)).collect();
+        std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
+        self.restart_vmlet();
+    }
+
     /// Start vmlet again with the same config (after [`TestEnv::kill_vmlet`]).
     pub fn restart_vmlet(&mut self) {
         self.vmlet = Some(self.spawn_vmlet("vmlet.yaml", "vmlet.log"));

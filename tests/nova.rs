@@ -1,0 +1,187 @@
+//! vmlet on the real Nova API (`hack/nova.sh`: Keystone, Placement and Nova's
+//! API, conductor, scheduler and three fake compute hosts), driven through
+//! the real control plane and kubectl, with vmlet configured as a user would:
+//! a `clouds` entry naming a clouds.yaml and the compute hosts.
+//!
+//! What Nova did is checked through its own API (the provider crate as a
+//! client, on a session of its own). Needs `hack/test.sh` (which starts the
+//! harness and exports `OS_*` / `VMLET_NOVA_*`); fails saying how to start
+//! it otherwise, unless `VMLET_SKIP_NOVA=1`.
+
+mod common;
+
+#[path = "../providers/openstack/tests/common/mod.rs"]
+mod nova_harness; // (allows dead code itself: the provider's tests use more of it)
+
+use common::TestEnv;
+use nova_harness::{harness, Harness};
+use serde_json::json;
+use vmlet_openstack::OpenStackProvider;
+use vmlet_provider::{PowerState, Provider, VmId, VmStatus};
+
+/// What Nova reports about the VM with UID `uid`: the compute host that has
+/// it and its status there. `None` when no host has it.
+async fn nova_view(h: &Harness, uid: &str) -> Option<(String, VmStatus)> {
+    let cloud = h.cloud().await;
+    let id = VmId(uid.to_owned());
+    let mut found = None;
+    for host in &h.hosts {
+        if let Some(status) = OpenStackProvider::new(cloud.clone(), host).get(&id).await.expect("get") {
+            assert!(found.is_none(), "the VM is on two hosts: {found:?} and {host}");
+            found = Some((host.clone(), status));
+        }
+    }
+    found
+}
+
+/// Servers of the whole cloud that carry the VM's UID.
+async fn servers_with(h: &Harness, uid: &str) -> usize {
+    let cloud = h.cloud().await;
+    let providers = h.providers(&cloud);
+    nova_harness::count_everywhere(&providers, &VmId(uid.to_owned())).await
+}
+
+fn node_of(pod: &k8s_openapi::api::core::v1::Pod) -> String {
+    pod.spec.as_ref().and_then(|s| s.node_name.clone()).expect("a bound pod")
+}
+
+/// Wait until Nova shows the VM with `power` (on any host); its host and status.
+async fn wait_nova(env: &TestEnv, h: &Harness, uid: &str, power: PowerState) -> (String, VmStatus) {
+    env.wait_for(&format!("Nova to show the server {power:?}"), || async move {
+        nova_view(h, uid).await.filter(|(_, s)| s.power == power)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_on_nova_starts_stops_resizes_moves_on_drain_and_is_adopted_after_a_crash() {
+    let Some(h) = harness("a_vm_on_nova_starts_stops_resizes_moves_on_drain_and_is_adopted_after_a_crash") else {
+        return;
+    };
+    let mut env = TestEnv::new("nova").await;
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts);
+
+    // Every compute host is a node, with the fake hosts' capacity and its zone.
+    let nodes = env.nodes_api();
+    for host in &h.hosts {
+        let name = env.node(host);
+        let node = env
+            .wait_for(&format!("node {name} Ready"), || {
+                let (nodes, name) = (nodes.clone(), name.clone());
+                async move {
+                    let node = nodes.get(&name).await.ok()?;
+                    let ready = node
+                        .status
+                        .as_ref()?
+                        .conditions
+                        .as_ref()?
+                        .iter()
+                        .any(|c| c.type_ == "Ready" && c.status == "True");
+                    ready.then_some(node)
+                }
+            })
+            .await;
+        let capacity = node.status.as_ref().unwrap().capacity.as_ref().unwrap();
+        assert_eq!((capacity["cpu"].0.as_str(), capacity["memory"].0.as_str()), ("8", "16Gi"), "{name}");
+        let labels = node.metadata.labels.unwrap();
+        assert_eq!(labels["vmlet.io/provider"], "openstack");
+        assert!(labels["topology.kubernetes.io/zone"].starts_with("az"), "{name}: {labels:?}");
+    }
+    let listed = env.kubectl(&["get", "nodes", "-l", &format!("vmlet.io/test={}", env.ns), "-o", "name"]);
+    assert_eq!(listed.lines().count(), h.hosts.len(), "{listed}");
+
+    // A VirtualMachine becomes an ACTIVE server on the host its pod went to.
+    env.apply_vm(
+        "web",
+        json!({"image": h.image, "providerOptions": {"networks": h.network}, "evictionStrategy": "LiveMigrate"}),
+    );
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let uid = vm.metadata.uid.clone().unwrap();
+    let pod = env.pod_of("web").await;
+    let first_node = node_of(&env.pods().get(&pod).await.unwrap());
+    let (host, server) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+    assert_eq!(env.node(&host), first_node, "the server is on the pod's node's compute host");
+    assert_eq!(
+        vm.status.as_ref().and_then(|s| s.placement.as_ref()).map(|p| p.node_name.clone()),
+        Some(first_node.clone())
+    );
+
+    // kubectl logs shows the server's console output.
+    let logs = env.kubectl(&["logs", &pod]);
+    assert!(!logs.trim().is_empty(), "kubectl logs printed nothing");
+
+    // Scale 0: SHUTOFF; scale 1: ACTIVE again, the same server.
+    env.kubectl(&["scale", "vm/web", "--replicas=0"]);
+    env.wait_vm_pods_gone("web").await;
+    let (_, stopped) = wait_nova(&env, &h, &uid, PowerState::Off).await;
+    assert_eq!(stopped.backend_id, server.backend_id);
+    env.kubectl(&["scale", "vm/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let (_, again) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+    assert_eq!(again.backend_id, server.backend_id, "the same server");
+
+    // A resize: Nova changes the flavor, which takes a restart.
+    env.kubectl(&["patch", "vm/web", "--type=merge", "-p", r#"{"spec":{"resources":{"cpu":2,"memory":"1Gi"}}}"#]);
+    env.wait_for("the VM to say its resize waits for a restart", || {
+        let vms = env.vms();
+        async move {
+            let vm = vms.get("web").await.ok()?;
+            let c = vm.status?.conditions.into_iter().find(|c| c.type_ == "ResourcesSynced")?;
+            (c.status == "False" && c.reason == "RestartRequired").then_some(())
+        }
+    })
+    .await;
+    env.kubectl(&["scale", "vm/web", "--replicas=0"]);
+    env.wait_vm_pods_gone("web").await;
+    env.kubectl(&["scale", "vm/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let (_, resized) = env
+        .wait_for("Nova to run the server with 2 vCPUs", || async {
+            nova_view(&h, &uid).await.filter(|(_, s)| s.power == PowerState::Running && s.cpus == 2)
+        })
+        .await;
+    assert!(resized.memory_bytes >= 1 << 30, "{resized:?}");
+    assert_eq!(resized.backend_id, server.backend_id);
+
+    // kubectl drain moves it live to another compute host; the pod follows.
+    let pod = env.pod_of("web").await;
+    let from = node_of(&env.pods().get(&pod).await.unwrap());
+    let drained = env.kubectl_output(&["drain", &from, "--ignore-daemonsets", "--timeout=300s"]);
+    assert!(drained.status.success(), "drain: {}", String::from_utf8_lossy(&drained.stderr));
+    env.kubectl(&["uncordon", &from]);
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let (moved_to, moved) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+    assert_ne!(env.node(&moved_to), from, "the server left the drained host");
+    assert_eq!(moved.backend_id, server.backend_id, "moved, not recreated");
+    let now = env.pod_of("web").await;
+    assert_eq!(node_of(&env.pods().get(&now).await.unwrap()), env.node(&moved_to), "the pod followed");
+    let migration = vm.status.unwrap().migration.expect("a migration record");
+    assert_eq!(format!("{:?}", migration.phase), "Succeeded");
+
+    // kill -9 and a restart: every server adopted, none created. The new
+    // process has acted once it renewed the node's Lease and the pod shows
+    // the server running.
+    env.kill_vmlet();
+    let restarted_at = k8s_openapi::jiff::Timestamp::now();
+    env.restart_vmlet();
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(env.client.clone(), "kube-node-lease");
+    let node = env.node(&moved_to);
+    env.wait_for("the restarted vmlet to renew its node's Lease", || {
+        let (leases, node) = (leases.clone(), node.clone());
+        async move {
+            let renewed = leases.get(&node).await.ok()?.spec?.renew_time?;
+            (renewed.0 > restarted_at).then_some(())
+        }
+    })
+    .await;
+    env.wait_for("the VM to be Running under the new vmlet, on the same server", || async {
+        let vm = env.vms().get("web").await.ok()?;
+        let running = vm.status.as_ref()?.phase == Some(vmlet::v1alpha1::VmPhase::Running);
+        let view = nova_view(&h, &uid).await?;
+        (running && view.1.backend_id == server.backend_id && view.1.power == PowerState::Running).then_some(())
+    })
+    .await;
+    assert_eq!(env.pod_of("web").await, now, "the same pod");
+    assert_eq!(servers_with(&h, &uid).await, 1, "no second server");
+}
