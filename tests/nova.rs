@@ -185,3 +185,61 @@ async fn a_vm_on_nova_starts_stops_resizes_moves_on_drain_and_is_adopted_after_a
     assert_eq!(env.pod_of("web").await, now, "the same pod");
     assert_eq!(servers_with(&h, &uid).await, 1, "no second server");
 }
+
+/// The Ready condition of node `name`: (status, reason, message).
+async fn ready_of(env: &TestEnv, name: &str) -> Option<(String, String, String)> {
+    let node = env.nodes_api().get(name).await.ok()?;
+    let c = node.status?.conditions?.into_iter().find(|c| c.type_ == "Ready")?;
+    Some((c.status, c.reason.unwrap_or_default(), c.message.unwrap_or_default()))
+}
+
+/// Restart vmlet with `clouds_yaml` as its clouds.yaml, then wait until node
+/// `name` is NotReady with `reason` and a message containing `says`.
+async fn restart_with(env: &mut TestEnv, clouds_yaml: &str, name: &str, reason: &str, says: &str) -> String {
+    env.kill_vmlet();
+    std::fs::write(env.dir.join("clouds.yaml"), clouds_yaml).unwrap();
+    env.restart_vmlet();
+    env.wait_for(&format!("node {name} NotReady with reason {reason}"), || async {
+        let (status, why, message) = ready_of(env, name).await?;
+        (status == "False" && why == reason && message.contains(says)).then_some(message)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_or_an_unreachable_cloud_turn_the_nodes_not_ready_saying_which_and_touch_no_server() {
+    let Some(h) = harness("refused_credentials_or_an_unreachable_cloud") else { return };
+    let mut env = TestEnv::new("novafail").await;
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts);
+    env.apply_vm("db", json!({"image": h.image, "providerOptions": {"networks": "none"}}));
+    let vm = env.wait_vm_phase("db", "Running").await;
+    let uid = vm.metadata.uid.clone().unwrap();
+    let (host, server) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+    let node = env.node(&host);
+
+    let password = std::env::var("OS_PASSWORD").expect("OS_PASSWORD from hack/nova.sh env");
+    let quoted = format!("{password:?}");
+    assert!(h.clouds_yaml.contains(&quoted), "the harness's clouds.yaml carries the password quoted");
+    let refused = h.clouds_yaml.replace(&quoted, "\"not-the-password\"");
+    let message = restart_with(&mut env, &refused, &node, "PermissionDenied", "Keystone").await;
+    assert!(!message.contains("not-the-password"), "a secret reached the node's status: {message}");
+
+    let auth_url = std::env::var("OS_AUTH_URL").expect("OS_AUTH_URL");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let unreachable = h.clouds_yaml.replace(&auth_url, &format!("http://127.0.0.1:{closed}/v3"));
+    restart_with(&mut env, &unreachable, &node, "HostNotResponding", &format!("127.0.0.1:{closed}")).await;
+
+    // Nothing happened to the server meanwhile; with the right clouds.yaml
+    // the nodes are Ready again and the VM is adopted as it was.
+    let (still, same) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+    assert_eq!((still.as_str(), same.backend_id.as_str()), (host.as_str(), server.backend_id.as_str()));
+    env.kill_vmlet();
+    std::fs::write(env.dir.join("clouds.yaml"), &h.clouds_yaml).unwrap();
+    env.restart_vmlet();
+    env.wait_for(&format!("node {node} Ready again"), || async {
+        (ready_of(&env, &node).await?.0 == "True").then_some(())
+    })
+    .await;
+    env.wait_vm_phase("db", "Running").await;
+    assert_eq!(servers_with(&h, &uid).await, 1, "no second server");
+}

@@ -118,7 +118,7 @@ pub async fn run(
     watches: Watches,
     shutdown: CancellationToken,
 ) {
-    let Some(info) = probe(&*provider, &shutdown).await else { return };
+    let Some(info) = probe(&*provider, &Api::all(client.clone()), &host.name, &shutdown).await else { return };
     match provider.list().await {
         Ok(vms) => info!(count = vms.len(), "found vmlet VMs on the host; they are adopted, not changed"),
         Err(e) => warn!(error = %e, "could not list the host's VMs"),
@@ -205,12 +205,27 @@ async fn cancelled(token: CancellationToken) {
     token.cancelled().await
 }
 
-/// Probe the host until it answers (or shutdown). Logs each failure.
-async fn probe(provider: &dyn Provider, shutdown: &CancellationToken) -> Option<HostInfo> {
+/// Probe the host until it answers (or shutdown). Logs each failure, and
+/// while it fails reports the host's Node, if one exists from an earlier run,
+/// NotReady saying why ([`registration::report_failing`]).
+async fn probe(
+    provider: &dyn Provider,
+    nodes: &Api<Node>,
+    name: &str,
+    shutdown: &CancellationToken,
+) -> Option<HostInfo> {
     loop {
         match provider.host_info().await {
             Ok(info) => return Some(info),
-            Err(e) => warn!(error = %e, "host does not answer; retrying in 5 s"),
+            Err(e) => {
+                warn!(error = %e, "host does not answer; retrying in 5 s");
+                let reason = crate::failure::handling(e.kind).reason.as_str();
+                match registration::report_failing(nodes, name, reason, &e.to_string()).await {
+                    Err(kube::Error::Api(s)) if s.code == 404 => {} // no Node yet
+                    Err(report) => debug!(error = %report, "could not report the node NotReady"),
+                    Ok(()) => {}
+                }
+            }
         }
         tokio::select! {
             _ = shutdown.cancelled() => return None,

@@ -194,6 +194,34 @@ pub async fn write_status(nodes: &Api<Node>, name: &str, status: &NodeStatus) ->
     nodes.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.map(|_| ())
 }
 
+/// Report an existing Node `name` NotReady because its host's back end fails
+/// (`reason`, `message`) before vmlet could probe the host at all (e.g. a
+/// vmlet restarted with refused credentials): only its Ready condition
+/// changes (a strategic merge by condition type), with a fresh heartbeat so
+/// that the node lifecycle controller keeps this condition instead of its
+/// own "stopped posting". Errors: the API server's (404 when there is no
+/// such Node yet: nothing to report on).
+pub async fn report_failing(nodes: &Api<Node>, name: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
+    let now = Time(Timestamp::now());
+    let current = nodes.get_status(name).await?;
+    let ready = current.status.and_then(|s| s.conditions).unwrap_or_default().into_iter().find(|c| c.type_ == "Ready");
+    let message = format!("the host's back end fails vmlet's calls; its VMs are left as they are: {message}");
+    let transition = match ready {
+        Some(c) if c.status == "False" && c.reason.as_deref() == Some(reason) => c.last_transition_time,
+        _ => None,
+    };
+    let condition = NodeCondition {
+        type_: "Ready".into(),
+        status: "False".into(),
+        reason: Some(reason.into()),
+        message: Some(message),
+        last_heartbeat_time: Some(now.clone()),
+        last_transition_time: Some(transition.unwrap_or(now)),
+    };
+    let patch = serde_json::json!({ "status": { "conditions": [condition] } });
+    nodes.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch)).await.map(|_| ())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
