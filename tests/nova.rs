@@ -243,3 +243,47 @@ async fn refused_credentials_or_an_unreachable_cloud_turn_the_nodes_not_ready_sa
     env.wait_vm_phase("db", "Running").await;
     assert_eq!(servers_with(&h, &uid).await, 1, "no second server");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_nova_moves_by_itself_is_followed_by_its_pod_and_never_duplicated() {
+    let Some(h) = harness("a_server_nova_moves_by_itself") else { return };
+    let mut env = TestEnv::new("novamove").await;
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts);
+    env.apply_vm("app", json!({"image": h.image, "providerOptions": {"networks": "none"}}));
+    let vm = env.wait_vm_phase("app", "Running").await;
+    let uid = vm.metadata.uid.clone().unwrap();
+    let (from, server) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+    let to = h.hosts.iter().find(|other| **other != from).unwrap().clone();
+
+    // An administrator live-migrates the server, behind vmlet's back.
+    nova_harness::nova_action_behind_vmlet(
+        &server.backend_id,
+        json!({"os-migrateLive": {"host": to, "block_migration": "auto"}}),
+    )
+    .await;
+    let (now_on, moved) = env
+        .wait_for("Nova to run the server on the other host", || async {
+            nova_view(&h, &uid).await.filter(|(host, s)| *host == to && s.power == PowerState::Running)
+        })
+        .await;
+    assert_eq!((now_on.as_str(), moved.backend_id.as_str()), (to.as_str(), server.backend_id.as_str()));
+
+    // The record moves and the VM's pod follows to the node of that host.
+    let target = env.node(&to);
+    let (vms, pods) = (env.vms(), env.pods());
+    env.wait_for(&format!("the VM's record and its running pod on {target}"), || {
+        let (vms, pods, target) = (vms.clone(), pods.clone(), target.clone());
+        async move {
+            let vm = vms.get("app").await.ok()?;
+            let status = vm.status?;
+            let recorded = status.placement?.node_name == target;
+            let pod = pods.get(status.pod_name.as_deref()?).await.ok()?;
+            let running = pod.status.as_ref()?.phase.as_deref() == Some("Running");
+            (recorded && running && node_of(&pod) == target).then_some(())
+        }
+    })
+    .await;
+    let (still, same) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+    assert_eq!((still.as_str(), same.backend_id.as_str()), (to.as_str(), server.backend_id.as_str()));
+    assert_eq!(servers_with(&h, &uid).await, 1, "no second server");
+}
