@@ -18,27 +18,10 @@ fn two_hosts() -> [Host<'static>; 2] {
 async fn two_hosts_register_ready_with_probed_capacity_and_renewing_leases() {
     let mut env = TestEnv::new("nodes").await;
     env.start_vmlet(&two_hosts());
-    let nodes = env.nodes_api();
     // host-a.xml: 8 cpus, 16 GiB; host-b.xml: 4 cpus, 8 GiB.
     for (suffix, cpu, memory) in [("a", "8", "16Gi"), ("b", "4", "8Gi")] {
         let name = env.node(suffix);
-        let node = env
-            .wait_for(&format!("node {name} Ready"), || {
-                let nodes = nodes.clone();
-                let name = name.clone();
-                async move {
-                    let node = nodes.get_opt(&name).await.ok()??;
-                    let ready = node
-                        .status
-                        .as_ref()?
-                        .conditions
-                        .as_ref()?
-                        .iter()
-                        .any(|c| c.type_ == "Ready" && c.status == "True");
-                    ready.then_some(node)
-                }
-            })
-            .await;
+        let node = env.wait_node_ready(&name).await;
         let status = node.status.clone().unwrap();
         for field in [status.capacity.as_ref().unwrap(), status.allocatable.as_ref().unwrap()] {
             assert_eq!(field["cpu"].0, cpu, "{name} cpu");

@@ -62,25 +62,9 @@ async fn a_vm_on_nova_starts_stops_resizes_moves_on_drain_and_is_adopted_after_a
     env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts);
 
     // Every compute host is a node, with the fake hosts' capacity and its zone.
-    let nodes = env.nodes_api();
     for host in &h.hosts {
         let name = env.node(host);
-        let node = env
-            .wait_for(&format!("node {name} Ready"), || {
-                let (nodes, name) = (nodes.clone(), name.clone());
-                async move {
-                    let node = nodes.get(&name).await.ok()?;
-                    let ready = node
-                        .status
-                        .as_ref()?
-                        .conditions
-                        .as_ref()?
-                        .iter()
-                        .any(|c| c.type_ == "Ready" && c.status == "True");
-                    ready.then_some(node)
-                }
-            })
-            .await;
+        let node = env.wait_node_ready(&name).await;
         let capacity = node.status.as_ref().unwrap().capacity.as_ref().unwrap();
         assert_eq!((capacity["cpu"].0.as_str(), capacity["memory"].0.as_str()), ("8", "16Gi"), "{name}");
         let labels = node.metadata.labels.unwrap();
