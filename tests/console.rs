@@ -555,9 +555,30 @@ async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed
     wait_for_log_line(&env, &pod, BOOTED).await;
     let domain = format!("{}_web", env.ns);
 
-    // The guest powers itself off (the exec may end with the guest).
-    let _ = env.kubectl_output(&["exec", &pod, "--", "poweroff", "-f"]);
-    let vm = env.wait_vm_phase("web", "Stopped").await;
+    // The guest powers itself off (the exec may end with the guest). Asked
+    // again while the VM still runs: right after boot its guest agent may
+    // not answer yet (a slow, emulated CI guest), and the exec then fails.
+    let vms = env.vms();
+    let polls = std::sync::atomic::AtomicU32::new(0);
+    let vm = env
+        .wait_for("the VM to be Stopped after poweroff in the guest", || {
+            let vms = vms.clone();
+            // Every 20th poll (about 5 s apart).
+            let ask = polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 20 == 0;
+            let env = &env;
+            let pod = pod.clone();
+            async move {
+                let vm = vms.get("web").await.ok()?;
+                if vm.status.as_ref().and_then(|s| s.phase) == Some(vmlet::v1alpha1::VmPhase::Stopped) {
+                    return Some(vm);
+                }
+                if ask {
+                    let _ = env.kubectl_output(&["exec", &pod, "--", "poweroff", "-f"]);
+                }
+                None
+            }
+        })
+        .await;
     assert_eq!(vm.spec.replicas, 1, "vmlet never writes the spec");
     let status = vm.status.unwrap();
     assert_eq!(status.ready_replicas, 0);
