@@ -45,7 +45,12 @@ pub async fn discover(
         };
         let cloud_config = vmlet_openstack::CloudConfig::from_bytes(&bytes, &entry.cloud)
             .map_err(|e| anyhow!("clouds[{i}] ({}): {e}", entry.cloud))?;
-        let options = vmlet_openstack::CloudOptions::default();
+        // What tenants may name: only what the administrator listed.
+        let options = vmlet_openstack::CloudOptions {
+            allowed_images: Some(entry.images.clone()),
+            allowed_networks: Some(entry.networks.clone()),
+            ..vmlet_openstack::CloudOptions::default()
+        };
         let cloud =
             Arc::new(vmlet_openstack::Cloud::new(cloud_config, options).map_err(|e| anyhow!("clouds[{i}]: {e}"))?);
         let listed = loop {

@@ -12,7 +12,15 @@
 //!     availabilityZone: az1          # every host of a zone; neither: every host
 //!     nodeNamePrefix: ""             # node name = prefix + the compute host's name
 //!     labels: {tier: gold}           # like hosts[]: labels, taints, maxPods, ratios
+//!     images: [155d900f-4e14-4e4c-a73d-069cbf4541e6]   # the Glance images VMs may boot
+//!     networks: [3cb9bc59-5699-4588-a4b1-b87f96708bc6] # networks VMs may name (auto, none always)
 //! ```
+//!
+//! `images` and `networks` are a security boundary between namespaces, as
+//! storage roots are on libvirt hosts: vmlet's user is the cloud's admin and
+//! could boot any project's private image or join any network, so a
+//! VirtualMachine may name only what the administrator listed here (absent:
+//! no image, and only `auto` / `none` networks).
 //!
 //! Credentials are read from the file or the Secret, never from the command
 //! line, and never logged. Allocation ratios default to what the cloud's
@@ -60,6 +68,14 @@ pub struct CloudHostsConfig {
     /// Overrides the cloud's memory allocation ratio for every host.
     #[serde(default)]
     pub memory_allocation_ratio: Option<f64>,
+    /// The Glance image ids VMs may boot (`spec.image` by id, or by a name
+    /// that resolves to one of them). Absent: none.
+    #[serde(default)]
+    pub images: Vec<String>,
+    /// The network UUIDs VMs may name in `spec.providerOptions.networks`
+    /// besides `auto` and `none`. Absent: none.
+    #[serde(default)]
+    pub networks: Vec<String>,
 }
 
 /// A key of a Secret.

@@ -34,6 +34,11 @@ async fn nova_view(h: &Harness, uid: &str) -> Option<(String, VmStatus)> {
     found
 }
 
+/// The harness's image and network as the only ones VMs may name.
+fn allowed(h: &Harness) -> serde_json::Value {
+    json!({"images": [h.image], "networks": [h.network]})
+}
+
 /// Servers of the whole cloud that carry the VM's UID.
 async fn servers_with(h: &Harness, uid: &str) -> usize {
     let cloud = h.cloud().await;
@@ -59,7 +64,7 @@ async fn a_vm_on_nova_starts_stops_resizes_moves_on_drain_and_is_adopted_after_a
         return;
     };
     let mut env = TestEnv::new("nova").await;
-    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts);
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts, allowed(&h));
 
     // Every compute host is a node, with the fake hosts' capacity and its zone.
     for host in &h.hosts {
@@ -194,7 +199,7 @@ async fn restart_with(env: &mut TestEnv, clouds_yaml: &str, name: &str, reason: 
 async fn refused_credentials_or_an_unreachable_cloud_turn_the_nodes_not_ready_saying_which_and_touch_no_server() {
     let Some(h) = harness("refused_credentials_or_an_unreachable_cloud") else { return };
     let mut env = TestEnv::new("novafail").await;
-    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts);
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts, allowed(&h));
     env.apply_vm("db", json!({"image": h.image, "providerOptions": {"networks": "none"}}));
     let vm = env.wait_vm_phase("db", "Running").await;
     let uid = vm.metadata.uid.clone().unwrap();
@@ -232,7 +237,7 @@ async fn refused_credentials_or_an_unreachable_cloud_turn_the_nodes_not_ready_sa
 async fn a_server_nova_moves_by_itself_is_followed_by_its_pod_and_never_duplicated() {
     let Some(h) = harness("a_server_nova_moves_by_itself") else { return };
     let mut env = TestEnv::new("novamove").await;
-    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts);
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts, allowed(&h));
     env.apply_vm("app", json!({"image": h.image, "providerOptions": {"networks": "none"}}));
     let vm = env.wait_vm_phase("app", "Running").await;
     let uid = vm.metadata.uid.clone().unwrap();
@@ -270,4 +275,37 @@ async fn a_server_nova_moves_by_itself_is_followed_by_its_pod_and_never_duplicat
     let (still, same) = wait_nova(&env, &h, &uid, PowerState::Running).await;
     assert_eq!((still.as_str(), same.backend_id.as_str()), (to.as_str(), server.backend_id.as_str()));
     assert_eq!(servers_with(&h, &uid).await, 1, "no second server");
+}
+
+/// The waiting reason and message of the VM's current pod's container.
+async fn waiting_of(env: &TestEnv, vm: &str) -> Option<(String, String)> {
+    let pod = env.vm_pod(vm).await;
+    let state = pod.status?.container_statuses?.into_iter().next()?.state?;
+    let waiting = state.waiting?;
+    Some((waiting.reason.unwrap_or_default(), waiting.message.unwrap_or_default()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_boot_an_image_or_join_a_network_the_administrator_did_not_list() {
+    let Some(h) = harness("a_tenant_cannot_boot_an_image_or_join_a_network") else { return };
+    let mut env = TestEnv::new("novadeny").await;
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts, allowed(&h));
+    // Another project's private image and network, as far as this tenant
+    // knows their ids (vmlet's admin user could use them).
+    let other_image = "0b4ab3f9-0000-4000-8000-0000000000aa";
+    let other_network = "0b4ab3f9-0000-4000-8000-0000000000bb";
+    env.apply_vm("img", json!({"image": other_image}));
+    env.apply_vm("net", json!({"image": h.image, "providerOptions": {"networks": other_network}}));
+    for (vm, field, named) in
+        [("img", "spec.image", other_image), ("net", "spec.providerOptions.networks", other_network)]
+    {
+        let (reason, message) = env
+            .wait_for(&format!("{vm}'s pod to be refused naming {field}"), || async {
+                waiting_of(&env, vm).await.filter(|(reason, _)| reason == "InvalidSpec")
+            })
+            .await;
+        assert!(message.contains(field) && message.contains(named), "{vm}: {reason}: {message}");
+        let uid = env.vms().get(vm).await.unwrap().metadata.uid.unwrap();
+        assert_eq!(servers_with(&h, &uid).await, 0, "{vm}: no server was created");
+    }
 }

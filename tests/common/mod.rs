@@ -368,8 +368,14 @@ impl TestEnv {
     /// Start vmlet serving the compute hosts `hosts` of cloud `cloud` of
     /// `clouds_yaml` (written to `<dir>/clouds.yaml`, mode 0600) as nodes
     /// `<ns>-<host>`, with no libvirt host: the `clouds` section of the
-    /// config, as a user writes it.
-    pub fn start_vmlet_on_cloud(&mut self, clouds_yaml: &str, cloud: &str, hosts: &[String]) {
+    /// config, as a user writes it, with `allowed` (`{images, networks}`).
+    pub fn start_vmlet_on_cloud(
+        &mut self,
+        clouds_yaml: &str,
+        cloud: &str,
+        hosts: &[String],
+        allowed: serde_json::Value,
+    ) {
         use std::os::unix::fs::PermissionsExt;
         let path = self.dir.join("clouds.yaml");
         std::fs::write(&path, clouds_yaml).unwrap();
@@ -379,6 +385,9 @@ impl TestEnv {
             "provider": "openstack", "cloud": cloud, "cloudsFile": path, "hosts": hosts,
             "nodeNamePrefix": format!("{}-", self.ns), "labels": {"vmlet.io/test": self.ns},
         }]);
+        for (key, value) in allowed.as_object().expect("{images, networks}") {
+            config["clouds"][0][key] = value.clone();
+        }
         self.nodes = hosts.iter().map(|h| self.node(h)).collect();
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
         self.restart_vmlet();

@@ -268,7 +268,7 @@ async fn locate(subject: &Subject) -> Checked {
         let unknown = (subject.new_spec)("nowhere");
         let nowhere = other.locate(&unknown.id, &unknown.backend_name()).await.map_err(failed("locate unknown"))?;
         match (answer, nowhere, subject.declared.sees_whole_backend) {
-            (Location::OtherHost(_), Location::Nowhere, true) => {
+            (Location::OtherHost(host), Location::Nowhere, true) if Some(&host) == home(subject).backend_host().as_ref() => {
                 Ok(Outcome::Passed(Some("whole back end: OtherHost / Nowhere".into())))
             }
             (Location::NotOnThisHost, Location::NotOnThisHost, false) => {

@@ -191,9 +191,10 @@ pub struct VmStatus {
 pub enum Location {
     /// On this provider's host, in this state.
     ThisHost(VmStatus),
-    /// On another host of the same back end, named as the back end names it
-    /// (a Nova hypervisor's hostname, a vSphere HostSystem's name): back ends
-    /// that move VMs by themselves see the whole back end.
+    /// On another host of the same back end, named as that host's provider
+    /// names itself in [`Provider::backend_host`] (e.g. `<cloud>/<compute
+    /// host>` for Nova): back ends that move VMs by themselves see the whole
+    /// back end.
     OtherHost(String),
     /// Not on this host; this provider sees no other host (libvirt: one
     /// connection, one host).

@@ -75,6 +75,16 @@ pub(crate) struct TokenInfo {
     pub(crate) issued_at: String,
     #[serde(default)]
     pub(crate) catalog: Vec<CatalogEntry>,
+    /// The project the token is scoped to (absent for domain or system
+    /// scope).
+    #[serde(default)]
+    pub(crate) project: Option<ProjectRef>,
+}
+
+/// A token's project.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ProjectRef {
+    pub(crate) id: String,
 }
 
 /// One service of the catalog.
@@ -273,6 +283,7 @@ mod tests {
             issued_at: "2026-12-02T03:38:00.000000Z".into(),
             expires_at: "2026-12-02T04:38:00.000000Z".into(),
             catalog: vec![],
+            project: None,
         };
         assert_eq!(info.lifetime(), Some(Duration::from_secs(3600)));
         // One hour: 6 minutes (a tenth); a day: 2.4 hours; 10 minutes: 5 (half); 2 minutes: 1.

@@ -48,6 +48,9 @@ pub(crate) struct Server {
     pub(crate) fault: Option<Fault>,
     #[serde(rename = "OS-SRV-USG:launched_at", default)]
     pub(crate) launched_at: Option<String>,
+    /// The project that owns the server.
+    #[serde(default)]
+    pub(crate) tenant_id: Option<String>,
 }
 
 /// The flavor a server has (embedded since 2.47: sizes, no id).
@@ -161,11 +164,18 @@ impl Cloud {
             servers_links: Vec<Link>,
         }
         let started = Instant::now();
+        let project = self.project_id().await?;
+        let mine = |s: &Server| project.is_none() || s.tenant_id.is_none() || s.tenant_id == project;
         let mut out = Vec::new();
         let mut marker: Option<String> = None;
         let mut pages = 0;
         loop {
             let mut call = Call::get("/servers/detail").query("all_tenants", "1").query("limit", PAGE.to_string());
+            if let Some(project) = &project {
+                // Only vmlet's own project: a server another project tags
+                // with a VM's UID is never adopted, stopped or deleted.
+                call = call.query("project_id", project.clone());
+            }
             if let Some(marker) = &marker {
                 call = call.query("marker", marker.clone());
             }
@@ -173,7 +183,17 @@ impl Cloud {
             pages += 1;
             let last = page.servers.last().map(|s| s.id.clone());
             let count = page.servers.len();
-            out.extend(page.servers.into_iter().filter(|s| s.metadata.contains_key(UID_KEY)));
+            // A cell that does not answer shows its servers as bare records
+            // (status UNKNOWN, no metadata, 2.69+): the listing is
+            // incomplete, and "not found" would not be true.
+            if let Some(bare) = page.servers.iter().find(|s| s.status == "UNKNOWN" && s.metadata.is_empty()) {
+                return Err(Error::new(
+                    OP,
+                    ErrorKind::Transient,
+                    format!("server {} is listed as UNKNOWN (a cell of the cloud does not answer); the listing is incomplete", bare.id),
+                ));
+            }
+            out.extend(page.servers.into_iter().filter(|s| s.metadata.contains_key(UID_KEY) && mine(s)));
             marker = match next_marker(&page.servers_links).or(if count >= PAGE { last } else { None }) {
                 Some(next) if Some(&next) != marker.as_ref() => Some(next),
                 _ => break,
@@ -188,14 +208,19 @@ impl Cloud {
         Ok(out)
     }
 
-    /// `GET /servers/{id}`; `None` when Nova has no such server (404).
+    /// `GET /servers/{id}`; `None` when Nova has no such server (404), or
+    /// when it belongs to a project other than vmlet's (never vmlet's).
     pub(crate) async fn server(&self, id: &str) -> Result<Option<Server>> {
         #[derive(Deserialize)]
         struct One {
             server: Server,
         }
         match self.json::<One>("show server", &Call::get(format!("/servers/{id}"))).await {
-            Ok(one) => Ok(Some(one.server)),
+            Ok(one) => {
+                let project = self.project_id().await?;
+                let foreign = project.is_some() && one.server.tenant_id.is_some() && one.server.tenant_id != project;
+                Ok((!foreign).then_some(one.server))
+            }
             Err(e) if e.kind == ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }
@@ -277,7 +302,9 @@ impl Cloud {
         let mut out = Vec::new();
         let mut marker: Option<String> = None;
         loop {
-            let mut call = Call::get("/flavors/detail").query("is_public", "None");
+            // Public flavors only: a project's private flavor is not vmlet's
+            // to hand to tenants.
+            let mut call = Call::get("/flavors/detail").query("is_public", "true");
             if let Some(marker) = &marker {
                 call = call.query("marker", marker.clone());
             }

@@ -47,6 +47,12 @@ pub struct OpenStackProvider {
     pub(crate) node_name: String,
 }
 
+/// A compute host named with its cloud, `<cloud>/<host>`
+/// ([`Provider::backend_host`], [`Location::OtherHost`]).
+fn qualified(cloud: &Cloud, host: &str) -> String {
+    format!("{}/{host}", cloud.name())
+}
+
 impl OpenStackProvider {
     /// The provider of compute host `host` (a hypervisor's `service.host`,
     /// as [`Cloud::hypervisors`] lists it as [`crate::Hypervisor::host`]).
@@ -74,13 +80,27 @@ impl OpenStackProvider {
         &self.cloud
     }
 
-    /// vmlet's server with this UID anywhere in the cloud, from the shared
-    /// listing; when the listing has none, from a fresh one (so "nowhere" is
-    /// never an old answer).
+    /// vmlet's server with this UID anywhere in the cloud (vmlet's project),
+    /// from the shared listing; when the listing has none, from a fresh one
+    /// (so "nowhere" is never an old answer). Errors: `Permanent` when two
+    /// servers carry the UID (vmlet acts on neither until one is removed),
+    /// and the listing's.
     pub(crate) async fn find_anywhere(&self, id: &VmId) -> Result<Option<Server>> {
         for fresh in [false, true] {
             let servers = self.cloud.servers(fresh).await?;
-            if let Some(server) = servers.iter().find(|s| uid_of(s) == Some(id.0.as_str())) {
+            let mut carrying = servers.iter().filter(|s| uid_of(s) == Some(id.0.as_str()));
+            if let Some(server) = carrying.next() {
+                if let Some(other) = carrying.next() {
+                    return Err(Error::new(
+                        "find server",
+                        ErrorKind::Permanent,
+                        format!(
+                            "servers {} and {} both carry vmlet.io:uid {id}; vmlet acts on neither until an \
+                             administrator removes the one that is not this VM's",
+                            server.id, other.id
+                        ),
+                    ));
+                }
                 return Ok(Some(server.clone()));
             }
         }
@@ -273,18 +293,70 @@ impl OpenStackProvider {
             )
         })?;
         let image_id = self.cloud.resolve_image(image).await?;
+        if let Some(allowed) = &self.cloud.options.allowed_images {
+            if !allowed.contains(&image_id) {
+                return Err(Error::new(
+                    OP,
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "spec.image: image {image:?} ({image_id}) is not one this cloud allows for VMs (allowed ids: \
+                         [{}]); use one of them, or ask vmlet's administrator to add it to the cloud's images in \
+                         vmlet's config",
+                        allowed.join(", ")
+                    ),
+                ));
+            }
+        }
+        if let (Some(allowed), options::Networks::Uuids(ids)) =
+            (&self.cloud.options.allowed_networks, &options.networks)
+        {
+            if let Some(refused) = ids.iter().find(|id| !allowed.contains(id)) {
+                return Err(Error::new(
+                    OP,
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "spec.providerOptions.networks: network {refused} is not one this cloud allows for VMs \
+                         (allowed: auto, none, [{}]); ask vmlet's administrator to add it to the cloud's networks \
+                         in vmlet's config",
+                        allowed.join(", ")
+                    ),
+                ));
+            }
+        }
         let flavors = self.cloud.flavors(false).await?;
         let flavor = match &options.flavor {
-            Some(wanted) => match flavor_named(&flavors, wanted) {
-                Some(f) => f.clone(),
-                None => flavor_named(&self.cloud.flavors(true).await?, wanted).cloned().ok_or_else(|| {
-                    Error::new(
+            Some(wanted) => {
+                let flavor = match flavor_named(&flavors, wanted) {
+                    Some(f) => f.clone(),
+                    None => flavor_named(&self.cloud.flavors(true).await?, wanted).cloned().ok_or_else(|| {
+                        Error::new(
+                            OP,
+                            ErrorKind::InvalidInput,
+                            format!(
+                                "spec.providerOptions.flavor: no public flavor with id or name {wanted:?} in the cloud"
+                            ),
+                        )
+                    })?,
+                };
+                // The pod's requests are what Kubernetes counts (scheduler,
+                // ResourceQuota): a flavor of another size would hide it.
+                if (flavor.vcpus, flavor.ram) != (spec.cpus, mib_ceil(spec.memory_bytes)) {
+                    return Err(Error::new(
                         OP,
                         ErrorKind::InvalidInput,
-                        format!("spec.providerOptions.flavor: no flavor with id or name {wanted:?} in the cloud"),
-                    )
-                })?,
-            },
+                        format!(
+                            "spec.providerOptions.flavor: {} has {} vCPUs and {} MiB but spec.resources asks for {} \
+                             and {} MiB; set spec.resources to the flavor's size",
+                            flavor.name,
+                            flavor.vcpus,
+                            flavor.ram,
+                            spec.cpus,
+                            mib_ceil(spec.memory_bytes)
+                        ),
+                    ));
+                }
+                flavor
+            }
             None => smallest_fitting(&flavors, spec.cpus, spec.memory_bytes).cloned().ok_or_else(|| {
                 Error::new(
                     OP,
@@ -424,10 +496,10 @@ impl Provider for OpenStackProvider {
 
     /// Where the cloud holds the server with this UID: `ThisHost`,
     /// `OtherHost(<compute host>)`, or `Nowhere` (after a fresh listing).
-    /// The compute host's name, as `OS-EXT-SRV-ATTR:host` and
-    /// [`Location::OtherHost`] give it.
+    /// `<cloud>/<compute host>`, as [`Location::OtherHost`] gives it: the
+    /// cloud's name keeps two clouds' hosts of the same name apart.
     fn backend_host(&self) -> Option<String> {
-        Some(self.host.clone())
+        Some(qualified(&self.cloud, &self.host))
     }
 
     async fn locate(&self, id: &VmId, _backend_name: &str) -> Result<Location> {
@@ -435,7 +507,7 @@ impl Provider for OpenStackProvider {
             None => Location::Nowhere,
             Some(server) => match host_of(&server) {
                 Some(host) if host == self.host => Location::ThisHost(self.status(&server).await?),
-                Some(host) => Location::OtherHost(host.to_owned()),
+                Some(host) => Location::OtherHost(qualified(&self.cloud, host)),
                 None => Location::Nowhere,
             },
         })
@@ -468,7 +540,8 @@ impl Provider for OpenStackProvider {
             ));
         }
         let server_options = options::parse(&spec.options)?;
-        let existing = match self.cloud.servers(true).await?.iter().find(|s| uid_of(s) == Some(spec.id.0.as_str())) {
+        self.cloud.invalidate_listing();
+        let existing = match self.find_anywhere(&spec.id).await? {
             Some(server) => Some(self.cloud.server(&server.id).await?),
             None => None,
         };

@@ -56,10 +56,11 @@ impl Resize for OpenStackProvider {
                 ),
             )
         })?;
-        // The flavor the user chose stays while it is big enough.
+        // The flavor the user chose stays while it is the wanted size (never
+        // a bigger one than Kubernetes counts).
         let pinned_fits = server.metadata.contains_key(FLAVOR_PIN_KEY)
-            && server.flavor.vcpus >= to.cpus
-            && server.flavor.ram >= mib_ceil(to.memory_bytes);
+            && server.flavor.vcpus == to.cpus
+            && server.flavor.ram == mib_ceil(to.memory_bytes);
         let has_it = pinned_fits || (server.flavor.vcpus, server.flavor.ram) == (flavor.vcpus, flavor.ram);
         if has_it {
             if server.metadata.contains_key(NEXT_FLAVOR_KEY) {

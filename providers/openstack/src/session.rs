@@ -54,6 +54,15 @@ pub struct CloudOptions {
     /// proxies misbehave at recent versions; below 2.74 servers are placed
     /// with `availability_zone: "<zone>:<host>"`.
     pub max_microversion: Option<Microversion>,
+    /// The Glance image ids VMs may boot (`spec.image`, by id or by a name
+    /// that resolves to one of these): the boundary between tenants, since
+    /// vmlet's admin user could boot any project's private image. `None`:
+    /// any image vmlet's user may use (a single trusted tenant, tests).
+    pub allowed_images: Option<Vec<String>>,
+    /// The network UUIDs VMs may name in `spec.providerOptions.networks`
+    /// (`auto` and `none` are always allowed): vmlet's admin user could
+    /// attach a VM to any project's network. `None`: any.
+    pub allowed_networks: Option<Vec<String>>,
 }
 
 impl Default for CloudOptions {
@@ -67,6 +76,8 @@ impl Default for CloudOptions {
             build_timeout: Duration::from_secs(300),
             task_timeout: Duration::from_secs(300),
             max_microversion: None,
+            allowed_images: None,
+            allowed_networks: None,
         }
     }
 }
@@ -152,6 +163,8 @@ pub(crate) struct Reply {
 /// A token and what came with it.
 struct Session {
     token: Secret,
+    /// The project vmlet's servers are created in and confined to.
+    project: Option<String>,
     renew_at: Instant,
     compute: String,
     placement: Option<String>,
@@ -356,7 +369,8 @@ impl Cloud {
         let placement = find("placement")?;
         let image = find("image")?;
         tracing::debug!(cloud = %self.config.name, lifetime_s = lifetime.as_secs(), compute = %compute, "Keystone token");
-        Ok(Session { token, renew_at, compute, placement, image })
+        let project = body.token.project.map(|p| p.id);
+        Ok(Session { token, project, renew_at, compute, placement, image })
     }
 
     /// GET Nova's version document and choose the microversion.
@@ -482,6 +496,13 @@ impl Cloud {
     /// the TTL (and no older than the last invalidation), unless `fresh`,
     /// which asks for one fetched after this call began. Callers that arrive
     /// while one is fetched share it.
+    /// The project of vmlet's token: where its servers are created, and the
+    /// only project whose servers it lists or acts on (`None` for a domain-
+    /// or system-scoped token, which cannot create servers).
+    pub(crate) async fn project_id(&self) -> Result<Option<String>> {
+        Ok(self.session().await?.project.clone())
+    }
+
     pub(crate) async fn servers(&self, fresh: bool) -> Result<Arc<Vec<Server>>> {
         let asked = Instant::now();
         let mut guard = self.listing.lock().await;

@@ -128,8 +128,8 @@ async fn every_host_locates_a_server_and_a_restarted_session_finds_all_without_c
         Location::ThisHost(status) => assert_eq!(status.backend_id, defined_a.backend_id),
         other => panic!("{other:?}"),
     }
-    assert_eq!(b.locate(&on_a.id, "").await.expect("locate"), Location::OtherHost(a.host().to_owned()));
-    assert_eq!(a.locate(&on_b.id, "").await.expect("locate"), Location::OtherHost(b.host().to_owned()));
+    assert_eq!(b.locate(&on_a.id, "").await.expect("locate"), Location::OtherHost(a.backend_host().unwrap()));
+    assert_eq!(a.locate(&on_b.id, "").await.expect("locate"), Location::OtherHost(b.backend_host().unwrap()));
     assert_eq!(b.get(&on_a.id).await.expect("get"), None, "a's server is not b's");
     // Defining a's VM on b would make a twin: refused.
     let err = b.ensure_defined(&on_a).await.expect_err("twin on b");
@@ -239,17 +239,16 @@ async fn an_unknown_option_or_kernel_boot_is_refused_naming_the_field_and_nothin
     common::define(a, &spec).await;
     remove(a, &spec.id).await;
 
-    // A named flavor is used as given.
+    // A named flavor must be the VM's size: a bigger one would run more
+    // than Kubernetes counts (scheduler, ResourceQuota).
     let mut spec = h.spec(NS, "named");
     spec.options.insert("flavor".into(), "c2-m512".into());
+    let refused = a.ensure_defined(&spec).await.expect_err("a flavor of another size");
+    assert_eq!(refused.kind, ErrorKind::InvalidInput);
+    assert!(refused.message.starts_with("spec.providerOptions.flavor: c2-m512 has 2 vCPUs and 512 MiB"), "{refused}");
+    (spec.cpus, spec.memory_bytes) = (2, 512 * MIB);
     let named = common::define(a, &spec).await;
     assert_eq!((named.cpus, named.memory_bytes), (2, 512 * MIB));
-    // A resize to a size the chosen flavor still has keeps it.
-    let resize = a.resize().expect("resize");
-    let smaller = vmlet_provider::Resources { cpus: 1, memory_bytes: 256 * MIB };
-    resize.resize(&spec.id, smaller, smaller, vmlet_provider::ResizeScope::NextStart).await.expect("resize");
-    let kept = a.get(&spec.id).await.expect("get").expect("here");
-    assert_eq!((kept.cpus, kept.memory_bytes, kept.next_start), (2, 512 * MIB, None));
     remove(a, &spec.id).await;
     assert!(a.list().await.expect("list").iter().all(|s| !s.backend_name.starts_with(NS)));
 }
@@ -354,4 +353,32 @@ async fn a_member_user_is_told_that_vmlet_needs_the_admin_role() {
     let err = cloud.hypervisors().await.expect_err("os-hypervisors needs admin");
     assert_eq!(err.kind, ErrorKind::PermissionDenied, "{err}");
     assert!(err.message.contains("admin role"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_credential_authenticates_and_a_wrong_secret_is_refused() {
+    let Some(h) = harness("an_application_credential_authenticates") else { return };
+    let name = format!("vmlet-test-{}-{}", std::process::id(), common::unique_uid().1 % 1_000_000);
+    let (id, secret) = common::create_application_credential(&name).await;
+    let auth_url = std::env::var("OS_AUTH_URL").expect("OS_AUTH_URL");
+    let clouds = |secret: &str| {
+        format!(
+            "clouds:\n  appcred:\n    auth_type: v3applicationcredential\n    auth:\n      auth_url: {auth_url}\n      \
+             application_credential_id: {id}\n      application_credential_secret: {secret:?}\n    \
+             region_name: RegionOne\n    interface: public\n"
+        )
+    };
+    let config = vmlet_openstack::CloudConfig::from_bytes(clouds(&secret).as_bytes(), "appcred").expect("parse");
+    assert!(!format!("{config:?}").contains(&secret), "the secret is redacted");
+    let cloud = vmlet_openstack::Cloud::connect(config, common::test_options()).await.expect("authenticate");
+    let hosts: Vec<String> = cloud.hypervisors().await.expect("hypervisors").iter().map(|hv| hv.host.clone()).collect();
+    for host in &h.hosts {
+        assert!(hosts.contains(host), "{host} in {hosts:?}");
+    }
+    let wrong =
+        vmlet_openstack::CloudConfig::from_bytes(clouds("not-the-secret").as_bytes(), "appcred").expect("parse");
+    let Err(refused) = vmlet_openstack::Cloud::connect(wrong, common::test_options()).await else {
+        panic!("a wrong application credential secret was accepted")
+    };
+    assert_eq!(refused.kind, ErrorKind::PermissionDenied, "{refused}");
 }

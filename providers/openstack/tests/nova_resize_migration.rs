@@ -92,7 +92,7 @@ async fn a_running_server_live_migrates_and_a_stopped_one_cold_migrates_keeping_
     let on_b = b.get(&spec.id).await.expect("get on b").expect("on b now");
     assert_eq!((on_b.backend_id.as_str(), on_b.power), (defined.backend_id.as_str(), PowerState::Running));
     assert_eq!(a.get(&spec.id).await.expect("get on a"), None);
-    assert_eq!(a.locate(&spec.id, "").await.expect("locate"), Location::OtherHost(b.host().to_owned()));
+    assert_eq!(a.locate(&spec.id, "").await.expect("locate"), Location::OtherHost(b.backend_host().unwrap()));
     let err =
         migration.migrate(&spec.id, &to_b, MigrationMode::Live, MIGRATION_TIMEOUT).await.expect_err("gone from a");
     assert_eq!(err.kind, ErrorKind::NotFound, "{err}");

@@ -217,12 +217,9 @@ pub async fn count_everywhere(providers: &[OpenStackProvider], id: &VmId) -> usi
     n
 }
 
-/// Post a server action to Nova as the harness's admin, behind the
-/// provider's back (e.g. `os-resetState` to make a server look crashed).
-/// Uses the `OS_*` variables of `hack/nova.sh env` and `VMLET_NOVA_URL`.
-pub async fn nova_action_behind_vmlet(server_id: &str, body: serde_json::Value) {
+/// A Keystone token of the harness's admin (`OS_*`), and the admin's user id.
+async fn admin_token(http: &reqwest::Client) -> (String, String) {
     let os = |name: &str| required(name);
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
     let auth = serde_json::json!({"auth": {
         "identity": {"methods": ["password"], "password": {"user": {
             "name": os("OS_USERNAME"), "domain": {"name": var("OS_USER_DOMAIN_NAME").unwrap_or_else(|| "Default".into())},
@@ -233,8 +230,38 @@ pub async fn nova_action_behind_vmlet(server_id: &str, body: serde_json::Value) 
     let response = http.post(format!("{}/auth/tokens", os("OS_AUTH_URL"))).json(&auth).send().await.expect("token");
     assert!(response.status().is_success(), "token: {}", response.status());
     let token = response.headers()["X-Subject-Token"].to_str().expect("token header").to_owned();
+    let body: serde_json::Value = response.json().await.expect("token body");
+    let user = body["token"]["user"]["id"].as_str().expect("the token's user id").to_owned();
+    (token, user)
+}
+
+/// Create an application credential `name` for the harness's admin, in its
+/// project (as a user does with `openstack application credential create`):
+/// its id and secret.
+pub async fn create_application_credential(name: &str) -> (String, String) {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
+    let (token, user) = admin_token(&http).await;
     let response = http
-        .post(format!("{}/servers/{server_id}/action", os("VMLET_NOVA_URL")))
+        .post(format!("{}/users/{user}/application_credentials", required("OS_AUTH_URL")))
+        .header("X-Auth-Token", token)
+        .json(&serde_json::json!({"application_credential": {"name": name}}))
+        .send()
+        .await
+        .expect("create application credential");
+    assert!(response.status().is_success(), "create application credential: {}", response.status());
+    let body: serde_json::Value = response.json().await.expect("application credential body");
+    let credential = &body["application_credential"];
+    (credential["id"].as_str().expect("id").to_owned(), credential["secret"].as_str().expect("secret").to_owned())
+}
+
+/// Post a server action to Nova as the harness's admin, behind the
+/// provider's back (e.g. `os-resetState` to make a server look crashed).
+/// Uses the `OS_*` variables of `hack/nova.sh env` and `VMLET_NOVA_URL`.
+pub async fn nova_action_behind_vmlet(server_id: &str, body: serde_json::Value) {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
+    let (token, _) = admin_token(&http).await;
+    let response = http
+        .post(format!("{}/servers/{server_id}/action", required("VMLET_NOVA_URL")))
         .header("X-Auth-Token", token)
         .header("OpenStack-API-Version", "compute 2.60")
         .json(&body)
