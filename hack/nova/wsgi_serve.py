@@ -11,6 +11,13 @@ PATH[:PATH...] then waits (up to 120 s) until those files exist before the
 entry point is imported: Keystone's entry point refuses to start without its
 key repositories, but the expensive part, importing Keystone, can overlap
 with the keystone-manage run that makes them.
+Both keep their data in sqlite, where two threads that read and then write
+in the same transaction fail at once with "database is locked" (the busy
+handler cannot help a reader that wants to become a writer): concurrent
+password logins, which update local_user, did so under the test suite.
+Every transaction therefore starts with BEGIN IMMEDIATE, which takes the
+write lock up front and waits for it (busy_timeout, 30 s): SQLAlchemy's
+documented recipe for pysqlite.
 SIGTERM/SIGINT stop the server; the process then exits at once, without
 waiting for library threads (oslo timers, keystonemiddleware caches) that
 would otherwise keep it alive.
@@ -26,6 +33,38 @@ import time
 from cheroot import wsgi
 
 BIND_HOST = '127.0.0.1'
+SQLITE_BUSY_TIMEOUT_MS = 30000
+
+
+def serialize_sqlite_transactions():
+    """Make every sqlite transaction of this process BEGIN IMMEDIATE.
+
+    Listens on the Engine class, so it covers the engines oslo.db creates
+    later. Other databases are left alone.
+    """
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def is_sqlite(dbapi_connection):
+        return type(dbapi_connection).__module__.startswith('sqlite3')
+
+    @event.listens_for(Engine, 'connect')
+    def on_connect(dbapi_connection, _record):
+        if is_sqlite(dbapi_connection):
+            # pysqlite's own implicit BEGIN is deferred; take over (as
+            # oslo.db does too).
+            dbapi_connection.isolation_level = None
+            dbapi_connection.execute(
+                'PRAGMA busy_timeout = %d' % SQLITE_BUSY_TIMEOUT_MS)
+
+    @event.listens_for(Engine, 'begin')
+    def on_begin(connection):
+        # oslo.db emits a deferred BEGIN unless its marker says a
+        # transaction is open; class listeners run before its engine ones.
+        if (connection.dialect.name == 'sqlite'
+                and 'in_transaction' not in connection.info):
+            connection.exec_driver_sql('BEGIN IMMEDIATE')
+            connection.info['in_transaction'] = True
 
 
 def serve(name, app, port, threads=8):
@@ -73,6 +112,7 @@ def main(argv):
     module_name, attribute = target.split(':')
     # The entry points read sys.argv as their command line (oslo.config).
     sys.argv = [name]
+    serialize_sqlite_transactions()
     if os.environ.get('WSGI_SERVE_PRELOAD'):
         importlib.import_module(os.environ['WSGI_SERVE_PRELOAD'])
     wait_for = [p for p in os.environ.get('WSGI_SERVE_WAIT_FOR', '').split(':')

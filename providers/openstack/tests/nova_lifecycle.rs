@@ -269,6 +269,35 @@ async fn a_wrong_password_is_permission_denied_naming_keystone() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_opened_at_once_with_right_and_wrong_passwords_each_get_their_own_answer() {
+    // Keystone records failed logins on the user and clears them on the next
+    // good one: concurrent logins write the same row. Each session must still
+    // see its own answer, never a server error turned into Transient.
+    let Some(h) = harness("sessions_opened_at_once") else { return };
+    let mut logins = tokio::task::JoinSet::new();
+    for i in 0..12 {
+        let mut config = h.config();
+        let wrong = i % 3 == 0;
+        if wrong {
+            if let vmlet_openstack::Credentials::Password { password, .. } = &mut config.credentials {
+                *password = vmlet_openstack::Secret::new("certainly-not-the-password");
+            }
+        }
+        logins.spawn(async move { (wrong, vmlet_openstack::Cloud::connect(config, common::test_options()).await) });
+    }
+    let (mut accepted, mut refused) = (0, 0);
+    while let Some(joined) = logins.join_next().await {
+        match joined.expect("login task") {
+            (false, Ok(_)) => accepted += 1,
+            (true, Err(err)) if err.kind == ErrorKind::PermissionDenied => refused += 1,
+            (wrong, Err(err)) => panic!("wrong password: {wrong}; {err}"),
+            (true, Ok(_)) => panic!("a wrong password was accepted"),
+        }
+    }
+    assert_eq!((accepted, refused), (8, 4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_endpoint_is_transient_and_names_it() {
     // Needs no harness: a port on loopback where nothing listens.
     let port = {
