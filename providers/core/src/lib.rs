@@ -15,10 +15,12 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
+mod backup;
 mod capabilities;
 mod error;
 mod migration;
 mod resize;
+pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency};
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
@@ -327,6 +329,12 @@ pub trait Provider: Send + Sync + 'static {
     /// The capability to move a VM to another host of the same backend, if
     /// this backend (and host) has one.
     fn migration(&self) -> Option<&dyn Migration> {
+        None
+    }
+
+    /// The capability to copy a VM's disk to a file on its host and make new
+    /// disks from such files, if this backend (and host) has one.
+    fn backup(&self) -> Option<&dyn Backup> {
         None
     }
 

@@ -1,0 +1,105 @@
+//! Copying a VM's disk to a file on its host while it runs (a backup), and
+//! making a new disk from such a file (a restore).
+//!
+//! The copy is a point-in-time image of the disk: for a running VM the back
+//! end copies the blocks as they were when the backup began while the guest
+//! goes on writing (libvirt's push-mode `virDomainBackupBegin`); an inactive
+//! VM's disk is copied as it is. A backup never pauses or stops the VM beyond
+//! the moment its guest's filesystems are frozen (when asked and possible).
+
+use std::time::Duration;
+
+use crate::{Result, VmId};
+
+/// What to back up and where ([`Backup::backup`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackupRequest {
+    /// Absolute path on the VM's host of the qcow2 file to write. The caller
+    /// checked it lies under the host's backup roots and that no file of this
+    /// name exists; its directory exists. The provider never writes elsewhere.
+    pub target: String,
+    /// Freeze the guest's filesystems (through its guest agent) for the moment
+    /// the backup begins, so the copy is what the guest had written out. When
+    /// the guest has no agent (or it does not answer), the backup goes on
+    /// crash-consistent and [`BackupOutcome::consistency`] says why.
+    pub quiesce: bool,
+    /// How long the whole backup may take; then it is aborted (the VM runs on)
+    /// and the call fails `Transient`.
+    pub timeout: Duration,
+}
+
+/// How far a backup got.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackupProgress {
+    /// Bytes of the disk copied so far.
+    pub processed_bytes: u64,
+    /// Bytes of the disk in all (its virtual size, as the back end counts it;
+    /// 0 while unknown).
+    pub total_bytes: u64,
+}
+
+/// How consistent a finished backup is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Consistency {
+    /// The guest's filesystems were frozen when the copy's point in time was
+    /// taken (`count` of them): what the guest had written is in the copy.
+    Quiesced {
+        /// Filesystems the guest agent froze.
+        filesystems: u32,
+    },
+    /// Like a power cut: blocks the guest had not yet flushed may be missing.
+    /// `reason` says why (no quiesce asked, no guest agent, an inactive VM is
+    /// always consistent and reports [`Consistency::Offline`] instead).
+    CrashConsistent {
+        /// Why the filesystems were not frozen.
+        reason: String,
+    },
+    /// The VM was not running: its disk was copied as it is on the host.
+    Offline,
+}
+
+/// A finished backup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackupOutcome {
+    /// The file written ([`BackupRequest::target`]).
+    pub path: String,
+    /// Bytes of disk data copied (the disk's virtual size for a full backup).
+    pub bytes: u64,
+    /// Size in bytes of the file written (zero blocks are not stored).
+    pub file_bytes: u64,
+    /// How consistent the copy is.
+    pub consistency: Consistency,
+}
+
+/// The backup capability ([`crate::Provider::backup`]). Called on the provider
+/// of the host that holds the VM; both operations write only the path they are
+/// given.
+#[async_trait::async_trait]
+pub trait Backup: Send + Sync {
+    /// Copy the VM's disk to `request.target` (qcow2) and wait until the copy
+    /// completed, calling `progress` about once a second. A VM with several
+    /// disks, or with none, is refused `InvalidInput` (vmlet's VMs have one).
+    ///
+    /// Idempotent in the sense the core needs: a second call while one runs
+    /// for the same VM fails `Conflict` and does not disturb the first.
+    /// Errors: `NotFound` when this host has no such VM; `Conflict` when the
+    /// VM has another job running (a migration, a backup); `Permanent` with
+    /// the back end's message when the copy failed (e.g. no room left on the
+    /// target: the message says so), in which case the partial file is
+    /// removed and the VM runs on; `Transient` after `request.timeout`.
+    async fn backup(
+        &self,
+        id: &VmId,
+        request: &BackupRequest,
+        progress: &(dyn Fn(BackupProgress) + Send + Sync),
+    ) -> Result<BackupOutcome>;
+
+    /// Write a new, independent qcow2 disk at `target` holding what the backup
+    /// file `source` holds (a full copy: deleting the backup later does not
+    /// harm the disk). Both are absolute paths on this host that the caller
+    /// checked. A `target` that exists already is left alone and its size
+    /// returned (a retried restore). Returns the bytes of disk data copied.
+    /// Errors: `NotFound` when `source` does not exist; `Permanent` when the
+    /// copy failed (the partial target is removed).
+    async fn restore_disk(&self, source: &str, target: &str, timeout: Duration) -> Result<u64>;
+}
