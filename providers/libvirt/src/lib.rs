@@ -27,10 +27,12 @@
 //! `<currentMemory>`. On QEMU the provider offers the
 //! [`Console`](vmlet_provider::Console) (history and live attach),
 //! [`GuestExec`](vmlet_provider::GuestExec) (through the agent),
-//! [`Stats`](vmlet_provider::Stats), [`Resize`](vmlet_provider::Resize) and
+//! [`Stats`](vmlet_provider::Stats), [`Resize`](vmlet_provider::Resize),
 //! [`Migration`](vmlet_provider::Migration) (peer to peer, from this host's
-//! libvirtd to the target's) capabilities; on the test driver `Stats` and
-//! `Resize`.
+//! libvirtd to the target's) and [`Backup`](vmlet_provider::Backup) (a running
+//! VM's disk through libvirt's push-mode backup, an inactive one's and
+//! restores with `qemu-img` on a local connection) capabilities; on the test
+//! driver `Stats` and `Resize`.
 //! `test-vms/guest/build.sh` builds a small guest that has all of this.
 //!
 //! How vmlet finds its domains, how the connection survives a libvirtd restart
@@ -43,14 +45,17 @@
 
 #![warn(missing_docs)]
 
+mod backup;
 mod connection;
 mod console;
 mod domains;
 mod error;
 mod event_loop;
 mod exec;
+mod jobs;
 mod migration;
 mod provider;
+mod qemu_img;
 mod resize;
 mod stats;
 mod xml;

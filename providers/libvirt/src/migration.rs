@@ -39,6 +39,7 @@ use vmlet_provider::{Error, ErrorKind, Migration, MigrationMode, MigrationProgre
 
 use crate::connection::open_watched;
 use crate::error::from_libvirt;
+use crate::jobs::abort_job;
 use crate::provider::{is_active, not_completed, Host, LibvirtProvider};
 use crate::xml::DomainKind;
 
@@ -165,17 +166,6 @@ fn outgoing_migration(domain: &Domain) -> Result<Option<MigrationProgress>, Virt
     unsafe { sys::virTypedParamsFree(params, nparams) };
     let outgoing = has_operation != 1 || operation == sys::VIR_DOMAIN_JOB_OPERATION_MIGRATION_OUT as c_int;
     Ok((job_type != sys::VIR_DOMAIN_JOB_NONE as c_int && outgoing).then_some(progress))
-}
-
-/// `virDomainAbortJob`, which the `virt` crate does not wrap.
-fn abort_job(domain: &Domain) -> Result<(), VirtError> {
-    // SAFETY: `domain` holds a valid virDomainPtr for the duration of the call;
-    // virDomainAbortJob neither keeps nor frees it.
-    let ret = unsafe { virt::sys::virDomainAbortJob(domain.as_ptr()) };
-    if ret < 0 {
-        return Err(VirtError::last_error());
-    }
-    Ok(())
 }
 
 /// The provider error for a failed migration to `uri`.

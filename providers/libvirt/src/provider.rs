@@ -8,10 +8,11 @@ use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
-    Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result, Stats, VmId, VmSpec,
-    VmStatus,
+    Backup, Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result, Stats, VmId,
+    VmSpec, VmStatus,
 };
 
+use crate::backup::InFlight;
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_no_storage_pool, is_operation_invalid, is_unsupported_flags};
@@ -62,9 +63,10 @@ pub enum AcceleratorSetting {
 /// hot-plug and the balloon within the ceilings a VM was defined with, or its
 /// definition for the next start) and [`Migration`] (peer-to-peer live and
 /// offline migration to another libvirt host: see
-/// [`LibvirtProvider::with_migration_uri`] for how other hosts reach this one);
-/// on the test driver, which has neither consoles nor agents nor migration,
-/// [`Stats`] and [`Resize`].
+/// [`LibvirtProvider::with_migration_uri`] for how other hosts reach this one)
+/// and [`Backup`] (a VM's disk to a qcow2 file on the host, and new disks from
+/// such files); on the test driver, which has neither consoles nor agents nor
+/// migration nor block jobs, [`Stats`] and [`Resize`].
 ///
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
@@ -103,6 +105,8 @@ pub(crate) struct Host {
     /// The boot (domain id) whose console output each VM last served while
     /// running, so that a stopped VM's log keeps its boot (see `console.rs`).
     pub(crate) boots: Mutex<HashMap<VmId, String>>,
+    /// The backups and restores running in this process (see `backup.rs`).
+    in_flight: InFlight,
 }
 
 impl LibvirtProvider {
@@ -155,6 +159,7 @@ impl LibvirtProvider {
                 calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT)),
                 agent_calls: tokio::sync::Semaphore::new(MAX_AGENT_CALLS_IN_FLIGHT),
                 boots: Mutex::default(),
+                in_flight: InFlight::default(),
             }),
             migration: Arc::new(migration),
         })
@@ -198,6 +203,11 @@ impl LibvirtProvider {
     pub fn with_unsafe_migration(mut self, allow: bool) -> Self {
         Arc::make_mut(&mut self.migration).allow_unsafe = allow;
         self
+    }
+
+    /// The backups and restores this host runs now.
+    pub(crate) fn in_flight(&self) -> &InFlight {
+        &self.host.in_flight
     }
 
     /// The semaphore that bounds this host's guest-agent calls.
@@ -790,6 +800,14 @@ impl Provider for LibvirtProvider {
     /// `None` on the test driver, which cannot migrate.
     fn migration(&self) -> Option<&dyn Migration> {
         self.host.kind.is_qemu().then_some(self as &dyn Migration)
+    }
+
+    /// Backups to a qcow2 file on the host (libvirt's push-mode backup of a
+    /// running VM, qemu-img for an inactive one) and restores from them on
+    /// QEMU (see `backup.rs`); `None` on the test driver, which has no block
+    /// jobs.
+    fn backup(&self) -> Option<&dyn Backup> {
+        self.host.kind.is_qemu().then_some(self as &dyn Backup)
     }
 
     /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,

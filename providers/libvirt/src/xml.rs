@@ -234,18 +234,24 @@ impl Size {
     }
 }
 
+/// Where the first `<name …>` or `<name/>` start tag in `xml` begins (exactly
+/// that name: `<vcpu` does not match `<vcpus>`).
+fn start_of(xml: &str, name: &str) -> Option<usize> {
+    let open = format!("<{name}");
+    let mut from = 0;
+    loop {
+        let at = from + xml[from..].find(&open)?;
+        match xml[at + open.len()..].chars().next() {
+            Some(c) if c == '>' || c == '/' || c.is_whitespace() => return Some(at),
+            _ => from = at + open.len(),
+        }
+    }
+}
+
 /// The attributes and text of the first `<name …>text</name>` element in `xml`
 /// (exactly that name: `<vcpu` does not match `<vcpus>`).
 fn element<'a>(xml: &'a str, name: &str) -> Option<(Vec<(String, String)>, &'a str)> {
-    let open = format!("<{name}");
-    let mut from = 0;
-    let start = loop {
-        let at = from + xml[from..].find(&open)?;
-        match xml[at + open.len()..].chars().next() {
-            Some(c) if c == '>' || c.is_whitespace() => break at,
-            _ => from = at + open.len(),
-        }
-    };
+    let start = start_of(xml, name)?;
     let attrs = attributes(&xml[start..])?;
     let text_start = start + xml[start..].find('>')? + 1;
     let text = &xml[text_start..];
@@ -271,6 +277,65 @@ fn memory_kib((attrs, text): (Vec<(String, String)>, &str)) -> Option<u64> {
         _ => return None,
     };
     Some(value.checked_mul(bytes_per_unit)?.div_ceil(1024))
+}
+
+/// One disk of a domain as its XML (`virDomainGetXMLDesc`) states it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Disk {
+    /// `<target dev='…'>`: the name libvirt and its block jobs know the disk
+    /// by (`vda`).
+    pub(crate) target: String,
+    /// `<disk type='…'>`: where the data lives (`file`, `block`, `network`,
+    /// `volume`).
+    pub(crate) kind: String,
+    /// The file or block device the disk reads (`<source file='…'>` or
+    /// `<source dev='…'>`); `None` for other sources.
+    pub(crate) source: Option<String>,
+    /// `<driver type='…'>`: the image format (`qcow2`, `raw`), when stated.
+    pub(crate) format: Option<String>,
+}
+
+/// The disks of a domain XML in document order: `<disk>` elements with
+/// `device='disk'` (or no `device`, libvirt's default). CD-ROMs, floppies and
+/// LUNs are not counted, and a disk's backing chain (`<backingStore>`) and
+/// copy target (`<mirror>`) are not read. Elements inside `<metadata>` are not
+/// read either.
+pub(crate) fn disks(xml: &str) -> Vec<Disk> {
+    let mut rest = xml.find("</metadata>").map_or(xml, |end| &xml[end..]);
+    let mut disks = Vec::new();
+    while let Some(start) = start_of(rest, "disk") {
+        let element = &rest[start..];
+        let (Some(attrs), Some(head_end)) = (attributes(element), element.find('>')) else {
+            break;
+        };
+        let body = if element[..head_end].ends_with('/') {
+            ""
+        } else {
+            &element[head_end + 1..element.find("</disk>").unwrap_or(element.len())]
+        };
+        rest = &element[head_end + 1 + body.len()..];
+        let get = |attrs: &[(String, String)], key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+        if get(&attrs, "device").is_some_and(|device| device != "disk") {
+            continue;
+        }
+        // libvirt writes the disk's own <driver> and <source> before its
+        // backing chain and mirror, which have <source> elements of their
+        // own (but no <target>).
+        let own = ["<backingStore", "<mirror"].iter().filter_map(|tag| body.find(tag)).min().unwrap_or(body.len());
+        let own = &body[..own];
+        let child = |name: &str| start_of(own, name).and_then(|at| attributes(&own[at..]));
+        let target = start_of(body, "target").and_then(|at| attributes(&body[at..]));
+        let Some(target) = target.and_then(|attrs| get(&attrs, "dev")) else {
+            continue;
+        };
+        disks.push(Disk {
+            target,
+            kind: get(&attrs, "type").unwrap_or_else(|| "file".to_owned()),
+            source: child("source").and_then(|attrs| get(&attrs, "file").or_else(|| get(&attrs, "dev"))),
+            format: child("driver").and_then(|attrs| get(&attrs, "type")),
+        });
+    }
+    disks
 }
 
 /// Name of the storage pool whose target directory is a host's default storage
@@ -552,6 +617,50 @@ mod tests {
 
         with.image = Some("/images/disk.img".into());
         assert!(domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID).contains("type='raw'"));
+    }
+
+    #[test]
+    fn disks_are_read_from_libvirts_own_xml_without_cdroms_or_backing_files() {
+        // As libvirt 9 formats a running domain (abridged): a metadata element
+        // that mimics a disk, a disk with a backing chain, a CD-ROM.
+        let xml = "<domain type='qemu' id='3'>\n  <metadata>\n    <x:disk xmlns:x='urn:x'/><disk><target dev='no'/></disk>\n  \
+                   </metadata>\n  <devices>\n    <disk type='file' device='disk'>\n      \
+                   <driver name='qemu' type='qcow2'/>\n      <source file='/var/lib/vmlet/it&apos;s.qcow2' index='2'/>\n      \
+                   <backingStore type='file' index='1'>\n        <format type='raw'/>\n        \
+                   <source file='/base.img'/>\n        <backingStore/>\n      </backingStore>\n      \
+                   <target dev='vda' bus='virtio'/>\n      <alias name='virtio-disk0'/>\n    </disk>\n    \
+                   <disk type='file' device='cdrom'>\n      <target dev='hdc' bus='ide'/>\n      <readonly/>\n    \
+                   </disk>\n    <disk type='block'>\n      <source dev='/dev/sdb'/>\n      \
+                   <target dev='vdb' bus='virtio'/>\n    </disk>\n    <disks/>\n  </devices>\n</domain>\n";
+        assert_eq!(
+            disks(xml),
+            vec![
+                Disk {
+                    target: "vda".into(),
+                    kind: "file".into(),
+                    source: Some("/var/lib/vmlet/it's.qcow2".into()),
+                    format: Some("qcow2".into()),
+                },
+                Disk { target: "vdb".into(), kind: "block".into(), source: Some("/dev/sdb".into()), format: None },
+            ]
+        );
+    }
+
+    #[test]
+    fn what_vmlet_defines_has_one_disk_with_an_image_and_none_without() {
+        let mut spec = spec();
+        assert_eq!(disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID)), vec![]);
+        spec.image = Some("/images/disk.qcow2".into());
+        let found = disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID));
+        assert_eq!(
+            found,
+            vec![Disk {
+                target: "vda".into(),
+                kind: "file".into(),
+                source: Some("/images/disk.qcow2".into()),
+                format: Some("qcow2".into()),
+            }]
+        );
     }
 
     #[test]

@@ -1,0 +1,776 @@
+//! [`Backup`]: a VM's disk copied to a qcow2 file on its host, and new disks
+//! made from such files.
+//!
+//! - A running VM: libvirt's push-mode backup (`virDomainBackupBegin` with
+//!   `<domainbackup mode='push'>`). QEMU copies the disk as it was when the
+//!   backup began while the guest goes on writing (copy-before-write), so the
+//!   VM is never paused. Asked to quiesce, vmlet freezes the guest's file
+//!   systems through its agent (`virDomainFSFreeze`) just before the backup
+//!   begins and thaws them (`virDomainFSThaw`) as soon as `virDomainBackupBegin`
+//!   returned, whether it succeeded or not: the freeze lasts one libvirt call.
+//!   vmlet then reads the job's progress once a second
+//!   (`virDomainGetJobStats`) and, once the job is gone, how it ended (the
+//!   completed job's statistics, kept for other readers).
+//! - An inactive VM: its disk file copied with `qemu-img convert` on this
+//!   machine, so only on a local connection (`qemu:///system`).
+//! - A restore: `qemu-img convert` of the backup file into a new qcow2 disk,
+//!   on this machine too.
+//!
+//! Each VM has one backup at a time: a second call while one runs (in this
+//! process, or a job libvirt reports: another backup, a migration, a block
+//! copy) fails `Conflict` at once and leaves the first alone.
+//!
+//! Where a copy fails, times out or is cancelled, its partial file is removed
+//! (by libvirt itself for a running VM's backup, and by vmlet as well where
+//! the file is on this machine). Nothing here stops, pauses or redefines a VM.
+//!
+//! Caveat: QEMU runs in its own mount namespace (libvirt's default), which is
+//! a copy of the host's taken when the VM started: on a host whose mounts do
+//! not propagate (no shared mount propagation), a file system mounted after
+//! the VM started is invisible to QEMU, and a backup onto it fails ("Could not
+//! open …"; the message says so).
+
+use std::collections::HashSet;
+use std::hash::Hash;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tracing::instrument;
+use virt::connect::Connect;
+use virt::domain::Domain;
+use virt::error::{Error as VirtError, ErrorNumber};
+use virt::sys;
+use vmlet_provider::{
+    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, Error, ErrorKind, Result, VmId,
+};
+
+use crate::error::{from_libvirt, is_operation_invalid};
+use crate::jobs::{abort_job, block_job, block_job_name, job_stats, operation_name, JobStats};
+use crate::provider::{is_active, is_local_uri, Host, LibvirtProvider};
+use crate::qemu_img;
+use crate::xml::{disks, escape, Disk};
+
+const OP: &str = "back up disk";
+const OP_PROGRESS: &str = "read backup progress";
+const OP_ABORT: &str = "abort backup";
+const OP_RESTORE: &str = "restore disk";
+
+/// How often a running backup's progress is read.
+const POLL_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long the start of a backup may take: the guest agent's freeze, and
+/// libvirt creating the target and starting QEMU's job (which waits up to
+/// 30 s for another job on the domain to end). At most the backup's timeout.
+const BEGIN_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How long one progress read may take.
+const POLL_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long `virDomainAbortJob` may take.
+const ABORT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long QEMU gets to end an aborted backup before vmlet stops waiting
+/// (and leaves the partial file to libvirt, which removes it when the job
+/// ends).
+const ABORT_GRACE: Duration = Duration::from_secs(60);
+
+/// How long `qemu-img info` may take.
+const INFO_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The backups and restores this process runs, per host: a second one for
+/// the same VM or target is refused at once instead of queueing behind
+/// libvirt's job lock or writing the same file.
+#[derive(Default)]
+pub(crate) struct InFlight {
+    vms: Mutex<HashSet<VmId>>,
+    targets: Mutex<HashSet<String>>,
+}
+
+/// An entry in one of [`InFlight`]'s sets, removed on drop.
+struct Claim<'a, K: Eq + Hash> {
+    set: &'a Mutex<HashSet<K>>,
+    key: K,
+}
+
+impl<'a, K: Eq + Hash + Clone> Claim<'a, K> {
+    /// Insert `key` into `set`; `None` when it is there already.
+    fn take(set: &'a Mutex<HashSet<K>>, key: &K) -> Option<Self> {
+        let inserted = set.lock().unwrap_or_else(PoisonError::into_inner).insert(key.clone());
+        inserted.then(|| Claim { set, key: key.clone() })
+    }
+}
+
+impl<K: Eq + Hash> Drop for Claim<'_, K> {
+    fn drop(&mut self) {
+        self.set.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.key);
+    }
+}
+
+/// How a backup began ([`Host::begin_backup`]).
+enum Started {
+    /// The VM is not running: vmlet copies its disk itself.
+    Offline {
+        /// The disk's file or block device.
+        source: String,
+        /// Its image format (`qcow2`, `raw`).
+        format: String,
+    },
+    /// libvirt runs the backup job, which will be this consistent.
+    Job { consistency: Consistency },
+}
+
+/// What one look at a running backup found ([`Host::backup_progress`]).
+enum Poll {
+    /// The job still copies.
+    Running(BackupProgress),
+    /// The job is gone; how it ended as libvirt recorded it (type NONE, or
+    /// another operation, when libvirt kept no record of it).
+    Ended(JobStats),
+}
+
+impl Host {
+    /// Start backing up VM `id` to `target`: for a running VM, libvirt's
+    /// backup job (frozen file systems around its start when `quiesce`); for
+    /// an inactive one, nothing yet but the disk to copy.
+    fn begin_backup(&self, conn: &Connect, id: &VmId, target: &str, quiesce: bool) -> Result<Started> {
+        let domain = self.require(conn, OP, id)?;
+        let xml = domain.xml_desc(0).map_err(|e| from_libvirt(OP, e))?;
+        let disk = single_disk(id, disks(&xml))?;
+        if !is_active(&domain, OP)? {
+            return offline_source(id, disk);
+        }
+        refuse_other_jobs(&domain, id, &disk.target, target)?;
+        let consistency = if quiesce {
+            freeze(&domain, id)
+        } else {
+            Consistency::CrashConsistent { reason: "quiesce was not asked".to_owned() }
+        };
+        let begun = backup_begin(&domain, &backup_xml(&disk.target, target));
+        if quiesce {
+            thaw(&domain, id, matches!(consistency, Consistency::Quiesced { .. }));
+        }
+        begun.map_err(|e| begin_error(id, target, e))?;
+        tracing::info!(vm.uid = %id, disk = %disk.target, backup.target = target, ?consistency, "backup job started");
+        Ok(Started::Job { consistency })
+    }
+
+    /// The progress of VM `id`'s backup job, or how it ended.
+    fn backup_progress(&self, conn: &Connect, id: &VmId) -> Result<Poll> {
+        let domain = self.require(conn, OP_PROGRESS, id)?;
+        match job_stats(&domain, 0) {
+            Ok(job) if job.is_running() && job.is_backup() => return Ok(Poll::Running(progress_of(&job))),
+            Ok(_) => {}
+            // Stopped meanwhile, which ended the job: its record says so.
+            Err(err) if is_operation_invalid(&err) => {}
+            Err(err) => return Err(from_libvirt(OP_PROGRESS, err)),
+        }
+        // Kept for other readers (`virsh domjobinfo --completed`).
+        let flags = sys::VIR_DOMAIN_JOB_STATS_COMPLETED | sys::VIR_DOMAIN_JOB_STATS_KEEP_COMPLETED;
+        job_stats(&domain, flags).map(Poll::Ended).map_err(|e| from_libvirt(OP_PROGRESS, e))
+    }
+
+    /// `virDomainAbortJob` on VM `id` while its current job is a backup; any
+    /// other job is left alone.
+    fn abort_backup(&self, conn: &Connect, id: &VmId) -> Result<()> {
+        let domain = self.require(conn, OP_ABORT, id)?;
+        match job_stats(&domain, 0) {
+            Ok(job) if job.is_running() && job.is_backup() => {}
+            _ => return Ok(()),
+        }
+        abort_job(&domain).map_err(|e| from_libvirt(OP_ABORT, e))
+    }
+}
+
+/// The one disk of VM `id`. Errors: `InvalidInput` naming the count when it
+/// has none or several.
+fn single_disk(id: &VmId, found: Vec<Disk>) -> Result<Disk> {
+    match <[Disk; 1]>::try_from(found) {
+        Ok([disk]) => Ok(disk),
+        Err(found) => Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!(
+                "VM {id} has {} disks; vmlet backs up VMs with exactly one disk (the one spec.image names)",
+                found.len()
+            ),
+        )),
+    }
+}
+
+/// The file to copy for an inactive VM's `disk`. Errors: `Unsupported` for a
+/// disk that is no file or block device (a network disk, a pool volume).
+fn offline_source(id: &VmId, disk: Disk) -> Result<Started> {
+    match (disk.kind.as_str(), disk.source) {
+        ("file" | "block", Some(source)) => {
+            // What libvirt assumes of a disk without a stated format.
+            Ok(Started::Offline { source, format: disk.format.unwrap_or_else(|| "raw".to_owned()) })
+        }
+        (kind, _) => Err(Error::new(
+            OP,
+            ErrorKind::Unsupported,
+            format!(
+                "disk {} of VM {id} is a {kind} disk without a file vmlet could copy while the VM is not running; \
+                 start the VM to back it up through libvirt",
+                disk.target
+            ),
+        )),
+    }
+}
+
+/// Refuse (`Conflict`) when the domain has a job running (a migration,
+/// another backup) or its disk a block job (a copy, a commit): libvirt would
+/// make the backup wait up to 30 s for the one, and refuse it for the other.
+fn refuse_other_jobs(domain: &Domain, id: &VmId, disk: &str, target: &str) -> Result<()> {
+    let job = job_stats(domain, 0).map_err(|e| begin_error(id, target, e))?;
+    if job.is_running() {
+        return Err(Error::new(
+            OP,
+            ErrorKind::Conflict,
+            format!(
+                "VM {id} is busy with {} (a libvirt job, `virsh domjobinfo`); a backup can begin once it ended",
+                operation_name(job.operation)
+            ),
+        ));
+    }
+    if let Some(kind) = block_job(domain, disk).map_err(|e| begin_error(id, target, e))? {
+        return Err(Error::new(
+            OP,
+            ErrorKind::Conflict,
+            format!(
+                "disk {disk} of VM {id} is busy with {} (`virsh blockjob`); a backup can begin once it ended",
+                block_job_name(kind)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Freeze the guest's file systems through its agent (`virDomainFSFreeze`);
+/// the consistency that gives the backup.
+fn freeze(domain: &Domain, id: &VmId) -> Consistency {
+    // SAFETY: `domain` holds a valid virDomainPtr for the call; a null list of
+    // 0 mount points means all of them; libvirt keeps no pointer.
+    let frozen = unsafe { sys::virDomainFSFreeze(domain.as_ptr(), std::ptr::null_mut(), 0, 0) };
+    match u32::try_from(frozen) {
+        Ok(filesystems) => Consistency::Quiesced { filesystems },
+        Err(_) => {
+            let err = VirtError::last_error();
+            tracing::info!(vm.uid = %id, reason = %err.message(), "guest file systems not frozen; the backup is crash-consistent");
+            Consistency::CrashConsistent {
+                reason: format!("the guest agent did not freeze the file systems: {}", err.message()),
+            }
+        }
+    }
+}
+
+/// Thaw the guest's file systems (`virDomainFSThaw`), trying three times
+/// when they were `frozen`; a failure is logged (loudly when they were).
+fn thaw(domain: &Domain, id: &VmId, frozen: bool) {
+    for attempt in 1..=3 {
+        // SAFETY: as in `freeze`.
+        if unsafe { sys::virDomainFSThaw(domain.as_ptr(), std::ptr::null_mut(), 0, 0) } >= 0 {
+            return;
+        }
+        let err = VirtError::last_error();
+        if !frozen {
+            tracing::debug!(vm.uid = %id, reason = %err.message(), "thaw after a failed freeze failed too");
+            return;
+        }
+        if attempt == 3 {
+            tracing::error!(
+                vm.uid = %id,
+                reason = %err.message(),
+                "the guest's file systems may still be frozen; thaw them with `virsh domfsthaw`"
+            );
+        }
+    }
+}
+
+/// `virDomainBackupBegin` with `xml`, no checkpoint, no flags: libvirt
+/// creates the target file itself and refuses one that exists.
+fn backup_begin(domain: &Domain, xml: &str) -> Result<(), VirtError> {
+    // vmlet builds `xml` from paths without NUL bytes (checked on entry).
+    let xml = std::ffi::CString::new(xml).unwrap_or_default();
+    // SAFETY: `domain` holds a valid virDomainPtr and `xml` is NUL-terminated
+    // for the call; a null checkpoint XML means none; libvirt keeps neither.
+    let ret = unsafe { sys::virDomainBackupBegin(domain.as_ptr(), xml.as_ptr(), std::ptr::null(), 0) };
+    if ret < 0 {
+        return Err(VirtError::last_error());
+    }
+    Ok(())
+}
+
+/// The push-mode backup of disk `disk` into a new qcow2 at `target`.
+fn backup_xml(disk: &str, target: &str) -> String {
+    format!(
+        "<domainbackup mode='push'><disks><disk name='{}' backup='yes' type='file'><driver type='qcow2'/>\
+         <target file='{}'/></disk></disks></domainbackup>",
+        escape(disk),
+        escape(target)
+    )
+}
+
+/// The provider error for a backup of VM `id` to `target` that could not
+/// begin.
+///
+/// - another job on the domain or its disk (`OPERATION_INVALID`, "another
+///   backup job is already running", "disk 'vda' has a blockjob assigned",
+///   libvirt's job lock not acquired in time) or a domain that stopped
+///   meanwhile → `Conflict`;
+/// - a target QEMU cannot open → `Permanent`, naming the mount namespace;
+/// - otherwise the libvirt error's kind.
+fn begin_error(id: &VmId, target: &str, err: VirtError) -> Error {
+    let message = err.message().to_owned();
+    let busy = is_operation_invalid(&err)
+        || (err.code().is(ErrorNumber::OperationTimeout) && message.contains("state change lock"))
+        || message.contains("blockjob")
+        || message.contains("block job")
+        || (message.contains("another") && message.contains("job"));
+    let (kind, message) = if busy {
+        (
+            ErrorKind::Conflict,
+            format!(
+                "the backup of VM {id} cannot begin now ({message}): another job runs on it or its state changed; \
+                 retry once it settled"
+            ),
+        )
+    } else if message.contains("Could not open") {
+        (
+            ErrorKind::Permanent,
+            format!(
+                "QEMU cannot open the backup target {target} ({message}); QEMU sees the host's mounts as they were \
+                 when the VM started, so a file system mounted since is invisible to it: back up to a directory \
+                 that existed then, or restart the VM"
+            ),
+        )
+    } else {
+        let mut error = from_libvirt(OP, err);
+        error.message = format!("the backup of VM {id} to {target} could not begin: {}", error.message);
+        return error;
+    };
+    Error::new(OP, kind, message).with_source(err)
+}
+
+/// A running backup job's progress.
+fn progress_of(job: &JobStats) -> BackupProgress {
+    BackupProgress { processed_bytes: job.processed_bytes.unwrap_or(0), total_bytes: job.total_bytes.unwrap_or(0) }
+}
+
+/// Refuse (`InvalidInput`) a `path` that is not absolute or holds a NUL byte.
+fn check_path(operation: &'static str, what: &str, path: &str) -> Result<()> {
+    if !path.starts_with('/') || path.contains('\0') {
+        return Err(Error::new(
+            operation,
+            ErrorKind::InvalidInput,
+            format!("{what} {path:?} must be an absolute path on the libvirt host"),
+        ));
+    }
+    Ok(())
+}
+
+impl LibvirtProvider {
+    /// Follow VM `id`'s backup job until it ended or `deadline` passed.
+    async fn follow_backup(
+        &self,
+        id: &VmId,
+        request: &BackupRequest,
+        consistency: Consistency,
+        deadline: Instant,
+        progress: &(dyn Fn(BackupProgress) + Send + Sync),
+    ) -> Result<BackupOutcome> {
+        loop {
+            match self.poll_backup(id).await {
+                Ok(Poll::Running(now)) => progress(now),
+                Ok(Poll::Ended(job)) => return self.backup_ended(id, request, job, consistency, progress).await,
+                Err(err) if err.is_transient() => {
+                    tracing::warn!(vm.uid = %id, error = %err, "cannot read the backup's progress; trying again");
+                }
+                Err(err) if err.kind == ErrorKind::NotFound => {
+                    let partial = self.discard_partial(&request.target);
+                    return Err(Error::new(
+                        OP,
+                        ErrorKind::Permanent,
+                        format!("VM {id} was undefined during its backup to {}; {partial}", request.target),
+                    ));
+                }
+                Err(err) => return Err(err),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return self.abort_after_timeout(id, request, consistency, progress).await;
+            }
+            tokio::time::sleep(POLL_INTERVAL.min(left)).await;
+        }
+    }
+
+    /// One look at VM `id`'s backup job.
+    async fn poll_backup(&self, id: &VmId) -> Result<Poll> {
+        let id = id.clone();
+        self.blocking_within(OP_PROGRESS, POLL_DEADLINE, move |host, conn| host.backup_progress(conn, &id)).await
+    }
+
+    /// The outcome of a backup job that ended as `job` says.
+    async fn backup_ended(
+        &self,
+        id: &VmId,
+        request: &BackupRequest,
+        job: JobStats,
+        consistency: Consistency,
+        progress: &(dyn Fn(BackupProgress) + Send + Sync),
+    ) -> Result<BackupOutcome> {
+        let target = &request.target;
+        if job.is_backup() && job.job_type == sys::VIR_DOMAIN_JOB_COMPLETED {
+            let total = job.total_bytes.or(job.processed_bytes).unwrap_or(0);
+            let processed = job.processed_bytes.unwrap_or(total);
+            progress(BackupProgress { processed_bytes: processed, total_bytes: total });
+            let file_bytes = self.file_size(target).await;
+            tracing::info!(vm.uid = %id, backup.target = %target, bytes = processed, file_bytes, ?consistency, "backup completed");
+            return Ok(BackupOutcome { path: target.clone(), bytes: processed, file_bytes, consistency });
+        }
+        let partial = self.discard_partial(target);
+        let (kind, message) = if !job.is_backup() {
+            (
+                ErrorKind::Permanent,
+                format!(
+                    "libvirt kept no record of how the backup of VM {id} to {target} ended (was libvirtd restarted \
+                     during it?); {partial}; back it up again"
+                ),
+            )
+        } else if job.job_type == sys::VIR_DOMAIN_JOB_CANCELLED {
+            (
+                ErrorKind::Transient,
+                format!(
+                    "the backup of VM {id} to {target} was cancelled (`virsh domjobabort`, or the VM stopped); \
+                     {partial}"
+                ),
+            )
+        } else {
+            let reason = job.error.as_deref().unwrap_or("libvirt recorded no reason; see libvirtd's log");
+            (
+                ErrorKind::Permanent,
+                format!("the backup of VM {id} to {target} failed: {reason}; {partial}; the VM was left as it was"),
+            )
+        };
+        tracing::warn!(vm.uid = %id, backup.target = %target, job.type = job.job_type, reason = ?job.error, "backup did not complete");
+        Err(Error::new(OP, kind, message))
+    }
+
+    /// Abort VM `id`'s backup job after its timeout and wait for it to end.
+    /// A job that completed meanwhile is a finished backup.
+    async fn abort_after_timeout(
+        &self,
+        id: &VmId,
+        request: &BackupRequest,
+        consistency: Consistency,
+        progress: &(dyn Fn(BackupProgress) + Send + Sync),
+    ) -> Result<BackupOutcome> {
+        tracing::warn!(vm.uid = %id, timeout = ?request.timeout, "backup did not finish in time; aborting it");
+        let abort_id = id.clone();
+        let aborted =
+            self.blocking_within(OP_ABORT, ABORT_DEADLINE, move |host, conn| host.abort_backup(conn, &abort_id));
+        if let Err(err) = aborted.await {
+            tracing::warn!(vm.uid = %id, error = %err, "virDomainAbortJob failed");
+        }
+        let until = Instant::now() + ABORT_GRACE;
+        let ended = loop {
+            match self.poll_backup(id).await {
+                Ok(Poll::Ended(job)) if job.is_backup() && job.job_type == sys::VIR_DOMAIN_JOB_COMPLETED => {
+                    return self.backup_ended(id, request, job, consistency, progress).await;
+                }
+                Ok(Poll::Ended(_)) => break true,
+                Err(err) if err.kind == ErrorKind::NotFound => break true,
+                _ if Instant::now() >= until => break false,
+                _ => tokio::time::sleep(POLL_INTERVAL).await,
+            }
+        };
+        let partial = if ended {
+            self.discard_partial(&request.target)
+        } else {
+            "QEMU had not ended the copy a minute later; libvirt removes the partial file when it does"
+        };
+        Err(Error::new(
+            OP,
+            ErrorKind::Transient,
+            format!(
+                "the backup of VM {id} to {} did not finish within {}s and was aborted; {partial}; the VM runs on",
+                request.target,
+                request.timeout.as_secs_f32()
+            ),
+        ))
+    }
+
+    /// Copy inactive VM `id`'s disk `source` (of `format`) with qemu-img.
+    async fn offline_backup(
+        &self,
+        id: &VmId,
+        request: &BackupRequest,
+        source: &str,
+        format: &str,
+        deadline: Instant,
+        progress: &(dyn Fn(BackupProgress) + Send + Sync),
+    ) -> Result<BackupOutcome> {
+        if !is_local_uri(self.uri()) {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Unsupported,
+                format!(
+                    "VM {id} is not running, and vmlet copies an inactive VM's disk with qemu-img where the file is; \
+                     the connection {} reaches another machine, where vmlet cannot run it: start the VM to back it \
+                     up through libvirt, or run vmlet on that host",
+                    self.uri()
+                ),
+            ));
+        }
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let info = qemu_img::info(OP, source, Some(format), INFO_DEADLINE.min(left())).await?;
+        let total = info.virtual_size;
+        progress(BackupProgress { processed_bytes: 0, total_bytes: total });
+        let mut report = |percent: f64| {
+            let processed_bytes = (total as f64 * percent / 100.0) as u64;
+            progress(BackupProgress { processed_bytes, total_bytes: total });
+        };
+        qemu_img::convert(OP, source, format, &request.target, left(), &mut report).await.map_err(|mut err| {
+            if err.kind == ErrorKind::Permanent && err.message.contains("lock") {
+                err.kind = ErrorKind::Conflict;
+                err.message = format!("the disk of VM {id} is in use (was the VM started meanwhile?): {}", err.message);
+            }
+            err
+        })?;
+        progress(BackupProgress { processed_bytes: total, total_bytes: total });
+        let file_bytes = self.file_size(&request.target).await;
+        tracing::info!(vm.uid = %id, backup.target = %request.target, bytes = total, file_bytes, "offline backup completed");
+        Ok(BackupOutcome { path: request.target.clone(), bytes: total, file_bytes, consistency: Consistency::Offline })
+    }
+
+    /// The size of the file at `path` when it is on this machine; 0 for a
+    /// remote connection's (or an unreadable) file.
+    async fn file_size(&self, path: &str) -> u64 {
+        if !is_local_uri(self.uri()) {
+            return 0;
+        }
+        match tokio::fs::metadata(path).await {
+            Ok(meta) => meta.len(),
+            Err(err) => {
+                tracing::warn!(path, error = %err, "cannot read the backup file's size");
+                0
+            }
+        }
+    }
+
+    /// Remove a failed backup's partial file where vmlet can (a local
+    /// connection; libvirt removes it too) and say what became of it.
+    fn discard_partial(&self, target: &str) -> &'static str {
+        if is_local_uri(self.uri()) {
+            qemu_img::remove_partial(target);
+            "the partial file was removed"
+        } else {
+            "libvirt removes the partial file on its host"
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Backup for LibvirtProvider {
+    /// See the module docs. Returns at most about a minute and a half after
+    /// `request.timeout` (the abort, then the wait for QEMU to end the copy).
+    /// Progress counts bytes of the disk (libvirt's `disk_processed` and
+    /// `disk_total`; for an inactive VM qemu-img's percentage of the virtual
+    /// size): as soon as the copy runs, about once a second, and once more at
+    /// the end (a copy that took less than a second reports only then).
+    ///
+    /// `BackupOutcome::bytes` is the disk data copied (its virtual size for
+    /// these full backups), `file_bytes` the size of the file written (0 on a
+    /// remote connection, whose files vmlet cannot see).
+    ///
+    /// While an inactive VM's disk is being copied, qemu-img holds its lock:
+    /// starting the VM fails until the copy finished.
+    ///
+    /// Errors as [`Backup::backup`] documents; `InvalidInput` for a relative
+    /// target; `Unsupported` on the test driver, and for an inactive VM on a
+    /// remote connection (its file is on another machine) or whose disk is no
+    /// file; `Conflict` also when the VM started while its disk was copied.
+    #[instrument(
+        skip(self, request, progress),
+        fields(provider = "libvirt", vm.uid = %id, backup.target = %request.target, backup.quiesce = request.quiesce)
+    )]
+    async fn backup(
+        &self,
+        id: &VmId,
+        request: &BackupRequest,
+        progress: &(dyn Fn(BackupProgress) + Send + Sync),
+    ) -> Result<BackupOutcome> {
+        if !self.domain_kind().is_qemu() {
+            return Err(Error::new(OP, ErrorKind::Unsupported, "libvirt's test driver has no disks to back up"));
+        }
+        check_path(OP, "backup target", &request.target)?;
+        let Some(_claim) = Claim::take(&self.in_flight().vms, id) else {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Conflict,
+                format!("a backup of VM {id} is already running (started by this vmlet); wait until it ended"),
+            ));
+        };
+        let deadline = Instant::now() + request.timeout;
+        // The freeze is a guest-agent call: it waits its turn with the others.
+        let agent = if request.quiesce {
+            let closed = |_| Error::new(OP, ErrorKind::Permanent, "the provider's guest-agent queue was closed");
+            Some(self.agent_permits().acquire().await.map_err(closed)?)
+        } else {
+            None
+        };
+        let (task_id, target, quiesce) = (id.clone(), request.target.clone(), request.quiesce);
+        let started = self
+            .blocking_within(OP, BEGIN_DEADLINE.min(request.timeout), move |host, conn| {
+                host.begin_backup(conn, &task_id, &target, quiesce)
+            })
+            .await?;
+        drop(agent);
+        match started {
+            Started::Offline { source, format } => {
+                self.offline_backup(id, request, &source, &format, deadline, progress).await
+            }
+            Started::Job { consistency } => self.follow_backup(id, request, consistency, deadline, progress).await,
+        }
+    }
+
+    /// `qemu-img convert -f qcow2 -O qcow2` on this machine (a local
+    /// connection only), flushed before it returns; the bytes returned are the
+    /// disk's virtual size. A `target` that exists is left alone (it must be a
+    /// qcow2 image) and its virtual size returned.
+    ///
+    /// Caveat: a restore cut short by a crash of vmlet leaves a partial
+    /// `target` that a retry then takes for done; a timeout or a failed copy
+    /// removes it.
+    ///
+    /// Errors as [`Backup::restore_disk`] documents; `Transient` after
+    /// `timeout` (qemu-img killed, the partial target removed); `InvalidInput`
+    /// for relative paths or a `source` that is no file; `Unsupported` on a
+    /// remote connection (the files are on another machine); `Conflict` while
+    /// another restore to `target` runs in this process.
+    #[instrument(skip(self), fields(provider = "libvirt", restore.source = %source, restore.target = %target))]
+    async fn restore_disk(&self, source: &str, target: &str, timeout: Duration) -> Result<u64> {
+        if !is_local_uri(self.uri()) {
+            return Err(Error::new(
+                OP_RESTORE,
+                ErrorKind::Unsupported,
+                format!(
+                    "vmlet restores disks with qemu-img where the files are; the connection {} reaches another \
+                     machine, where vmlet cannot run it: run vmlet on that host",
+                    self.uri()
+                ),
+            ));
+        }
+        check_path(OP_RESTORE, "backup file", source)?;
+        check_path(OP_RESTORE, "restore target", target)?;
+        let Some(_claim) = Claim::take(&self.in_flight().targets, &target.to_owned()) else {
+            return Err(Error::new(
+                OP_RESTORE,
+                ErrorKind::Conflict,
+                format!("another restore to {target} is running (started by this vmlet); retry once it ended"),
+            ));
+        };
+        let deadline = Instant::now() + timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        match tokio::fs::symlink_metadata(target).await {
+            Ok(_) => {
+                let existing = qemu_img::info(OP_RESTORE, target, Some("qcow2"), INFO_DEADLINE.min(left())).await?;
+                tracing::info!(bytes = existing.virtual_size, "restore target exists already; left alone");
+                return Ok(existing.virtual_size);
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => {
+                return Err(Error::new(
+                    OP_RESTORE,
+                    ErrorKind::Permanent,
+                    format!("cannot tell whether restore target {target} exists: {err}"),
+                ))
+            }
+        }
+        match tokio::fs::metadata(source).await {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => {
+                return Err(Error::new(
+                    OP_RESTORE,
+                    ErrorKind::InvalidInput,
+                    format!("backup file {source} is not a regular file"),
+                ))
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::new(OP_RESTORE, ErrorKind::NotFound, format!("backup file {source} does not exist")))
+            }
+            Err(err) => {
+                return Err(Error::new(
+                    OP_RESTORE,
+                    ErrorKind::Permanent,
+                    format!("cannot read backup file {source}: {err}"),
+                ))
+            }
+        }
+        let started = Instant::now();
+        let info = qemu_img::info(OP_RESTORE, source, Some("qcow2"), INFO_DEADLINE.min(left())).await?;
+        qemu_img::convert(OP_RESTORE, source, "qcow2", target, left(), &mut |_| {}).await?;
+        tracing::info!(bytes = info.virtual_size, elapsed = ?started.elapsed(), "disk restored");
+        Ok(info.virtual_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> VmId {
+        VmId("6c8f1f4e-2b0a-4e53-9d1e-0f1e2d3c4b5a".into())
+    }
+
+    fn disk(target: &str) -> Disk {
+        Disk { target: target.into(), kind: "file".into(), source: Some(format!("/d/{target}.qcow2")), format: None }
+    }
+
+    #[test]
+    fn the_backup_xml_pushes_the_one_disk_into_a_new_qcow2() {
+        assert_eq!(
+            backup_xml("vda", "/backups/it's.qcow2"),
+            "<domainbackup mode='push'><disks><disk name='vda' backup='yes' type='file'><driver type='qcow2'/>\
+             <target file='/backups/it&apos;s.qcow2'/></disk></disks></domainbackup>"
+        );
+    }
+
+    #[test]
+    fn a_vm_without_exactly_one_disk_is_refused_naming_the_count() {
+        assert_eq!(single_disk(&id(), vec![disk("vda")]).expect("one disk").target, "vda");
+        for found in [vec![], vec![disk("vda"), disk("vdb")]] {
+            let count = found.len();
+            let err = single_disk(&id(), found).expect_err("not one disk");
+            assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+            assert!(err.message.contains(&format!("has {count} disks")), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_inactive_vms_disk_is_copied_from_its_file_in_its_format_raw_by_default() {
+        let Ok(Started::Offline { source, format }) = offline_source(&id(), disk("vda")) else {
+            panic!("a file disk is copied")
+        };
+        assert_eq!((source.as_str(), format.as_str()), ("/d/vda.qcow2", "raw"));
+        let network = Disk { kind: "network".into(), source: None, ..disk("vda") };
+        let err = offline_source(&id(), network).err().expect("a network disk is not");
+        assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
+    }
+
+    #[test]
+    fn relative_paths_are_refused() {
+        assert!(check_path(OP, "backup target", "/b/x.qcow2").is_ok());
+        for path in ["b/x.qcow2", "", "/b/x\0.qcow2"] {
+            assert_eq!(check_path(OP, "backup target", path).expect_err(path).kind, ErrorKind::InvalidInput);
+        }
+    }
+
+    #[test]
+    fn a_claim_is_exclusive_until_dropped() {
+        let set = Mutex::new(HashSet::new());
+        let first = Claim::take(&set, &id()).expect("first");
+        assert!(Claim::take(&set, &id()).is_none(), "second while the first is held");
+        drop(first);
+        assert!(Claim::take(&set, &id()).is_some(), "again once dropped");
+    }
+}

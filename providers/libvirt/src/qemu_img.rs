@@ -1,0 +1,209 @@
+//! `qemu-img` on this machine (Debian package `qemu-utils`), every run with a
+//! deadline: reading an image's size and copying an image into a new qcow2.
+//!
+//! Runs only where the files are, so only for local libvirt connections (the
+//! callers check). The child is killed when its deadline passes or its caller
+//! stops waiting (`kill_on_drop`).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+use tokio::process::Command;
+use vmlet_provider::{Error, ErrorKind, Result};
+
+/// The program run; found on `PATH`.
+const QEMU_IMG: &str = "qemu-img";
+
+/// What `qemu-img info` says about an image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ImageInfo {
+    /// The disk's size as the guest sees it, in bytes (`virtual-size`).
+    pub(crate) virtual_size: u64,
+    /// The image format (`qcow2`, `raw`).
+    pub(crate) format: String,
+}
+
+/// `qemu-img info -U --output=json -f <format> <path>` (format probed when
+/// `None`), within `deadline`. `-U` reads an image in use by a running VM
+/// without taking its lock.
+///
+/// Errors (for `operation`): `Transient` when qemu-img did not finish in time;
+/// `Unsupported` when qemu-img is not installed; `Permanent` with qemu-img's
+/// message when it failed (a file that is no image, no permission).
+pub(crate) async fn info(
+    operation: &'static str,
+    path: &str,
+    format: Option<&str>,
+    deadline: Duration,
+) -> Result<ImageInfo> {
+    let mut command = Command::new(QEMU_IMG);
+    command.args(["info", "-U", "--output=json"]);
+    if let Some(format) = format {
+        command.args(["-f", format]);
+    }
+    command.arg(path);
+    let output = run(operation, command, deadline, &mut |_| {}).await?;
+    parse_info(&output).ok_or_else(|| {
+        Error::new(
+            operation,
+            ErrorKind::Permanent,
+            format!("qemu-img info {path} printed no virtual-size and format: {}", String::from_utf8_lossy(&output)),
+        )
+    })
+}
+
+/// The size and format in `qemu-img info --output=json`'s answer.
+fn parse_info(json: &[u8]) -> Option<ImageInfo> {
+    let info: serde_json::Value = serde_json::from_slice(json).ok()?;
+    Some(ImageInfo { virtual_size: info["virtual-size"].as_u64()?, format: info["format"].as_str()?.to_owned() })
+}
+
+/// `qemu-img convert -p -t writeback -f <format> -O qcow2 <source> <target>`:
+/// a new, independent qcow2 at `target` with what `source` holds (backing
+/// files flattened, zero blocks not stored), flushed to disk before qemu-img
+/// exits. Calls `percent` with qemu-img's progress (0.0 to 100.0) as it
+/// reports it. `target` must not exist yet: it is created, and removed again
+/// when the copy fails or does not finish within `deadline`.
+///
+/// Errors (for `operation`): `Transient` after `deadline` (qemu-img killed);
+/// `Unsupported` when qemu-img is not installed; `Permanent` with qemu-img's
+/// message when the copy failed (no room left, an unreadable source, an image
+/// locked by a running VM).
+pub(crate) async fn convert(
+    operation: &'static str,
+    source: &str,
+    format: &str,
+    target: &str,
+    deadline: Duration,
+    percent: &mut (dyn FnMut(f64) + Send),
+) -> Result<()> {
+    let mut command = Command::new(QEMU_IMG);
+    command.args(["convert", "-p", "-t", "writeback", "-f", format, "-O", "qcow2", source, target]);
+    match run(operation, command, deadline, percent).await {
+        Ok(_) => Ok(()),
+        Err(mut err) => {
+            if remove_partial(target) {
+                err.message.push_str("; the partial copy was removed");
+            }
+            Err(err)
+        }
+    }
+}
+
+/// Remove the partial file `path` that a failed copy left; true when there was
+/// one. A failure to remove it is logged.
+pub(crate) fn remove_partial(path: &str) -> bool {
+    match std::fs::remove_file(path) {
+        Ok(()) => true,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => false,
+        Err(err) => {
+            tracing::warn!(path, error = %err, "cannot remove the partial copy");
+            false
+        }
+    }
+}
+
+/// Run `command` (a qemu-img command line) to its end within `deadline` and
+/// return its stdout; lines of stdout that carry progress (`(12.50/100%)`,
+/// ended by `\r`) go to `percent` as they arrive.
+async fn run(
+    operation: &'static str,
+    mut command: Command,
+    deadline: Duration,
+    percent: &mut (dyn FnMut(f64) + Send),
+) -> Result<Vec<u8>> {
+    let line = format!("{:?}", command.as_std()).replace('"', "");
+    command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+    let mut child = command.spawn().map_err(|err| {
+        let kind =
+            if err.kind() == std::io::ErrorKind::NotFound { ErrorKind::Unsupported } else { ErrorKind::Permanent };
+        Error::new(
+            operation,
+            kind,
+            format!("cannot run {QEMU_IMG} ({err}); install it on the libvirt host (Debian: qemu-utils)"),
+        )
+        .with_source(err)
+    })?;
+    let (Some(mut stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
+        return Err(Error::new(operation, ErrorKind::Permanent, format!("`{line}`: no pipes to the child")));
+    };
+    let errors = tokio::spawn(async move {
+        let mut text = Vec::new();
+        let _ = stderr.read_to_end(&mut text).await;
+        text
+    });
+    let finished = tokio::time::timeout(deadline, async {
+        let (mut out, mut pending, mut chunk) = (Vec::new(), Vec::new(), [0u8; 4096]);
+        loop {
+            let n = stdout.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&chunk[..n]);
+            pending.extend_from_slice(&chunk[..n]);
+            while let Some(end) = pending.iter().position(|b| *b == b'\r' || *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                if let Some(done) = parse_percent(&String::from_utf8_lossy(&line)) {
+                    percent(done);
+                }
+            }
+        }
+        let status = child.wait().await?;
+        Ok::<_, std::io::Error>((status, out))
+    })
+    .await;
+    let (status, out) = match finished {
+        Ok(Ok(done)) => done,
+        Ok(Err(err)) => {
+            return Err(Error::new(operation, ErrorKind::Permanent, format!("`{line}`: {err}")).with_source(err))
+        }
+        Err(_) => {
+            // Killed and reaped before the caller removes what it wrote.
+            let _ = child.kill().await;
+            return Err(Error::new(
+                operation,
+                ErrorKind::Transient,
+                format!("`{line}` did not finish within {}s and was killed", deadline.as_secs_f32()),
+            ));
+        }
+    };
+    let errors = errors.await.unwrap_or_default();
+    if !status.success() {
+        let message = String::from_utf8_lossy(&errors);
+        return Err(Error::new(
+            operation,
+            ErrorKind::Permanent,
+            format!("`{line}` failed ({status}): {}", message.trim()),
+        ));
+    }
+    Ok(out)
+}
+
+/// The percentage in one progress line of `qemu-img -p` (`    (12.50/100%)`).
+fn parse_percent(line: &str) -> Option<f64> {
+    let inside = line.trim().strip_prefix('(')?.strip_suffix("/100%)")?;
+    inside.parse().ok().filter(|p: &f64| (0.0..=100.0).contains(p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_lines_are_read_as_qemu_img_prints_them() {
+        assert_eq!(parse_percent("    (0.00/100%)\r"), Some(0.0));
+        assert_eq!(parse_percent("    (12.50/100%)\r"), Some(12.5));
+        assert_eq!(parse_percent("    (100.00/100%)\n"), Some(100.0));
+        assert_eq!(parse_percent("qemu-img: error"), None);
+        assert_eq!(parse_percent("(250.00/100%)"), None);
+    }
+
+    #[test]
+    fn info_is_read_from_qemu_imgs_json() {
+        let json = br#"{"virtual-size": 67108864, "filename": "/d.qcow2", "format": "qcow2", "actual-size": 200704}"#;
+        assert_eq!(parse_info(json), Some(ImageInfo { virtual_size: 64 << 20, format: "qcow2".into() }));
+        assert_eq!(parse_info(br#"{"format": "raw"}"#), None);
+        assert_eq!(parse_info(b"qemu-img: Could not open"), None);
+    }
+}
