@@ -151,6 +151,7 @@ impl CloudHostsConfig {
             memory_allocation_ratio: self.memory_allocation_ratio.or(reported_ratios.1).unwrap_or(1.0),
             accelerator: AcceleratorConfig::Auto,
             storage_roots: Some(vec![]),
+            backup_roots: Some(vec![]),
             migration_uri: None,
             allow_unsafe_migration: false,
         };

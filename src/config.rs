@@ -154,6 +154,12 @@ pub struct HostConfig {
     /// every file and must be written out.
     #[serde(default)]
     pub storage_roots: Option<Vec<String>>,
+    /// Directories on the host (absolute, no `..`) where backups may be
+    /// written: a VirtualMachineBackup's `spec.target.hostPath` must be one of
+    /// them or lie under one, and the first is the default target. Absent:
+    /// `[/var/lib/vmlet/backups]`. `[]` allows no backups on this host.
+    #[serde(default)]
+    pub backup_roots: Option<Vec<String>>,
     /// How the other hosts' back end reaches this one as a migration target:
     /// for libvirt the URI the *source* libvirtd opens in a peer-to-peer
     /// migration (e.g. `qemu+tcp://10.0.0.2/system`). Absent: `uri` when it
@@ -216,7 +222,16 @@ fn default_ratio() -> f64 {
     1.0
 }
 
+/// Where backups go on a host whose config names no `backupRoots`.
+pub const DEFAULT_BACKUP_ROOT: &str = "/var/lib/vmlet/backups";
+
 impl HostConfig {
+    /// The host's backup roots with the default applied
+    /// ([`HostConfig::backup_roots`]).
+    pub fn effective_backup_roots(&self) -> Vec<String> {
+        self.backup_roots.clone().unwrap_or_else(|| vec![DEFAULT_BACKUP_ROOT.to_owned()])
+    }
+
     /// The host's taints with the default applied.
     pub fn effective_taints(&self) -> Vec<TaintConfig> {
         self.taints.clone().unwrap_or_else(|| {
@@ -345,6 +360,11 @@ impl HostConfig {
         for (j, root) in self.storage_roots.iter().flatten().enumerate() {
             if let Err(why) = crate::storage::check_root(root) {
                 return invalid(&format!("storageRoots[{j}]"), format!("{root:?} {why}"));
+            }
+        }
+        for (j, root) in self.backup_roots.iter().flatten().enumerate() {
+            if let Err(why) = crate::storage::check_root(root) {
+                return invalid(&format!("backupRoots[{j}]"), format!("{root:?} {why}"));
             }
         }
         for (j, taint) in self.effective_taints().iter().enumerate() {

@@ -1,5 +1,5 @@
 //! The `vmlet` binary: `vmlet run --config FILE` serves the configured hypervisor
-//! hosts as virtual nodes; `vmlet crd` prints the VirtualMachine CRD.
+//! hosts as virtual nodes; `vmlet crd` prints its CRDs.
 //!
 //! This is the only place that names backends: it turns a host's `provider` field
 //! into a [`Provider`].
@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use vmlet::config::{Config, HostConfig};
-use vmlet::v1alpha1::VirtualMachine;
+use vmlet::v1alpha1::{VirtualMachine, VirtualMachineBackup, VirtualMachineRestore};
 use vmlet_provider::Provider;
 
 mod cloud_hosts;
@@ -45,14 +45,22 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         shutdown_grace_seconds: u64,
     },
-    /// Print the VirtualMachine CustomResourceDefinition as YAML.
+    /// Print vmlet's CustomResourceDefinitions (VirtualMachine,
+    /// VirtualMachineBackup, VirtualMachineRestore) as one multi-document YAML.
     Crd,
+}
+
+/// Every CRD vmlet serves, as YAML documents separated by `---`.
+fn crds_yaml() -> Result<String, serde_yaml::Error> {
+    let crds = [VirtualMachine::crd(), VirtualMachineBackup::crd(), VirtualMachineRestore::crd()];
+    let documents: Result<Vec<String>, _> = crds.iter().map(serde_yaml::to_string).collect();
+    Ok(documents?.join("---\n"))
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Crd => match serde_yaml::to_string(&VirtualMachine::crd()) {
+        Command::Crd => match crds_yaml() {
             Ok(yaml) => {
                 print!("{yaml}");
                 ExitCode::SUCCESS
@@ -194,6 +202,19 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     info!(listen = %server.local_addr(), "kubelet API listening");
     tasks.spawn(server.run(shutdown.child_token()));
     if let Some(triggers) = controller_triggers {
+        let scope = config.scope().to_owned();
+        tasks.spawn(vmlet::controller::backups::run(
+            client.clone(),
+            config.namespace.clone(),
+            scope.clone(),
+            shutdown.child_token(),
+        ));
+        tasks.spawn(vmlet::controller::restores::run(
+            client.clone(),
+            config.namespace.clone(),
+            scope,
+            shutdown.child_token(),
+        ));
         tasks.spawn(vmlet::controller::run(
             client.clone(),
             config.namespace.clone(),

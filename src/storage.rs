@@ -302,32 +302,75 @@ impl StorageRoots {
     }
 
     fn check_file(&self, path: &str, resolve: &impl Fn(&Path) -> Resolution) -> Result<(), NotAllowed> {
-        let path = Path::new(path);
-        if !path.is_absolute() {
-            return Err(NotAllowed::Relative);
+        check_path(&self.roots, path, resolve)
+    }
+}
+
+/// Check a file that vmlet itself writes or reads on a host (a backup, a disk
+/// a restore makes) against `roots` (the host's backup or storage roots), as
+/// [`StorageRoots::check`] checks a VM's files: by path, and where vmlet
+/// shares the host's file system (`local`) by the file it really is. A file
+/// that does not exist yet is judged by its directory, which must really be a
+/// root or lie under one (a link to elsewhere in a root is refused).
+pub async fn check_host_file(roots: &[String], local: bool, path: &str) -> Result<(), NotAllowed> {
+    if !local {
+        return check_path(roots, path, &|_| Resolution::Unseen);
+    }
+    let mut seen = HashMap::new();
+    let parent = Path::new(path).parent().map(Path::to_path_buf);
+    for p in roots.iter().map(PathBuf::from).chain([PathBuf::from(path)]).chain(parent.clone()) {
+        let resolution = resolve_here(&p).await;
+        seen.insert(p, resolution);
+    }
+    let resolve = |p: &Path| seen.get(p).cloned().unwrap_or(Resolution::Unseen);
+    check_path(roots, path, &resolve)?;
+    match (resolve(Path::new(path)), parent.map(|p| resolve(&p))) {
+        (Resolution::Unseen, Some(Resolution::Real(dir))) => {
+            let inside = roots.iter().any(|root| {
+                let real_root = match resolve(Path::new(root)) {
+                    Resolution::Real(real) => real,
+                    _ => PathBuf::from(root),
+                };
+                dir == real_root || strictly_under(&dir, &real_root)
+            });
+            if inside {
+                Ok(())
+            } else {
+                Err(NotAllowed::ResolvesOutside { real: dir.display().to_string() })
+            }
         }
-        if path.components().any(|c| c == Component::ParentDir) {
-            return Err(NotAllowed::ParentComponent);
-        }
-        if !self.roots.iter().any(|root| strictly_under(path, Path::new(root))) {
-            return Err(NotAllowed::OutsideRoots);
-        }
-        match resolve(path) {
-            Resolution::Unseen => Ok(()),
-            Resolution::Unresolvable(reason) => Err(NotAllowed::Unresolvable { reason }),
-            Resolution::Real(real) => {
-                let inside = self.roots.iter().any(|root| {
-                    let root = Path::new(root);
-                    match resolve(root) {
-                        Resolution::Real(real_root) => strictly_under(&real, &real_root),
-                        Resolution::Unseen | Resolution::Unresolvable(_) => strictly_under(&real, root),
-                    }
-                });
-                if inside {
-                    Ok(())
-                } else {
-                    Err(NotAllowed::ResolvesOutside { real: real.display().to_string() })
+        (Resolution::Unseen, Some(Resolution::Unresolvable(reason))) => Err(NotAllowed::Unresolvable { reason }),
+        _ => Ok(()),
+    }
+}
+
+/// [`StorageRoots::check`] of one path against `roots`.
+fn check_path(roots: &[String], path: &str, resolve: &impl Fn(&Path) -> Resolution) -> Result<(), NotAllowed> {
+    let path = Path::new(path);
+    if !path.is_absolute() {
+        return Err(NotAllowed::Relative);
+    }
+    if path.components().any(|c| c == Component::ParentDir) {
+        return Err(NotAllowed::ParentComponent);
+    }
+    if !roots.iter().any(|root| strictly_under(path, Path::new(root))) {
+        return Err(NotAllowed::OutsideRoots);
+    }
+    match resolve(path) {
+        Resolution::Unseen => Ok(()),
+        Resolution::Unresolvable(reason) => Err(NotAllowed::Unresolvable { reason }),
+        Resolution::Real(real) => {
+            let inside = roots.iter().any(|root| {
+                let root = Path::new(root);
+                match resolve(root) {
+                    Resolution::Real(real_root) => strictly_under(&real, &real_root),
+                    Resolution::Unseen | Resolution::Unresolvable(_) => strictly_under(&real, root),
                 }
+            });
+            if inside {
+                Ok(())
+            } else {
+                Err(NotAllowed::ResolvesOutside { real: real.display().to_string() })
             }
         }
     }

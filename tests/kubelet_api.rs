@@ -235,6 +235,7 @@ async fn start_kubelet_with(serving: Option<(PathBuf, PathBuf)>, extra: &[(&str,
         node: node.into(),
         provider: Arc::new(FakeProvider { capable }),
         vm: Some(VmId(format!("uid-{name}"))),
+        task: false,
         log_dir: logs.clone(),
     };
     let mut pods = HashMap::from([

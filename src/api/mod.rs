@@ -46,6 +46,9 @@ pub struct PodEntry {
     pub provider: Arc<dyn Provider>,
     /// The VM's identity; `None` for pods that are not VMs.
     pub vm: Option<VmId>,
+    /// A backup's or restore's pod ([`crate::node::tasks`]): its log is its
+    /// progress.
+    pub task: bool,
     /// Console history: `0.log`, `1.log`, … one per boot, CRI log format.
     pub log_dir: PathBuf,
 }

@@ -128,16 +128,20 @@ async fn container_logs(
         Err(message) => return text(StatusCode::UNPROCESSABLE_ENTITY, format!("invalid log options: {message}")),
     };
     let Some(entry) = state.directory.lookup(&namespace, &pod) else { return not_found(&namespace, &pod) };
-    if entry.vm.is_none() {
+    if entry.task {
+        let containers = entry.pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or_default();
+        if !containers.iter().any(|c| c.name == container) {
+            return text(StatusCode::NOT_FOUND, format!("container {container:?} not found in pod {pod:?}"));
+        }
+    } else if entry.vm.is_none() {
         return not_a_vm_pod(&namespace, &pod);
-    }
-    if container != crate::vmpod::CONTAINER_NAME {
+    } else if container != crate::vmpod::CONTAINER_NAME {
         return text(
             StatusCode::NOT_FOUND,
             format!("container {container:?} not found in pod {pod:?}; a VM pod has one container, \"vm\""),
         );
     }
-    if entry.provider.console().is_none() {
+    if !entry.task && entry.provider.console().is_none() {
         // 400, as the kubelet answers logs it cannot serve: `kubectl logs -f`
         // retries a 5xx for a while, where this is final.
         let mut refusal = lacks(&entry, "serial console, so it keeps no console log");

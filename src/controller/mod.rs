@@ -20,8 +20,11 @@
 //!
 //! The controller never talks to a provider: only the node agents do.
 
+pub mod backups;
 pub mod decide;
+pub mod restores;
 pub mod status;
+pub mod task_jobs;
 mod written;
 
 use crate::conditions::{new_condition, same_conditions, set_condition};

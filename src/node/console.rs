@@ -154,6 +154,13 @@ fn records(data: &[u8], flush: bool, rest: &mut Vec<u8>) -> Vec<u8> {
     out
 }
 
+/// Append `lines` (newline-separated text, stamped now) as `stdout` records
+/// to `dir/0.log`, creating the directory: the log of a pod that is not a
+/// VM's (a backup's progress), which has one "boot".
+pub fn append_lines(dir: &Path, lines: &str) -> std::io::Result<()> {
+    append(dir, 0, &records(lines.as_bytes(), true, &mut Vec::new()))
+}
+
 fn append(dir: &Path, index: u32, text: &[u8]) -> std::io::Result<()> {
     if text.is_empty() {
         return Ok(());

@@ -32,12 +32,16 @@ impl Directory {
         let node = pod.spec.as_ref().and_then(|s| s.node_name.clone())?;
         let host = self.hosts.get(&node)?;
         let vm = resolve_cached(&pod, &self.watches.vms).ok();
+        // A task pod's log is written by the agent only once it verified
+        // the pod (crate::node::tasks), keyed by the pod's UID.
+        let task = vm.is_none() && super::tasks::claimed_task(&pod).is_some();
         let log_dir = match &vm {
             Some(vm) => console::vm_log_dir(&self.state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0),
+            None if task => super::tasks::log_dir(&self.state_dir, &pod.uid().unwrap_or_default()),
             // Not a VM pod: a directory that never exists, so logs are empty.
             None => self.state_dir.join("no-console").join(pod.uid().unwrap_or_default()),
         };
-        Some(PodEntry { pod, node: host.name, provider: host.provider, vm: vm.map(|vm| vm.spec.id), log_dir })
+        Some(PodEntry { pod, node: host.name, provider: host.provider, vm: vm.map(|vm| vm.spec.id), task, log_dir })
     }
 }
 

@@ -23,6 +23,7 @@ pub mod restart;
 #[cfg(test)]
 mod scenarios;
 mod storage;
+pub mod tasks;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
@@ -60,12 +61,29 @@ pub struct Agent {
     held: Mutex<HashSet<String>>,
     /// Per-pod backoff of failed passes.
     backoff: crate::failure::Backoff,
+    /// vmlet's state directory (console histories, task pods' logs).
+    state_dir: PathBuf,
+    /// Task pods (by UID) whose work runs now ([`tasks`]).
+    tasks: Mutex<HashSet<String>>,
 }
 
 impl Agent {
     /// Record `uid` in `set`; true when it was new.
     fn remember(&self, set: &Mutex<HashSet<String>>, uid: &str) -> bool {
         set.lock().expect("agent set poisoned").insert(uid.to_owned())
+    }
+
+    /// Whether the work of task pod `uid` runs now.
+    fn task_running(&self, uid: &str) -> bool {
+        self.tasks.lock().expect("agent set poisoned").contains(uid)
+    }
+
+    fn task_started(&self, uid: &str) {
+        self.remember(&self.tasks, uid);
+    }
+
+    fn task_ended(&self, uid: &str) {
+        self.tasks.lock().expect("agent set poisoned").remove(uid);
     }
 
     fn forget(&self, uid: &str) {
@@ -135,6 +153,8 @@ pub async fn run(
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
         backoff: Default::default(),
+        state_dir: config.state_dir.clone(),
+        tasks: Mutex::default(),
     });
 
     hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone() });

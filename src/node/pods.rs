@@ -7,7 +7,8 @@
 //! - deleting pod → power the VM off (per `powerOffMode`: ACPI shutdown, destroy
 //!   after the grace period), keep its definition, then complete the deletion;
 //!   an evicted pod whose VM should still run is held, never powered off;
-//! - a pod that is not a VM pod → marked Failed with reason `NotAVirtualMachine`.
+//! - a backup's or restore's pod → [`super::tasks`];
+//! - any other pod that is not a VM pod → marked Failed with reason `NotAVirtualMachine`.
 //!
 //! Nothing here undefines a VM, and nothing powers one off unless its pod was
 //! deleted on purpose.
@@ -78,7 +79,11 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
     Ok(action)
 }
 
-async fn sync(pod: &Pod, agent: &Agent) -> Result<Action, Error> {
+async fn sync(pod: &Pod, agent: &Arc<Agent>) -> Result<Action, Error> {
+    if let Some((kind, name)) = super::tasks::claimed_task(pod) {
+        // A backup's or restore's pod: see crate::node::tasks.
+        return super::tasks::sync(pod, agent, kind, &name).await;
+    }
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     let deleting = pod.metadata.deletion_timestamp.is_some();
     let vm = match resolve(pod, &agent.watches.vms, &agent.client).await {

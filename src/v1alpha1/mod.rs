@@ -1,8 +1,13 @@
-//! The `VirtualMachine` custom resource, group `vmlet.io`, version `v1alpha1`.
+//! vmlet's custom resources, group `vmlet.io`, version `v1alpha1`:
+//! `VirtualMachine` (here), `VirtualMachineBackup` and `VirtualMachineRestore`
+//! ([`backup`]).
 //!
 //! The CRD in `crds/` is generated from these types (`vmlet crd`); validation lives
 //! in the schema (ranges, patterns) and CEL rules so that `kubectl apply` of a bad
 //! object fails at the API server with a message naming the field.
+
+mod backup;
+pub use backup::*;
 
 use k8s_openapi::api::core::v1::{Affinity, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;

@@ -1,0 +1,151 @@
+//! The VirtualMachineBackup controller: one Job per backup, placed next to
+//! the VM ([`task_jobs`]); the agent on the VM's host runs the copy and
+//! writes the backup's status ([`crate::node::tasks`]). This controller writes
+//! status only for what happens before a pod runs: the Job it made, a VM that
+//! does not exist or never ran, a Job that failed without its pod ever
+//! reaching an agent (a deadline passed while it could not be scheduled).
+
+use super::task_jobs::{job_failure, task_job, TaskJob, TaskPlacement};
+use crate::v1alpha1::{OperationPhase, VirtualMachine, VirtualMachineBackup, VmPhase, BACKUP_ANNOTATION};
+use futures::StreamExt;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::{watcher, Controller};
+use kube::{Api, Client, Resource, ResourceExt};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, instrument, warn};
+
+/// Seconds a backup's Job gets beyond the copy's own deadline, so that the
+/// agent's message (the copy timed out) arrives before the Job's.
+const JOB_SLACK_SECONDS: i64 = 120;
+
+/// Why a pass failed; it is retried.
+#[derive(Debug, thiserror::Error)]
+#[error("{action} of VirtualMachineBackup {object}: {source}")]
+pub struct Error {
+    action: &'static str,
+    object: String,
+    #[source]
+    source: kube::Error,
+}
+
+struct Context {
+    client: Client,
+    scope: String,
+}
+
+/// Run the controller over the VirtualMachineBackups of `namespace` (all when
+/// `None`) and their Jobs until `shutdown`. `scope` is the scope label value
+/// of this vmlet's nodes.
+pub async fn run(client: Client, namespace: Option<String>, scope: String, shutdown: CancellationToken) {
+    let (backups, jobs): (Api<VirtualMachineBackup>, Api<Job>) = match &namespace {
+        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let jobs_of_backups = watcher::Config::default().labels(BACKUP_ANNOTATION);
+    info!("VirtualMachineBackup controller starting");
+    Controller::new(backups, watcher::Config::default())
+        .owns(jobs, jobs_of_backups)
+        .graceful_shutdown_on(async move { shutdown.cancelled().await })
+        .run(
+            reconcile,
+            |_, error: &Error, _| {
+                warn!(%error, "requeue");
+                Action::requeue(Duration::from_secs(5))
+            },
+            Arc::new(Context { client, scope }),
+        )
+        .for_each(|_| async {})
+        .await;
+}
+
+#[instrument(skip_all, fields(backup.namespace = backup.namespace().unwrap_or_default(), backup.name = %backup.name_any()))]
+async fn reconcile(backup: Arc<VirtualMachineBackup>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let namespace = backup.namespace().unwrap_or_default();
+    let name = backup.name_any();
+    let err = |action| {
+        let object = format!("{namespace}/{name}");
+        move |source| Error { action, object, source }
+    };
+    let status = backup.status.clone().unwrap_or_default();
+    if matches!(status.phase, Some(OperationPhase::Succeeded | OperationPhase::Failed)) {
+        return Ok(Action::await_change());
+    }
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(ctx.client.clone(), &namespace);
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &namespace);
+    let job_name = format!("{name}-backup");
+    if let Some(job) = jobs.get_opt(&job_name).await.map_err(err("read the Job"))? {
+        let ours = job.owner_references().iter().any(|r| Some(&r.uid) == backup.meta().uid.as_ref());
+        if !ours {
+            let message = format!("Job {job_name} exists and is not this backup's; delete it or rename the backup");
+            return fail(&backups, &name, &message).await.map_err(err("write status"));
+        }
+        if let (Some(message), None) = (job_failure(&job), status.pod_uid.as_ref()) {
+            // The pod never reached an agent (the agent reports its own failures).
+            return fail(&backups, &name, &message).await.map_err(err("write status"));
+        }
+        return Ok(Action::requeue(Duration::from_secs(60)));
+    }
+
+    let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
+    let vm_name = &backup.spec.virtual_machine;
+    let Some(vm) = vms.get_opt(vm_name).await.map_err(err("read the VirtualMachine"))? else {
+        let message = format!("spec.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}");
+        return fail(&backups, &name, &message).await.map_err(err("write status"));
+    };
+    let vm_status = vm.status.clone().unwrap_or_default();
+    let running =
+        matches!(vm_status.phase, Some(VmPhase::Running | VmPhase::Migrating)) && vm_status.pod_name.is_some();
+    let placement = match crate::node::placement::recorded_node(&vm) {
+        _ if running => TaskPlacement::NextToVm(vm_name.clone()),
+        Some(node) => TaskPlacement::OnNode(node.to_owned()),
+        None => {
+            let message =
+                format!("VirtualMachine {vm_name} has never been defined on a host: there is no disk to back up yet");
+            return fail(&backups, &name, &message).await.map_err(err("write status"));
+        }
+    };
+    let owner = backup.controller_owner_ref(&()).expect("a stored object has a name and UID");
+    let job = task_job(&TaskJob {
+        name: job_name.clone(),
+        namespace: &namespace,
+        owner,
+        annotation: (BACKUP_ANNOTATION, &name),
+        container: "backup",
+        placement,
+        deadline_seconds: backup.spec.active_deadline_seconds + JOB_SLACK_SECONDS,
+        scope: &ctx.scope,
+    });
+    match jobs.create(&PostParams::default(), &job).await {
+        Ok(_) => info!(job = %job_name, "backup Job created"),
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => return Err(err("create the Job")(e)),
+    }
+    let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name}});
+    backups.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(err("write status"))?;
+    Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// Mark the backup Failed with `message` (condition `Failed`).
+async fn fail(backups: &Api<VirtualMachineBackup>, name: &str, message: &str) -> Result<Action, kube::Error> {
+    warn!(backup = name, message, "backup failed");
+    let condition = Condition {
+        type_: "Failed".to_owned(),
+        status: "True".to_owned(),
+        reason: "BackupFailed".to_owned(),
+        message: message.to_owned(),
+        last_transition_time: Time(Timestamp::now()),
+        observed_generation: None,
+    };
+    let patch = serde_json::json!({"status": {
+        "phase": OperationPhase::Failed, "message": message, "completionTime": Timestamp::now().to_string(),
+        "conditions": [condition],
+    }});
+    backups.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(Action::await_change())
+}

@@ -1,0 +1,185 @@
+//! The Jobs that run backups and restores ([`crate::node::tasks`]): one pod,
+//! never retried (a failed copy is reported, not repeated behind the user's
+//! back), placed next to the VM or on the backup's host.
+
+use crate::v1alpha1::VM_LABEL;
+use crate::vmpod::{CONTAINER_IMAGE, VIRTUAL_NODE_LABEL, VIRTUAL_NODE_TAINT_KEY};
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{
+    Affinity, Container, PodAffinity, PodAffinityTerm, PodSpec, PodTemplateSpec, Toleration,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use std::collections::BTreeMap;
+
+/// Where a task Job's pod must run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TaskPlacement {
+    /// Beside the running VM's pod: required pod affinity to
+    /// `vmlet.io/vm=<name>` over `kubernetes.io/hostname`, so the scheduler
+    /// follows the VM wherever it runs.
+    NextToVm(String),
+    /// On this node (a stopped VM's recorded host, a backup's host).
+    OnNode(String),
+}
+
+/// What a task Job is for.
+pub struct TaskJob<'a> {
+    /// The Job's name (`<object>-backup`, `<object>-restore`).
+    pub name: String,
+    /// The namespace of the object and its VM.
+    pub namespace: &'a str,
+    /// The controlling owner: the VirtualMachineBackup or Restore.
+    pub owner: OwnerReference,
+    /// `vmlet.io/backup` or `vmlet.io/restore`, and the object's name: the
+    /// pod's annotation and label.
+    pub annotation: (&'static str, &'a str),
+    /// The container's name (`backup`, `restore`), as `kubectl logs` shows it.
+    pub container: &'static str,
+    /// Where the pod runs.
+    pub placement: TaskPlacement,
+    /// The Job's `activeDeadlineSeconds`.
+    pub deadline_seconds: i64,
+    /// The scope label value of this vmlet's nodes.
+    pub scope: &'a str,
+}
+
+/// The Job for `task`: `backoffLimit: 0`, `restartPolicy: Never`, the pod
+/// selecting vmlet's virtual nodes of this scope and tolerating their taint.
+pub fn task_job(task: &TaskJob<'_>) -> Job {
+    let (annotation, object) = task.annotation;
+    let mut node_selector = BTreeMap::from([
+        (VIRTUAL_NODE_LABEL.0.to_owned(), VIRTUAL_NODE_LABEL.1.to_owned()),
+        (crate::config::SCOPE_LABEL.to_owned(), task.scope.to_owned()),
+    ]);
+    let affinity = match &task.placement {
+        TaskPlacement::NextToVm(vm) => Some(Affinity {
+            pod_affinity: Some(PodAffinity {
+                required_during_scheduling_ignored_during_execution: Some(vec![PodAffinityTerm {
+                    label_selector: Some(LabelSelector {
+                        match_labels: Some(BTreeMap::from([(VM_LABEL.to_owned(), vm.clone())])),
+                        ..LabelSelector::default()
+                    }),
+                    topology_key: "kubernetes.io/hostname".to_owned(),
+                    ..PodAffinityTerm::default()
+                }]),
+                ..PodAffinity::default()
+            }),
+            ..Affinity::default()
+        }),
+        TaskPlacement::OnNode(node) => {
+            node_selector.insert("kubernetes.io/hostname".to_owned(), node.clone());
+            None
+        }
+    };
+    let tolerations = vec![Toleration {
+        key: Some(VIRTUAL_NODE_TAINT_KEY.to_owned()),
+        operator: Some("Equal".to_owned()),
+        value: Some(crate::config::DEFAULT_TAINT_VALUE.to_owned()),
+        effect: Some("NoSchedule".to_owned()),
+        ..Toleration::default()
+    }];
+    let marks = BTreeMap::from([(annotation.to_owned(), object.to_owned())]);
+    Job {
+        metadata: ObjectMeta {
+            name: Some(task.name.clone()),
+            namespace: Some(task.namespace.to_owned()),
+            labels: Some(marks.clone()),
+            owner_references: Some(vec![task.owner.clone()]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(0),
+            active_deadline_seconds: Some(task.deadline_seconds),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(marks.clone()),
+                    annotations: Some(marks),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    containers: vec![Container {
+                        name: task.container.to_owned(),
+                        image: Some(CONTAINER_IMAGE.to_owned()),
+                        ..Container::default()
+                    }],
+                    restart_policy: Some("Never".to_owned()),
+                    node_selector: Some(node_selector),
+                    affinity,
+                    tolerations: Some(tolerations),
+                    automount_service_account_token: Some(false),
+                    enable_service_links: Some(false),
+                    ..PodSpec::default()
+                }),
+            },
+            ..JobSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The message of a Job's `Failed` condition, when it failed (a deadline
+/// passed, its pod could not run).
+pub fn job_failure(job: &Job) -> Option<String> {
+    let conditions = job.status.as_ref()?.conditions.as_ref()?;
+    let failed = conditions.iter().find(|c| c.type_ == "Failed" && c.status == "True")?;
+    Some(format!(
+        "Job {} failed ({}): {}",
+        job.metadata.name.as_deref().unwrap_or("?"),
+        failed.reason.as_deref().unwrap_or("?"),
+        failed.message.as_deref().unwrap_or("")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(placement: TaskPlacement) -> Job {
+        task_job(&TaskJob {
+            name: "nightly-backup".into(),
+            namespace: "team-a",
+            owner: OwnerReference {
+                api_version: "vmlet.io/v1alpha1".into(),
+                kind: "VirtualMachineBackup".into(),
+                name: "nightly".into(),
+                uid: "u-1".into(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            },
+            annotation: (crate::v1alpha1::BACKUP_ANNOTATION, "nightly"),
+            container: "backup",
+            placement,
+            deadline_seconds: 600,
+            scope: "all",
+        })
+    }
+
+    #[test]
+    fn a_backup_of_a_running_vm_is_pinned_to_its_pod_by_required_pod_affinity() {
+        let job = task(TaskPlacement::NextToVm("web".into()));
+        let spec = job.spec.unwrap();
+        assert_eq!((spec.backoff_limit, spec.active_deadline_seconds), (Some(0), Some(600)));
+        let pod = spec.template.spec.unwrap();
+        let term =
+            &pod.affinity.unwrap().pod_affinity.unwrap().required_during_scheduling_ignored_during_execution.unwrap()
+                [0];
+        assert_eq!(term.topology_key, "kubernetes.io/hostname");
+        assert_eq!(term.label_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["vmlet.io/vm"], "web");
+        assert!(!pod.node_selector.as_ref().unwrap().contains_key("kubernetes.io/hostname"));
+        assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+        assert_eq!(pod.tolerations.unwrap()[0].key.as_deref(), Some("virtual-kubelet.io/provider"));
+        let annotations = spec.template.metadata.unwrap().annotations.unwrap();
+        assert_eq!(annotations["vmlet.io/backup"], "nightly");
+        assert_eq!(job.metadata.owner_references.unwrap()[0].kind, "VirtualMachineBackup");
+    }
+
+    #[test]
+    fn a_backup_of_a_stopped_vm_goes_to_its_recorded_host_by_node_selector() {
+        let pod = task(TaskPlacement::OnNode("host-b".into())).spec.unwrap().template.spec.unwrap();
+        assert!(pod.affinity.is_none());
+        let selector = pod.node_selector.unwrap();
+        assert_eq!(selector["kubernetes.io/hostname"], "host-b");
+        assert_eq!(selector["type"], "virtual-kubelet");
+        assert_eq!(selector["vmlet.io/scope"], "all");
+    }
+}

@@ -1,0 +1,355 @@
+//! A backup Job's pod: copy the VM's disk to a file under the host's backup
+//! roots through the provider's [`vmlet_provider::Backup`], report progress in
+//! the pod's log and the VirtualMachineBackup's status, end the pod.
+//!
+//! Only one pod ever writes a backup's file: the first to claim the backup
+//! (`status.podUid`, written with the object's resourceVersion as
+//! precondition). The file's name is vmlet's (namespace, backup name and UID),
+//! its directory must lie under the host's backup roots.
+
+use super::{end, log_line, mib, now, Outcome, STATUS_EVERY};
+use crate::node::pods::Error;
+use crate::node::Agent;
+use crate::storage::check_host_file;
+use crate::v1alpha1::{
+    backup_file_name, BackupMode, OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineBackupStatus,
+};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Api, ResourceExt};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tracing::{info, warn};
+use vmlet_provider::{BackupOutcome, BackupProgress, BackupRequest, Consistency, ErrorKind, VmId};
+
+/// How often a running backup's pod is looked at (its task writes the rest).
+const WHILE_RUNNING: Duration = Duration::from_secs(30);
+
+pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -> Result<Action, Error> {
+    let pod_uid = pod.uid().unwrap_or_default();
+    if agent.task_running(&pod_uid) {
+        return Ok(Action::requeue(WHILE_RUNNING));
+    }
+    let namespace = pod.namespace().unwrap_or_default();
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(agent.client.clone(), &namespace);
+    let kube = |action| move |source| Error::Kube { action, pod: pod.name_any(), source };
+    let Some(backup) = backups.get_opt(name).await.map_err(kube("read the VirtualMachineBackup of"))? else {
+        let message = format!("namespace {namespace} has no VirtualMachineBackup {name} (annotation vmlet.io/backup)");
+        return fail(pod, agent, None, "BackupNotFound", &message).await;
+    };
+    let status = backup.status.clone().unwrap_or_default();
+    let claimed_by = status.pod_uid.as_deref();
+    match (status.phase, claimed_by) {
+        // Ended while this vmlet was down, before the pod was told.
+        (Some(OperationPhase::Succeeded), Some(uid)) if uid == pod_uid => {
+            let message = status.message.unwrap_or_else(|| "backup complete".to_owned());
+            end(pod, agent, Outcome::Succeeded { message: &message }).await?;
+            return Ok(Action::await_change());
+        }
+        (Some(OperationPhase::Failed), Some(uid)) if uid == pod_uid => {
+            let message = status.message.unwrap_or_else(|| "backup failed".to_owned());
+            end(pod, agent, Outcome::Failed { reason: "BackupFailed", message: &message }).await?;
+            return Ok(Action::await_change());
+        }
+        (_, Some(uid)) if uid != pod_uid => {
+            let message = format!(
+                "VirtualMachineBackup {name} is taken by pod {} ({uid}); a backup is written once, by one pod: \
+                 create a new VirtualMachineBackup to back up again",
+                status.pod_name.as_deref().unwrap_or("?")
+            );
+            return fail(pod, agent, None, "BackupTakenByAnotherPod", &message).await;
+        }
+        (Some(OperationPhase::Succeeded | OperationPhase::Failed), None) => {
+            let message = format!("VirtualMachineBackup {name} has ended already; create a new one to back up again");
+            return fail(pod, agent, None, "BackupEnded", &message).await;
+        }
+        _ => {}
+    }
+    let resumed = claimed_by == Some(pod_uid.as_str());
+    let refuse = |reason: &'static str, message: String| (reason, message);
+    let plan = async {
+        if backup.spec.mode == BackupMode::Incremental {
+            return Err(refuse(
+                "IncrementalNotSupported",
+                format!(
+                    "spec.mode Incremental: host {}'s back end ({}) takes full backups only; use mode Full",
+                    agent.host.name,
+                    agent.provider.kind()
+                ),
+            ));
+        }
+        let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
+        let vm_name = &backup.spec.virtual_machine;
+        let vm = match vms.get_opt(vm_name).await {
+            Ok(Some(vm)) => vm,
+            Ok(None) => {
+                return Err(refuse(
+                    "VirtualMachineNotFound",
+                    format!("spec.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}"),
+                ))
+            }
+            Err(e) => return Err(refuse("", e.to_string())),
+        };
+        let id = VmId(vm.uid().unwrap_or_default());
+        if agent.provider.backup().is_none() {
+            return Err(refuse(
+                "BackupNotSupported",
+                format!("host {}'s back end ({}) cannot back up VMs", agent.host.name, agent.provider.kind()),
+            ));
+        }
+        match agent.provider.get(&id).await {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                let recorded = crate::node::placement::recorded_node(&vm).unwrap_or("no host").to_owned();
+                return Err(refuse(
+                    "VirtualMachineNotOnThisHost",
+                    format!(
+                        "VirtualMachine {vm_name} is not on host {} (its placement record names {recorded}); the \
+                         backup's pod must run on the VM's node: give it required pod affinity to vmlet.io/vm={vm_name} \
+                         over kubernetes.io/hostname",
+                        agent.host.name
+                    ),
+                ));
+            }
+            Err(e) if e.kind == ErrorKind::Transient => return Err(refuse("", e.to_string())),
+            Err(e) => return Err(refuse("ProviderFailed", e.to_string())),
+        }
+        let roots = agent.host.effective_backup_roots();
+        let dir = match backup.spec.target.host_path.as_deref().or(roots.first().map(String::as_str)) {
+            Some(dir) => dir.trim_end_matches('/').to_owned(),
+            None => {
+                return Err(refuse(
+                    "NoBackupRoots",
+                    format!("host {} allows no backups (its backupRoots in vmlet's config is empty)", agent.host.name),
+                ))
+            }
+        };
+        let path = format!("{dir}/{}", backup_file_name(&namespace, name, &backup.uid().unwrap_or_default()));
+        if let Err(why) = check_host_file(&roots, agent.storage.resolves_links(), &path).await {
+            return Err(refuse(
+                "TargetNotAllowed",
+                format!(
+                    "spec.target.hostPath {dir:?}: the backup file {path:?} {why}; host {} writes backups only under \
+                     its backupRoots [{}]: name one of them or a directory under one",
+                    agent.host.name,
+                    roots.join(", ")
+                ),
+            ));
+        }
+        Ok((vm, id, dir, path))
+    };
+    let (vm, id, dir, path) = match plan.await {
+        Ok(plan) => plan,
+        // Reading failed: retry with the pod's backoff.
+        Err(("", message)) => {
+            return Err(Error::Provider(vmlet_provider::Error::new("prepare backup", ErrorKind::Transient, message)))
+        }
+        Err((reason, message)) => return fail(pod, agent, Some((&backups, name)), reason, &message).await,
+    };
+
+    // Claim the backup for this pod (guarded by its resourceVersion), so no
+    // second pod writes the same file.
+    if !resumed {
+        let claim = serde_json::json!({
+            "metadata": {"resourceVersion": backup.resource_version()},
+            "status": VirtualMachineBackupStatus {
+                phase: Some(OperationPhase::Running),
+                job_name: Some(job.name_any()),
+                pod_name: Some(pod.name_any()),
+                pod_uid: Some(pod_uid.clone()),
+                node_name: Some(agent.host.name.clone()),
+                location: Some(path.clone()),
+                start_time: Some(now()),
+                message: Some(format!("backing up VirtualMachine {} to {path}", vm.name_any())),
+                virtual_machine_spec: Some(vm.spec.clone()),
+                ..status.clone()
+            },
+        });
+        match backups.patch_status(name, &PatchParams::default(), &Patch::Merge(&claim)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => return Ok(Action::requeue(Duration::from_secs(1))),
+            Err(e) => return Err(kube("claim the VirtualMachineBackup of")(e)),
+        }
+    }
+    if agent.storage.resolves_links() {
+        if let Err(e) = tokio::fs::create_dir_all(&dir).await {
+            let message = format!("spec.target.hostPath {dir:?}: cannot create the directory on the host: {e}");
+            return fail(pod, agent, Some((&backups, name)), "TargetNotWritable", &message).await;
+        }
+        if resumed {
+            // Our own file from a copy a vmlet restart interrupted.
+            let _ = tokio::fs::remove_file(&path).await;
+        }
+    }
+
+    let request = BackupRequest {
+        target: path.clone(),
+        quiesce: backup.spec.quiesce,
+        timeout: Duration::from_secs(backup.spec.active_deadline_seconds.max(10) as u64),
+    };
+    agent.task_started(&pod_uid);
+    log_line(
+        agent,
+        &pod_uid,
+        &format!("backing up VirtualMachine {} ({}) on host {} to {path}", vm.name_any(), id, agent.host.name),
+    );
+    end(pod, agent, Outcome::Running).await?;
+    tokio::spawn(run(Arc::clone(agent), pod.clone(), backups, name.to_owned(), id, request));
+    Ok(Action::requeue(WHILE_RUNNING))
+}
+
+/// The copy itself, in a task of its own: progress to the log and (every
+/// [`STATUS_EVERY`]) to the backup's status; then the outcome to both and to
+/// the pod.
+async fn run(
+    agent: Arc<Agent>,
+    pod: Pod,
+    backups: Api<VirtualMachineBackup>,
+    name: String,
+    id: VmId,
+    request: BackupRequest,
+) {
+    let pod_uid = pod.uid().unwrap_or_default();
+    let latest = Arc::new(Mutex::new(BackupProgress::default()));
+    let last_logged = Mutex::new((Timestamp::now(), u64::MAX));
+    let progress = |p: BackupProgress| {
+        *latest.lock().expect("progress poisoned") = p;
+        let percent = (p.processed_bytes * 100).checked_div(p.total_bytes).unwrap_or(0);
+        let mut last = last_logged.lock().expect("progress poisoned");
+        let quiet = Timestamp::now().duration_since(last.0).as_secs() < 2 && last.1 / 10 == percent / 10;
+        if !quiet || last.1 == u64::MAX {
+            *last = (Timestamp::now(), percent);
+            log_line(&agent, &pod_uid, &format!("{} of {} ({percent}%)", mib(p.processed_bytes), mib(p.total_bytes)));
+        }
+    };
+    let capability = agent.provider.backup().expect("checked before the task started");
+    let copy = capability.backup(&id, &request, &progress);
+    tokio::pin!(copy);
+    let result = loop {
+        tokio::select! {
+            result = &mut copy => break result,
+            _ = tokio::time::sleep(STATUS_EVERY) => {
+                let p = *latest.lock().expect("progress poisoned");
+                let patch = serde_json::json!({"status": {
+                    "bytes": p.processed_bytes, "totalBytes": p.total_bytes,
+                    "message": format!("{} of {} copied", mib(p.processed_bytes), mib(p.total_bytes)),
+                }});
+                if let Err(e) = backups.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                    warn!(backup = %name, error = %e, "could not write backup progress");
+                }
+            }
+        }
+    };
+    let (status, outcome_message, failed) = match result {
+        Ok(outcome) => {
+            let message = done_message(&outcome);
+            info!(backup = %name, path = %outcome.path, bytes = outcome.bytes, "backup complete");
+            (finished(&outcome, &message), message, false)
+        }
+        Err(e) => {
+            warn!(backup = %name, error = %e, "backup failed");
+            let message = format!("backup failed; the VM runs on: {e}");
+            let mut status = terminal(OperationPhase::Failed, "BackupFailed", &message);
+            status["location"] = serde_json::Value::Null;
+            (status, message, true)
+        }
+    };
+    log_line(&agent, &pod_uid, &outcome_message);
+    for attempt in 0..5 {
+        match backups
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&serde_json::json!({"status": status})))
+            .await
+        {
+            Ok(_) => break,
+            Err(e) => {
+                warn!(backup = %name, attempt, error = %e, "could not write the backup's outcome; retrying");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    }
+    let outcome = if failed {
+        Outcome::Failed { reason: "BackupFailed", message: &outcome_message }
+    } else {
+        Outcome::Succeeded { message: &outcome_message }
+    };
+    if let Err(e) = end(&pod, &agent, outcome).await {
+        warn!(backup = %name, error = %e, "could not end the backup's pod; its next pass will");
+    }
+    agent.task_ended(&pod_uid);
+}
+
+/// The pod's and the backup's message for a finished backup.
+fn done_message(outcome: &BackupOutcome) -> String {
+    let consistency = match &outcome.consistency {
+        Consistency::Quiesced { filesystems } => format!("quiesced ({filesystems} filesystems frozen)"),
+        Consistency::CrashConsistent { reason } => format!("crash-consistent: {reason}"),
+        Consistency::Offline => "offline (the VM was not running)".to_owned(),
+    };
+    format!(
+        "backup complete: {} of disk data in {} ({} on disk), {consistency}",
+        mib(outcome.bytes),
+        outcome.path,
+        mib(outcome.file_bytes)
+    )
+}
+
+/// The status patch of a finished backup.
+fn finished(outcome: &BackupOutcome, message: &str) -> serde_json::Value {
+    let (consistency, reason) = match &outcome.consistency {
+        Consistency::Quiesced { .. } => ("Quiesced", None),
+        Consistency::CrashConsistent { reason } => ("CrashConsistent", Some(reason.clone())),
+        Consistency::Offline => ("Offline", None),
+    };
+    let mut status = terminal(OperationPhase::Succeeded, "BackupComplete", message);
+    status["bytes"] = outcome.bytes.into();
+    status["totalBytes"] = outcome.bytes.into();
+    status["fileBytes"] = outcome.file_bytes.into();
+    status["location"] = outcome.path.clone().into();
+    status["consistency"] = consistency.into();
+    status["consistencyReason"] = reason.into();
+    status
+}
+
+/// The status patch of an ended backup: phase, completion time, message and
+/// its condition (`Complete` or `Failed`, as a Job's).
+fn terminal(phase: OperationPhase, reason: &str, message: &str) -> serde_json::Value {
+    let type_ = if phase == OperationPhase::Succeeded { "Complete" } else { "Failed" };
+    let condition = Condition {
+        type_: type_.to_owned(),
+        status: "True".to_owned(),
+        reason: reason.to_owned(),
+        message: message.to_owned(),
+        last_transition_time: Time(Timestamp::now()),
+        observed_generation: None,
+    };
+    serde_json::json!({
+        "phase": phase,
+        "completionTime": now(),
+        "message": message,
+        "conditions": [condition],
+    })
+}
+
+/// Fail the pod (and the backup, when given and this pod may end it) with
+/// `reason` and `message`; nothing was written on the host.
+async fn fail(
+    pod: &Pod,
+    agent: &Agent,
+    backup: Option<(&Api<VirtualMachineBackup>, &str)>,
+    reason: &str,
+    message: &str,
+) -> Result<Action, Error> {
+    agent.events.publish(pod, crate::events::Reason::ProviderFailed, message);
+    if let Some((backups, name)) = backup {
+        let patch = serde_json::json!({"status": terminal(OperationPhase::Failed, reason, message)});
+        backups.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(|source| {
+            Error::Kube { action: "write the VirtualMachineBackup status of", pod: pod.name_any(), source }
+        })?;
+    }
+    end(pod, agent, Outcome::Failed { reason, message }).await?;
+    Ok(Action::await_change())
+}

@@ -1,0 +1,185 @@
+//! A restore Job's pod: make the new VM's disk from a backup file on this
+//! host (an independent copy, [`vmlet_provider::Backup::restore_disk`]), and
+//! say where it is in the VirtualMachineRestore's status; the controller then
+//! creates the VirtualMachine.
+//!
+//! The backup file is found from the VirtualMachineBackup of the pod's own
+//! namespace, and only when its recorded location is exactly the name vmlet
+//! gives that backup (namespace, name, UID) under the host's backup roots: an
+//! edited status cannot point a restore at another namespace's backup. The
+//! new disk goes under the host's first storage root, named after the
+//! namespace, the new VM and the restore's UID.
+
+use super::{end, log_line, mib, Outcome};
+use crate::node::pods::Error;
+use crate::node::Agent;
+use crate::storage::check_host_file;
+use crate::v1alpha1::{
+    backup_file_name, restored_disk_name, OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore,
+};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Api, ResourceExt};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// How long making a disk may take.
+const RESTORE_DEADLINE: Duration = Duration::from_secs(3600);
+
+pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -> Result<Action, Error> {
+    let pod_uid = pod.uid().unwrap_or_default();
+    if agent.task_running(&pod_uid) {
+        return Ok(Action::requeue(Duration::from_secs(30)));
+    }
+    let namespace = pod.namespace().unwrap_or_default();
+    let kube = |action| move |source| Error::Kube { action, pod: pod.name_any(), source };
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(agent.client.clone(), &namespace);
+    let Some(restore) = restores.get_opt(name).await.map_err(kube("read the VirtualMachineRestore of"))? else {
+        let message =
+            format!("namespace {namespace} has no VirtualMachineRestore {name} (annotation vmlet.io/restore)");
+        return fail(pod, agent, None, &message).await;
+    };
+    let status = restore.status.clone().unwrap_or_default();
+    if let Some(disk) = &status.disk {
+        // Made already (this vmlet restarted before it ended the pod).
+        let message = format!("disk {disk} made from VirtualMachineBackup {}", restore.spec.source.backup);
+        end(pod, agent, Outcome::Succeeded { message: &message }).await?;
+        return Ok(Action::await_change());
+    }
+    if matches!(status.phase, Some(OperationPhase::Succeeded | OperationPhase::Failed)) {
+        let message = format!("VirtualMachineRestore {name} has ended already");
+        return fail(pod, agent, None, &message).await;
+    }
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(agent.client.clone(), &namespace);
+    let backup_name = &restore.spec.source.backup;
+    let Some(backup) = backups.get_opt(backup_name).await.map_err(kube("read the VirtualMachineBackup of"))? else {
+        let message = format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}");
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    };
+    let backup_status = backup.status.clone().unwrap_or_default();
+    if backup_status.phase != Some(OperationPhase::Succeeded) {
+        let message = format!("spec.source.backup: VirtualMachineBackup {backup_name} has not succeeded");
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    }
+    if backup_status.node_name.as_deref() != Some(agent.host.name.as_str()) {
+        let message = format!(
+            "VirtualMachineBackup {backup_name} is on host {}, not {}: the restore's pod must run there",
+            backup_status.node_name.as_deref().unwrap_or("(none)"),
+            agent.host.name
+        );
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    }
+    let expected_file = backup_file_name(&namespace, backup_name, &backup.uid().unwrap_or_default());
+    let source = backup_status.location.clone().unwrap_or_default();
+    let backup_roots = agent.host.effective_backup_roots();
+    let local = agent.storage.resolves_links();
+    let named_right = std::path::Path::new(&source).file_name().and_then(|f| f.to_str()) == Some(&expected_file);
+    if !named_right || check_host_file(&backup_roots, local, &source).await.is_err() {
+        let message = format!(
+            "VirtualMachineBackup {backup_name}'s status.location {source:?} is not its file ({expected_file} under \
+             host {}'s backupRoots [{}]); refusing to read it",
+            agent.host.name,
+            backup_roots.join(", ")
+        );
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    }
+    let vm_name = &restore.spec.target.virtual_machine;
+    let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
+    if vms.get_opt(vm_name).await.map_err(kube("read the target VirtualMachine of"))?.is_some() {
+        let message = format!(
+            "spec.target.virtualMachine: VirtualMachine {vm_name} exists; a restore makes a new VM and never writes \
+             over one: name a VM that does not exist"
+        );
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    }
+    if agent.provider.backup().is_none() {
+        let message = format!("host {}'s back end ({}) cannot restore disks", agent.host.name, agent.provider.kind());
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    }
+    let Some(root) = agent.storage.roots().first().cloned() else {
+        let message = format!("host {} has no storage roots to put the restored disk in", agent.host.name);
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    };
+    let target = format!(
+        "{}/{}",
+        root.trim_end_matches('/'),
+        restored_disk_name(&namespace, vm_name, &restore.uid().unwrap_or_default())
+    );
+    if let Err(why) = check_host_file(agent.storage.roots(), local, &target).await {
+        let message = format!("the restored disk {target:?} {why}; check host {}'s storageRoots", agent.host.name);
+        return fail(pod, agent, Some((&restores, name)), &message).await;
+    }
+    let claim = serde_json::json!({"status": {
+        "phase": OperationPhase::Running,
+        "jobName": job.name_any(),
+        "nodeName": agent.host.name,
+        "message": format!("making disk {target} from {source}"),
+    }});
+    restores
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&claim))
+        .await
+        .map_err(kube("write the VirtualMachineRestore status of"))?;
+    agent.task_started(&pod_uid);
+    log_line(agent, &pod_uid, &format!("restoring VirtualMachineBackup {backup_name} ({source}) to disk {target}"));
+    end(pod, agent, Outcome::Running).await?;
+    let agent = Arc::clone(agent);
+    let pod = pod.clone();
+    let name = name.to_owned();
+    tokio::spawn(async move {
+        let capability = agent.provider.backup().expect("checked before the task started");
+        let result = capability.restore_disk(&source, &target, RESTORE_DEADLINE).await;
+        let (patch, message, ok) = match result {
+            Ok(bytes) => {
+                info!(restore = %name, disk = %target, bytes, "restored disk made");
+                let message = format!("disk {target} made from {source}: {}", mib(bytes));
+                (serde_json::json!({"status": {"disk": target, "bytes": bytes, "message": message}}), message, true)
+            }
+            Err(e) => {
+                warn!(restore = %name, error = %e, "restore failed");
+                let message = format!("making disk {target} failed: {e}");
+                (serde_json::json!({"status": {"phase": OperationPhase::Failed, "message": message}}), message, false)
+            }
+        };
+        log_line(&agent, &pod.uid().unwrap_or_default(), &message);
+        for attempt in 0..5 {
+            match restores.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                Ok(_) => break,
+                Err(e) => {
+                    warn!(restore = %name, attempt, error = %e, "could not write the restore's outcome; retrying");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }
+        }
+        let outcome = if ok {
+            Outcome::Succeeded { message: &message }
+        } else {
+            Outcome::Failed { reason: "RestoreFailed", message: &message }
+        };
+        if let Err(e) = end(&pod, &agent, outcome).await {
+            warn!(restore = %name, error = %e, "could not end the restore's pod; its next pass will");
+        }
+        agent.task_ended(&pod.uid().unwrap_or_default());
+    });
+    Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// Fail the pod (and the restore, when given) with `message`.
+async fn fail(
+    pod: &Pod,
+    agent: &Agent,
+    restore: Option<(&Api<VirtualMachineRestore>, &str)>,
+    message: &str,
+) -> Result<Action, Error> {
+    agent.events.publish(pod, crate::events::Reason::ProviderFailed, message);
+    if let Some((restores, name)) = restore {
+        let patch = serde_json::json!({"status": {"phase": OperationPhase::Failed, "message": message}});
+        restores.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(|source| {
+            Error::Kube { action: "write the VirtualMachineRestore status of", pod: pod.name_any(), source }
+        })?;
+    }
+    end(pod, agent, Outcome::Failed { reason: "RestoreFailed", message }).await?;
+    Ok(Action::await_change())
+}

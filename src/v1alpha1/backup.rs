@@ -1,0 +1,265 @@
+//! `VirtualMachineBackup` and `VirtualMachineRestore` (group `vmlet.io`,
+//! version `v1alpha1`).
+//!
+//! A backup runs as a Kubernetes Job whose one pod the scheduler places on the
+//! VM's node (required pod affinity to `vmlet.io/vm=<name>` over
+//! `kubernetes.io/hostname`); that node's agent copies the VM's disk to a file
+//! on the host and ends the pod Succeeded or Failed, so the Job's status is the
+//! backup's. A restore runs the same way on the backup's node: its pod makes a
+//! new disk from the backup file, then the controller creates the new
+//! VirtualMachine on that node.
+
+use super::VirtualMachineSpec;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Annotation on a backup Job's pod (template) naming its VirtualMachineBackup
+/// in the same namespace.
+pub const BACKUP_ANNOTATION: &str = "vmlet.io/backup";
+/// Annotation on a restore Job's pod (template) naming its
+/// VirtualMachineRestore in the same namespace.
+pub const RESTORE_ANNOTATION: &str = "vmlet.io/restore";
+
+/// A copy of a VirtualMachine's disk, taken on its host by a Job's pod.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "vmlet.io",
+    version = "v1alpha1",
+    kind = "VirtualMachineBackup",
+    namespaced,
+    status = "VirtualMachineBackupStatus",
+    shortname = "vmbackup",
+    category = "all",
+    doc = "A copy of a VirtualMachine's disk to a file on its host, taken by a Job pinned next to the VM.",
+    printcolumn(name = "VM", type_ = "string", json_path = ".spec.virtualMachine"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Bytes", type_ = "integer", json_path = ".status.bytes"),
+    printcolumn(name = "Consistency", type_ = "string", json_path = ".status.consistency"),
+    printcolumn(name = "Node", type_ = "string", json_path = ".status.nodeName"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("self.metadata.name.size() <= 52")
+        .message("metadata.name must be at most 52 characters: the backup's Job is named <name>-backup and its pod adds a suffix; choose a shorter name"),
+    validation = Rule::new("self.spec == oldSelf.spec")
+        .message("spec is immutable: a backup is taken once; create a new VirtualMachineBackup instead"),
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineBackupSpec {
+    /// Name of the VirtualMachine to back up, in this namespace.
+    #[schemars(length(min = 1, max = 63))]
+    pub virtual_machine: String,
+    /// Where the copy goes. Default: the VM host's first backup root.
+    #[serde(default)]
+    pub target: BackupTarget,
+    /// Freeze the guest's filesystems through its guest agent while the
+    /// backup begins (milliseconds), so the copy holds what the guest wrote.
+    /// Without an agent the backup goes on crash-consistent and
+    /// `status.consistency` says so. Default true.
+    #[serde(default = "default_true")]
+    pub quiesce: bool,
+    /// `Full` copies the whole disk. `Incremental` (only what changed since
+    /// the last backup) is refused by back ends that cannot do it, with a
+    /// message in `status`.
+    #[serde(default)]
+    pub mode: BackupMode,
+    /// Seconds the copy may take before it is aborted (the VM runs on) and the
+    /// backup fails; also the Job's `activeDeadlineSeconds`. Default 3600.
+    #[serde(default = "default_backup_deadline")]
+    #[schemars(range(min = 10, max = 604800))]
+    pub active_deadline_seconds: i64,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_backup_deadline() -> i64 {
+    3600
+}
+
+/// Where a backup is written.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BackupTarget {
+    /// A directory on the VM's host, which must be one of the host's backup
+    /// roots or lie under one (vmlet's config, `backupRoots`). The file is
+    /// `<directory>/<namespace>_<backup name>_<backup uid>.qcow2`: its name is
+    /// vmlet's, never the tenant's. Default: the host's first backup root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/[^\x00-\x1f\x7f]*$"))]
+    pub host_path: Option<String>,
+}
+
+/// How much a backup copies.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackupMode {
+    /// The whole disk.
+    #[default]
+    Full,
+    /// Only the blocks changed since the previous backup (where the back end
+    /// tracks them).
+    Incremental,
+}
+
+/// Where a backup or restore stands.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperationPhase {
+    /// Its Job's pod waits for the scheduler or the agent.
+    Pending,
+    /// The agent copies.
+    Running,
+    /// Done; the Job completed.
+    Succeeded,
+    /// Failed for good: `message` says why; the Job failed.
+    Failed,
+}
+
+/// Observed state of a VirtualMachineBackup, written by the agent that runs it
+/// (and by the controller for what happens before a pod exists).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachineBackupStatus {
+    /// Where it stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<OperationPhase>,
+    /// The Job that runs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_name: Option<String>,
+    /// The pod that runs (or ran) the copy: only this pod writes the file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    /// UID of that pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// The host (node) that holds the file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// The file on that host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
+    /// Bytes of disk data copied so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<i64>,
+    /// Bytes of disk data in all (the disk's virtual size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_bytes: Option<i64>,
+    /// Size of the file in bytes (zero blocks are not stored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_bytes: Option<i64>,
+    /// `Quiesced` (filesystems frozen), `CrashConsistent` (see
+    /// `consistencyReason`) or `Offline` (the VM was not running).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<String>,
+    /// Why the backup is only crash-consistent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency_reason: Option<String>,
+    /// When the copy began (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<String>,
+    /// When it ended (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<String>,
+    /// What went wrong, or the last progress line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// The VirtualMachine's spec when the backup began: what a restore gives
+    /// the new VM (its disk then comes from the backup).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_spec: Option<VirtualMachineSpec>,
+    /// `Complete` or `Failed` (as a Job's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// A new VirtualMachine made from a backup.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "vmlet.io",
+    version = "v1alpha1",
+    kind = "VirtualMachineRestore",
+    namespaced,
+    status = "VirtualMachineRestoreStatus",
+    shortname = "vmrestore",
+    category = "all",
+    doc = "A new VirtualMachine whose disk is made from a VirtualMachineBackup, on the backup's host.",
+    printcolumn(name = "Backup", type_ = "string", json_path = ".spec.source.backup"),
+    printcolumn(name = "VM", type_ = "string", json_path = ".spec.target.virtualMachine"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("self.metadata.name.size() <= 52")
+        .message("metadata.name must be at most 52 characters: the restore's Job is named <name>-restore and its pod adds a suffix; choose a shorter name"),
+    validation = Rule::new("self.spec == oldSelf.spec")
+        .message("spec is immutable: create a new VirtualMachineRestore instead"),
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineRestoreSpec {
+    /// What to restore from.
+    pub source: RestoreSource,
+    /// What to restore to.
+    pub target: RestoreTarget,
+}
+
+/// The backup a restore reads.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RestoreSource {
+    /// Name of a Succeeded VirtualMachineBackup in this namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub backup: String,
+}
+
+/// The VM a restore makes.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RestoreTarget {
+    /// Name of the new VirtualMachine in this namespace; it must not exist
+    /// (a restore never writes over a VM). It gets the backed-up VM's spec,
+    /// its disk made from the backup, pinned to the backup's host.
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub virtual_machine: String,
+}
+
+/// Observed state of a VirtualMachineRestore.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachineRestoreStatus {
+    /// Where it stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<OperationPhase>,
+    /// The Job that makes the disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_name: Option<String>,
+    /// The host (node) of the backup, the new disk and the new VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// The new disk, once made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<String>,
+    /// Bytes of disk data copied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<i64>,
+    /// UID of the VirtualMachine this restore created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_uid: Option<String>,
+    /// What went wrong, or what it waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// `Complete` or `Failed`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// The file name of backup `name` (UID `uid`) of `namespace`:
+/// `<namespace>_<name>_<uid>.qcow2`. Neither a namespace nor an object name
+/// may contain `_` or `/`, so the name says whose backup it is and cannot
+/// reach another directory.
+pub fn backup_file_name(namespace: &str, name: &str, uid: &str) -> String {
+    format!("{namespace}_{name}_{uid}.qcow2")
+}
+
+/// The file name of the disk restore `uid` makes for VM `vm` of `namespace`:
+/// `<namespace>_<vm>_restored_<uid>.qcow2`.
+pub fn restored_disk_name(namespace: &str, vm: &str, uid: &str) -> String {
+    format!("{namespace}_{vm}_restored_{uid}.qcow2")
+}

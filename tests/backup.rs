@@ -1,0 +1,267 @@
+//! Backups as Jobs pinned next to the VM, and restores from them, through the
+//! real API server, kube-scheduler, the Job controller, vmlet and a real QEMU
+//! guest on libvirtd (`hack/test.sh` starts them).
+//!
+//! The guest's disk is `/dev/vda` (64 MiB, raw blocks, no filesystem): a
+//! marker written to its first sector before the backup must come back in a
+//! VM restored from it, and one written after must not.
+
+mod common;
+
+use common::deadline::{output_within, VIRSH};
+use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+use std::process::Command;
+use std::time::Duration;
+use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestore};
+
+/// Write `marker` to the first sector of the guest's disk of `pod`, flushed.
+async fn write_marker(env: &TestEnv, pod: &str, marker: &str) {
+    let script = r#"printf '%s\n' "$1" | dd of=/dev/vda bs=512 count=1 conv=sync,fsync 2>/dev/null && sync"#;
+    env.wait_for(&format!("the guest of {pod} to write {marker}"), || {
+        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script, "sh", marker]);
+        async move { out.status.success().then_some(()) }
+    })
+    .await;
+}
+
+/// The first sector of the guest's disk of `pod`, as text.
+async fn read_marker(env: &TestEnv, pod: &str) -> String {
+    env.wait_for(&format!("the guest of {pod} to read its disk"), || {
+        let out = env.kubectl_output(&[
+            "exec",
+            pod,
+            "--",
+            "sh",
+            "-c",
+            "dd if=/dev/vda bs=512 count=1 2>/dev/null | head -n 1",
+        ]);
+        async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()) }
+    })
+    .await
+}
+
+/// Wait until backup `name` has ended (Succeeded or Failed); returns it.
+async fn wait_backup_ended(env: &TestEnv, name: &str) -> VirtualMachineBackup {
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(env.client.clone(), &env.ns);
+    env.wait_for(&format!("VirtualMachineBackup {name} to end"), || {
+        let backups = backups.clone();
+        async move {
+            let backup = backups.get_opt(name).await.ok()??;
+            let phase = backup.status.as_ref()?.phase?;
+            matches!(phase, OperationPhase::Succeeded | OperationPhase::Failed).then_some(backup)
+        }
+    })
+    .await
+}
+
+/// Wait until Job `name` has condition `type_` (`Complete`, `Failed`).
+async fn wait_job_condition(env: &TestEnv, name: &str, type_: &str) -> Job {
+    let jobs: Api<Job> = Api::namespaced(env.client.clone(), &env.ns);
+    env.wait_for(&format!("Job {name} condition {type_}"), || {
+        let jobs = jobs.clone();
+        async move {
+            let job = jobs.get_opt(name).await.ok()??;
+            let done = job.status.as_ref()?.conditions.as_ref()?.iter().any(|c| c.type_ == type_ && c.status == "True");
+            done.then_some(job)
+        }
+    })
+    .await
+}
+
+fn apply_backup(env: &TestEnv, name: &str, spec: serde_json::Value) {
+    let object = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineBackup",
+        "metadata": {"name": name, "namespace": env.ns}, "spec": spec});
+    let out = env.apply(&object.to_string());
+    assert!(out.status.success(), "apply backup {name}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn domstate(env: &TestEnv, vm: &str) -> String {
+    let out = output_within(
+        Command::new("virsh").arg("-c").arg(qemu_uri()).args(["domstate", &format!("{}_{vm}", env.ns)]),
+        VIRSH,
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A tmpfs of 1 MiB at `dir`, unmounted on drop.
+struct SmallFs(std::path::PathBuf);
+
+impl SmallFs {
+    fn mount(dir: std::path::PathBuf) -> SmallFs {
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = output_within(
+            Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m,mode=0777", "vmlet-full"]).arg(&dir),
+            Duration::from_secs(30),
+        );
+        assert!(out.status.success(), "mount tmpfs: {}", String::from_utf8_lossy(&out.stderr));
+        SmallFs(dir)
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = output_within(Command::new("umount").arg("-l").arg(&self.0), Duration::from_secs(30));
+    }
+}
+
+#[tokio::test]
+async fn a_backup_job_runs_next_to_the_vm_and_a_restore_boots_what_it_held() {
+    let mut env = TestEnv::new("backup").await;
+    let guest = guest_for(&env);
+    let backups_dir = storage_root(&env).join("backups");
+    let full_dir = storage_root(&env).join("full");
+    let _small = SmallFs::mount(full_dir.clone());
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
+        .with("backupRoots", json!([backups_dir, full_dir]))]);
+    env.apply_vm("web", guest_vm_spec(&guest));
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let node = vm.status.unwrap().node_name.unwrap();
+    let pod = env.pod_of("web").await;
+    // 4 MiB of data that does not compress to nothing, past the marker's
+    // sector: too much for the 1 MiB target below.
+    let fill = "dd if=/dev/urandom of=/dev/vda bs=1M seek=1 count=4 conv=fsync 2>/dev/null";
+    env.wait_for("the guest to fill part of its disk", || {
+        let out = env.kubectl_output(&["exec", &pod, "--", "sh", "-c", fill]);
+        async move { out.status.success().then_some(()) }
+    })
+    .await;
+    let mark = format!("before-{}", env.ns);
+    write_marker(&env, &pod, &mark).await;
+
+    // The backup: a Job whose pod the scheduler puts on the VM's node.
+    apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
+    let job = wait_job_condition(&env, "nightly-backup", "Complete").await;
+    assert_eq!(job.spec.unwrap().backoff_limit, Some(0));
+    let backup = wait_backup_ended(&env, "nightly").await;
+    let status = backup.status.unwrap();
+    assert_eq!(status.phase, Some(OperationPhase::Succeeded), "{:?}", status.message);
+    assert_eq!(status.node_name.as_deref(), Some(node.as_str()));
+    assert_eq!(status.total_bytes, Some(64 << 20), "the guest's disk is 64 MiB");
+    assert_eq!(
+        status.consistency.as_deref(),
+        Some("Quiesced"),
+        "the guest has an agent: {:?}",
+        status.consistency_reason
+    );
+    let location = status.location.unwrap();
+    assert!(location.starts_with(&backups_dir.display().to_string()), "{location}");
+    assert!(location.ends_with(&format!("{}_nightly_{}.qcow2", env.ns, backup.metadata.uid.unwrap())), "{location}");
+    assert!(std::fs::metadata(&location).is_ok_and(|m| m.len() > 0), "no backup file at {location}");
+    let backup_pods: Vec<Pod> =
+        env.pods().list(&kube::api::ListParams::default().labels("vmlet.io/backup=nightly")).await.unwrap().items;
+    assert_eq!(backup_pods.len(), 1);
+    let backup_pod = &backup_pods[0];
+    assert_eq!(backup_pod.spec.as_ref().unwrap().node_name.as_deref(), Some(node.as_str()), "pinned next to the VM");
+    assert_eq!(backup_pod.status.as_ref().unwrap().phase.as_deref(), Some("Succeeded"));
+    let log = env.kubectl(&["logs", "job/nightly-backup"]);
+    assert!(log.contains("MiB of 64.0 MiB") && log.contains("%)"), "no progress in the Job's log:\n{log}");
+    assert!(log.contains("backup complete"), "{log}");
+    assert_eq!(domstate(&env, "web"), "running", "the backup never stops the VM");
+
+    // Written after the backup: must not come back.
+    write_marker(&env, &pod, &format!("after-{}", env.ns)).await;
+
+    // The restore: a new VM on the backup's host whose disk is the backup's.
+    let restore = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
+        "metadata": {"name": "back", "namespace": env.ns},
+        "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web-restored"}}});
+    let out = env.apply(&restore.to_string());
+    assert!(out.status.success(), "apply restore: {}", String::from_utf8_lossy(&out.stderr));
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
+    let restored = env
+        .wait_for("VirtualMachineRestore back to end", || {
+            let restores = restores.clone();
+            async move {
+                let r = restores.get_opt("back").await.ok()??;
+                let phase = r.status.as_ref()?.phase?;
+                matches!(phase, OperationPhase::Succeeded | OperationPhase::Failed).then_some(r)
+            }
+        })
+        .await;
+    let restored_status = restored.status.unwrap();
+    assert_eq!(restored_status.phase, Some(OperationPhase::Succeeded), "{:?}", restored_status.message);
+    let vm = env.wait_vm_phase("web-restored", "Running").await;
+    assert_eq!(vm.status.unwrap().node_name.as_deref(), Some(node.as_str()));
+    let restored_pod = env.pod_of("web-restored").await;
+    let first_sector = read_marker(&env, &restored_pod).await;
+    assert_eq!(first_sector, mark, "the restored disk holds what was written before the backup, not after");
+
+    // A restore never writes over a VM.
+    let again = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
+        "metadata": {"name": "over", "namespace": env.ns},
+        "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web"}}});
+    assert!(env.apply(&again.to_string()).status.success());
+    let over = env
+        .wait_for("VirtualMachineRestore over to fail", || {
+            let restores = restores.clone();
+            async move {
+                let r = restores.get_opt("over").await.ok()??;
+                (r.status.as_ref()?.phase? == OperationPhase::Failed).then_some(r)
+            }
+        })
+        .await;
+    assert!(over.status.unwrap().message.unwrap().contains("never writes over"));
+
+    // A target without room: the Job fails with the reason, the VM runs on.
+    apply_backup(&env, "no-room", json!({"virtualMachine": "web", "target": {"hostPath": full_dir}}));
+    wait_job_condition(&env, "no-room-backup", "Failed").await;
+    let failed = wait_backup_ended(&env, "no-room").await.status.unwrap();
+    assert_eq!(failed.phase, Some(OperationPhase::Failed));
+    let message = failed.message.unwrap();
+    assert!(message.to_lowercase().contains("space"), "the message does not say the target is full: {message}");
+    assert_eq!(domstate(&env, "web"), "running");
+    assert_eq!(std::fs::read_dir(&full_dir).unwrap().count(), 0, "the partial file is removed");
+
+    // A directory outside the host's backup roots: refused, nothing written.
+    apply_backup(&env, "escape", json!({"virtualMachine": "web", "target": {"hostPath": "/etc"}}));
+    let escape = wait_backup_ended(&env, "escape").await.status.unwrap();
+    assert_eq!(escape.phase, Some(OperationPhase::Failed));
+    assert!(escape.message.as_deref().unwrap_or_default().contains("backupRoots"), "{:?}", escape.message);
+    assert!(!std::fs::read_dir("/etc").unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains("escape")));
+
+    // A tenant's hand-made pod naming the backup, bound to the node without
+    // a Job: refused, nothing run, no log.
+    let forged: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "forged", "annotations": {"vmlet.io/backup": "nightly"}},
+        "spec": {"nodeName": node, "restartPolicy": "Never",
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [{"name": "backup", "image": "vmlet.io/virtual-machine"}]},
+    }))
+    .unwrap();
+    env.pods().create(&PostParams::default(), &forged).await.expect("create the forged pod");
+    assert_eq!(env.wait_pod_failed(&env.pods(), "forged").await.as_deref(), Some("NotAVirtualMachineTask"));
+    let forged_status = env.pods().get("forged").await.unwrap().status.unwrap();
+    assert!(forged_status.message.unwrap().contains("not a Job's pod"));
+    assert_eq!(env.kubectl(&["logs", "forged"]).trim(), "", "a refused pod has no log");
+
+    // A guest whose agent does not answer (stopped, as a hung one): the
+    // backup still runs, crash-consistent, and says why.
+    let stop_agent = "(sleep 1; killall -STOP qemu-ga) >/dev/null 2>&1 &";
+    assert!(env.kubectl_output(&["exec", &pod, "--", "sh", "-c", stop_agent]).status.success());
+    let domain = format!("{}_web", env.ns);
+    env.wait_for("the guest agent to stop answering", || {
+        let ping = output_within(
+            Command::new("virsh").arg("-c").arg(qemu_uri()).args([
+                "qemu-agent-command",
+                &domain,
+                r#"{"execute":"guest-ping"}"#,
+                "--timeout",
+                "2",
+            ]),
+            VIRSH,
+        );
+        async move { (!ping.status.success()).then_some(()) }
+    })
+    .await;
+    apply_backup(&env, "no-agent", json!({"virtualMachine": "web"}));
+    let no_agent = wait_backup_ended(&env, "no-agent").await.status.unwrap();
+    assert_eq!(no_agent.phase, Some(OperationPhase::Succeeded), "{:?}", no_agent.message);
+    assert_eq!(no_agent.consistency.as_deref(), Some("CrashConsistent"));
+    let reason = no_agent.consistency_reason.unwrap_or_default();
+    assert!(reason.contains("agent"), "the reason does not name the agent: {reason}");
+    assert_eq!(domstate(&env, "web"), "running");
+}
