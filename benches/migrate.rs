@@ -65,6 +65,7 @@ fn bare_spec(guest: &Path, round: usize) -> VmSpec {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     VmSpec {
         options: Default::default(),
+        cloud_init: None,
         id: VmId(format!("00000000-0000-4000-8000-{:012x}", nanos & 0xffff_ffff_ffff)),
         namespace: "vmlet-bench".into(),
         name: format!("bare-migrate-{round}-{}", std::process::id()),

@@ -479,6 +479,7 @@ mod tests {
     fn vm() -> VmSpec {
         VmSpec {
             options: Default::default(),
+            cloud_init: None,
             id: VmId("6d0c1e52-0000-4000-8000-000000000001".into()),
             namespace: "team-a".into(),
             name: "web".into(),

@@ -426,6 +426,7 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             max_memory_bytes,
             image: annotations.get(IMAGE_ANNOTATION).cloned(),
             kernel_boot,
+            cloud_init: None,
         },
         power_off_mode,
         restart_policy: match pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) {

@@ -70,6 +70,40 @@ pub struct VmSpec {
     /// refuses any other with `InvalidInput` naming
     /// `spec.providerOptions.<key>`, so a typo never passes silently.
     pub options: BTreeMap<String, String>,
+    /// What a cloud-init guest reads at its first boot, delivered the way the
+    /// back end does (libvirt: a NoCloud seed image attached read-only);
+    /// `None` for none. Back ends that cannot deliver it refuse the VM with
+    /// `Unsupported`.
+    pub cloud_init: Option<CloudInit>,
+}
+
+/// cloud-init's NoCloud data for a VM: the files `meta-data`, `user-data`
+/// and `network-config` of its seed
+/// (<https://cloudinit.readthedocs.io/en/latest/reference/datasources/nocloud.html>).
+/// User data may hold secrets: `Debug` shows sizes only, never contents.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CloudInit {
+    /// `meta-data`'s `instance-id`: cloud-init runs its once-per-instance
+    /// modules again when it changes (vmlet gives the VM's UID).
+    pub instance_id: String,
+    /// `meta-data`'s `local-hostname`, the guest's hostname.
+    pub hostname: String,
+    /// `user-data` as the user wrote it (`#cloud-config` YAML, a `#!` script,
+    /// a MIME multipart); passed through unchanged.
+    pub user_data: Vec<u8>,
+    /// `network-config` (version 1 or 2), if any.
+    pub network_config: Option<Vec<u8>>,
+}
+
+impl fmt::Debug for CloudInit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CloudInit")
+            .field("instance_id", &self.instance_id)
+            .field("hostname", &self.hostname)
+            .field("user_data_bytes", &self.user_data.len())
+            .field("network_config_bytes", &self.network_config.as_ref().map(Vec::len))
+            .finish()
+    }
 }
 
 /// What [`VmSpec::image`] names on a backend ([`Provider::image_reference`]).

@@ -36,6 +36,7 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     VmSpec {
         options: Default::default(),
+        cloud_init: None,
         id: VmId(format!("00000000-0000-4000-8000-{n:012x}")),
         namespace: namespace.into(),
         name: name.into(),

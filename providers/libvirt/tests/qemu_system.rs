@@ -23,6 +23,7 @@ fn unique_spec() -> VmSpec {
     let pid = std::process::id();
     VmSpec {
         options: Default::default(),
+        cloud_init: None,
         id,
         namespace: NAMESPACE.into(),
         name: format!("lifecycle-{pid}-{}", nanos % 1_000_000_000),

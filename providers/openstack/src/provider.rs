@@ -385,6 +385,12 @@ impl OpenStackProvider {
             "networks": options.networks.to_json(),
             "metadata": metadata,
         });
+        if let Some(cloud_init) = &spec.cloud_init {
+            // Nova hands it to the guest through its metadata service and
+            // config drive, where cloud-init's OpenStack source reads it.
+            use base64::Engine;
+            server["user_data"] = json!(base64::engine::general_purpose::STANDARD.encode(&cloud_init.user_data));
+        }
         let (version, _) = self.cloud.compute_microversion().await?;
         if version >= CREATE_WITH_HOST {
             server["host"] = json!(self.host);
@@ -539,6 +545,9 @@ impl Provider for OpenStackProvider {
                 "spec.kernel: Nova cannot boot a kernel directly; boot from an image (spec.image)",
             ));
         }
+        if let Some(cloud_init) = &spec.cloud_init {
+            check_cloud_init(cloud_init)?;
+        }
         let server_options = options::parse(&spec.options)?;
         self.cloud.invalidate_listing();
         let existing = match self.find_anywhere(&spec.id).await? {
@@ -688,4 +697,35 @@ impl Provider for OpenStackProvider {
         self.cloud.invalidate_listing();
         Ok(())
     }
+}
+
+/// Nova's limit on a server's `user_data`: 65535 bytes once base64-encoded.
+const USER_DATA_LIMIT: usize = 65535;
+
+/// What Nova can deliver of `cloud_init`: user data up to its size limit;
+/// the guest's hostname comes from the server's name and its network from
+/// Neutron, so a network config is refused rather than dropped.
+fn check_cloud_init(cloud_init: &vmlet_provider::CloudInit) -> Result<()> {
+    const OP: &str = "define server";
+    if cloud_init.network_config.is_some() {
+        return Err(Error::new(
+            OP,
+            ErrorKind::Unsupported,
+            "spec.cloudInit.networkData: Nova configures a server's network from Neutron and has no field for \
+             cloud-init network config; remove networkData (name networks in spec.providerOptions.networks)",
+        ));
+    }
+    let encoded = cloud_init.user_data.len().div_ceil(3) * 4;
+    if encoded > USER_DATA_LIMIT {
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!(
+                "spec.cloudInit.userData: {} bytes, {encoded} base64-encoded, over Nova's limit of {USER_DATA_LIMIT}; \
+                 make it smaller (e.g. a #include of a URL, or gzip it)",
+                cloud_init.user_data.len()
+            ),
+        ));
+    }
+    Ok(())
 }

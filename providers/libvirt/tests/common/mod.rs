@@ -76,6 +76,7 @@ pub fn unique_spec(namespace: &str, what: &str) -> VmSpec {
     let (id, nanos) = unique_uid();
     VmSpec {
         options: Default::default(),
+        cloud_init: None,
         id,
         namespace: namespace.into(),
         name: format!("{what}-{}-{}", std::process::id(), nanos % 1_000_000_000),

@@ -139,6 +139,7 @@ impl Harness {
             image: Some(self.image.clone()),
             kernel_boot: None,
             options: Default::default(),
+            cloud_init: None,
         };
         spec.options.insert("networks".into(), self.network.clone());
         spec
