@@ -33,6 +33,9 @@ pub const IMAGE_ANNOTATION: &str = "vmlet.io/image";
 pub const KERNEL_BOOT_ANNOTATION: &str = "vmlet.io/kernel-boot";
 /// Annotation holding `spec.providerOptions` as a JSON object.
 pub const PROVIDER_OPTIONS_ANNOTATION: &str = "vmlet.io/provider-options";
+/// Pod annotation: the VM's `spec.cloudInit` as JSON (where the data is,
+/// never the data itself).
+pub const CLOUD_INIT_ANNOTATION: &str = "vmlet.io/cloud-init";
 /// Annotation holding `spec.powerOffMode`.
 pub const POWER_OFF_ANNOTATION: &str = "vmlet.io/power-off-mode";
 /// Annotation: the VM's vCPU hot-plug ceiling (`spec.resources.maxCpu`).
@@ -108,6 +111,10 @@ pub fn pod_for_vm(
     if let Some(boot) = &spec.kernel_boot {
         annotations
             .insert(KERNEL_BOOT_ANNOTATION.to_owned(), serde_json::to_string(boot).expect("KernelBoot serializes"));
+    }
+    if let Some(cloud_init) = &spec.cloud_init {
+        let json = serde_json::to_string(cloud_init).expect("CloudInitSpec serializes");
+        annotations.insert(CLOUD_INIT_ANNOTATION.to_owned(), json);
     }
     if !spec.provider_options.is_empty() {
         let options = serde_json::to_string(&spec.provider_options).expect("a string map serializes");
@@ -268,6 +275,9 @@ pub struct PodVm {
     pub resize_policy: ResizePolicy,
     /// What an eviction of the pod does ([`EVICTION_STRATEGY_ANNOTATION`]).
     pub eviction_strategy: EvictionStrategy,
+    /// Where the VM's cloud-init data is ([`CLOUD_INIT_ANNOTATION`]); the
+    /// agent reads it into `spec.cloud_init` before it defines the VM.
+    pub cloud_init: Option<crate::v1alpha1::CloudInitSpec>,
     /// Whether the pod is the VM's current pod or a migration's target pod
     /// (set by [`crate::identity::verify`]; [`vm_from_pod`] says `Current`).
     pub role: PodRole,
@@ -414,7 +424,15 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             message: e.to_string(),
         })?,
     };
+    let cloud_init = match annotations.get(CLOUD_INIT_ANNOTATION) {
+        None => None,
+        Some(json) => Some(serde_json::from_str(json).map_err(|e| PodVmError::Invalid {
+            field: "metadata.annotations[vmlet.io/cloud-init]",
+            message: e.to_string(),
+        })?),
+    };
     Ok(PodVm {
+        cloud_init,
         spec: VmSpec {
             options,
             id: VmId(uid.clone()),
@@ -460,6 +478,25 @@ mod tests {
         pod.annotations_mut().insert(PROVIDER_OPTIONS_ANNOTATION.to_owned(), "[\"flavor\"]".to_owned());
         let error = vm_from_pod(&pod).unwrap_err().to_string();
         assert!(error.contains("metadata.annotations[vmlet.io/provider-options]"), "{error}");
+    }
+
+    #[test]
+    fn the_pod_names_where_cloud_init_data_is_and_never_carries_it() {
+        let mut vm = VmBuilder::new("web").build();
+        let source: crate::v1alpha1::CloudInitSpec = serde_json::from_value(serde_json::json!({
+            "userData": {"secretKeyRef": {"name": "web-init", "key": "user-data"}},
+            "hostname": "web-1",
+        }))
+        .unwrap();
+        vm.spec.cloud_init = Some(source.clone());
+        let pod = pod_for_vm(&vm, "web-x2k9p", "team-a", None).unwrap();
+        let back = vm_from_pod(&pod).unwrap();
+        assert_eq!(back.cloud_init, Some(source));
+        assert_eq!(back.spec.cloud_init, None, "the data is read by the agent, not carried by the pod");
+        assert_eq!(
+            pod.annotations()[CLOUD_INIT_ANNOTATION],
+            r#"{"userData":{"secretKeyRef":{"name":"web-init","key":"user-data"}},"hostname":"web-1"}"#
+        );
     }
 
     #[test]

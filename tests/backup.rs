@@ -238,6 +238,39 @@ async fn a_backup_job_runs_next_to_the_vm_and_a_restore_boots_what_it_held() {
     assert!(forged_status.message.unwrap().contains("not a Job's pod"));
     assert_eq!(env.kubectl(&["logs", "forged"]).trim(), "", "a refused pod has no log");
 
+    // Another namespace's tenant: a Job of theirs whose pod names this
+    // namespace's backup and is bound to the VM's node (pods are served by
+    // node, from every namespace) reaches nothing here.
+    let attacker = format!("{}-x", env.ns);
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(env.client.clone());
+    let ns_object = serde_json::from_value(json!({"metadata": {"name": attacker}})).unwrap();
+    namespaces.create(&PostParams::default(), &ns_object).await.expect("create the attacker's namespace");
+    let their_jobs: Api<Job> = Api::namespaced(env.client.clone(), &attacker);
+    let job: Job = serde_json::from_value(json!({
+        "metadata": {"name": "grab"},
+        "spec": {"backoffLimit": 0, "template": {
+            "metadata": {"annotations": {"vmlet.io/backup": "nightly"}},
+            "spec": {"nodeName": node, "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+                "containers": [{"name": "backup", "image": "vmlet.io/virtual-machine"}]}}},
+    }))
+    .unwrap();
+    their_jobs.create(&PostParams::default(), &job).await.expect("create the attacker's Job");
+    let their_pods: Api<Pod> = Api::namespaced(env.client.clone(), &attacker);
+    let grabbed = env
+        .wait_for("the attacker's Job pod to fail", || {
+            let their_pods = their_pods.clone();
+            async move {
+                let pods = their_pods.list(&kube::api::ListParams::default().labels("job-name=grab")).await.ok()?;
+                let status = pods.items.first()?.status.clone()?;
+                (status.phase.as_deref() == Some("Failed")).then(|| status.message.unwrap_or_default())
+            }
+        })
+        .await;
+    assert!(grabbed.contains(&format!("namespace {attacker} has no VirtualMachineBackup nightly")), "{grabbed}");
+    let victim_files = std::fs::read_dir(&backups_dir).unwrap().count();
+    assert_eq!(victim_files, 1, "only the nightly backup is in the backup root");
+    let _ = namespaces.delete(&attacker, &Default::default()).await;
+
     // A guest whose agent does not answer (stopped, as a hung one): the
     // backup still runs, crash-consistent, and says why.
     let stop_agent = "(sleep 1; killall -STOP qemu-ga) >/dev/null 2>&1 &";

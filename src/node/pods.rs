@@ -136,6 +136,8 @@ enum Started {
     LeftOff { status: VmStatus, ended: Ended },
     /// The VM names a file outside the host's storage roots: nothing was defined.
     Refused(crate::storage::StorageRefusal),
+    /// The VM's cloud-init data cannot be read: nothing was defined.
+    CloudInitMissing(super::cloud_init::Missing),
 }
 
 async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
@@ -210,6 +212,22 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             Ok(Action::await_change())
         }
         Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
+        Ok(Started::CloudInitMissing(missing)) => {
+            // Waits, and looks again: the Secret may be created after the VM.
+            let message = missing.to_string();
+            warn!(vm.uid = %vm.spec.id, %message, "cloud-init data missing; not defining the VM");
+            agent.events.publish(pod, Reason::ProviderFailed, &message);
+            write_status(pod, agent, |p| {
+                pod_status(
+                    p,
+                    &agent.host_ip,
+                    &Observed::Waiting { reason: CLOUD_INIT_MISSING, message: &message },
+                    false,
+                )
+            })
+            .await?;
+            Ok(Action::requeue(Duration::from_secs(15)))
+        }
         Err(Error::Provider(e)) => provider_failed(pod, agent, e).await,
         Err(e) => Err(e),
     }
@@ -235,6 +253,9 @@ async fn provider_failed(pod: &Pod, agent: &Agent, e: vmlet_provider::Error) -> 
         Retry::OnChange => Ok(Action::await_change()),
     }
 }
+
+/// Waiting reason of a pod whose VM's cloud-init data cannot be read.
+pub const CLOUD_INIT_MISSING: &str = "CloudInitDataNotFound";
 
 /// Waiting reason of a pod whose VM lives on another host; the controller
 /// replaces such a pod ([`crate::controller::decide`]).
@@ -327,7 +348,11 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
             if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
                 return Ok(Started::Refused(refusal));
             }
-            (provider.ensure_defined(&vm.spec).await?, true, record)
+            let spec = match super::cloud_init::with_cloud_init(&agent.client, vm).await {
+                Ok(spec) => spec,
+                Err(missing) => return Ok(Started::CloudInitMissing(missing)),
+            };
+            (provider.ensure_defined(&spec).await?, true, record)
         }
     };
     let still_wanted = if write_record {

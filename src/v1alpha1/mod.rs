@@ -165,6 +165,57 @@ pub struct VirtualMachineSpec {
     /// other host; `None` stops it, as a deleted pod does.
     #[serde(default)]
     pub eviction_strategy: EvictionStrategy,
+
+    /// cloud-init data the guest reads at its first boot (the NoCloud data
+    /// source on libvirt, Nova's user data on OpenStack): `userData` and
+    /// `networkData` from a key of a Secret or ConfigMap of this namespace,
+    /// read by vmlet when it defines the VM (a VM defined already keeps what
+    /// it got), and the guest's hostname (default: the VM's name). vmlet
+    /// needs `get` on that Secret or ConfigMap; their contents never reach a
+    /// log or an Event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<CloudInitSpec>,
+}
+
+/// [`VirtualMachineSpec::cloud_init`].
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CloudInitSpec {
+    /// Where the user data is (`#cloud-config` YAML, a `#!` script, ...).
+    pub user_data: DataSource,
+    /// Where the network config is (cloud-init's version 1 or 2), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_data: Option<DataSource>,
+    /// The guest's hostname (`local-hostname`); default: the VM's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub hostname: Option<String>,
+}
+
+/// A key of a Secret or of a ConfigMap in the VM's namespace: exactly one.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(validation = Rule::new("has(self.secretKeyRef) != has(self.configMapKeyRef)")
+    .message("name exactly one of secretKeyRef and configMapKeyRef"))]
+pub struct DataSource {
+    /// A key of a Secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_key_ref: Option<KeyRef>,
+    /// A key of a ConfigMap (`data` or `binaryData`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map_key_ref: Option<KeyRef>,
+}
+
+/// An object's name and one of its keys.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KeyRef {
+    /// The Secret's or ConfigMap's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
 }
 
 fn default_replicas() -> i32 {

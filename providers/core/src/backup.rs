@@ -97,8 +97,11 @@ pub trait Backup: Send + Sync {
     /// Write a new, independent qcow2 disk at `target` holding what the backup
     /// file `source` holds (a full copy: deleting the backup later does not
     /// harm the disk). Both are absolute paths on this host that the caller
-    /// checked. A `target` that exists already is left alone and its size
-    /// returned (a retried restore). Returns the bytes of disk data copied.
+    /// checked. The copy is written to `<target>.partial` and renamed to
+    /// `target` once complete, so an interrupted restore is never taken for a
+    /// finished one; a `target` that exists already is left alone and its
+    /// size returned (a retried restore). Returns the bytes of disk data
+    /// copied.
     /// Errors: `NotFound` when `source` does not exist; `Permanent` when the
     /// copy failed (the partial target is removed).
     async fn restore_disk(&self, source: &str, target: &str, timeout: Duration) -> Result<u64>;

@@ -708,7 +708,14 @@ impl Backup for LibvirtProvider {
         }
         let started = Instant::now();
         let info = qemu_img::info(OP_RESTORE, source, Some("qcow2"), INFO_DEADLINE.min(left())).await?;
-        qemu_img::convert(OP_RESTORE, source, "qcow2", target, left(), &mut |_| {}).await?;
+        // Into `<target>.partial`, renamed when complete: a copy a crash
+        // interrupted is never taken for a finished disk by the next call.
+        let partial = format!("{target}.partial");
+        let _ = tokio::fs::remove_file(&partial).await;
+        qemu_img::convert(OP_RESTORE, source, "qcow2", &partial, left(), &mut |_| {}).await?;
+        tokio::fs::rename(&partial, target).await.map_err(|err| {
+            Error::new(OP_RESTORE, ErrorKind::Permanent, format!("cannot move {partial} to {target}: {err}"))
+        })?;
         tracing::info!(bytes = info.virtual_size, elapsed = ?started.elapsed(), "disk restored");
         Ok(info.virtual_size)
     }
