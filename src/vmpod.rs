@@ -17,7 +17,7 @@ use crate::quantity;
 use crate::v1alpha1::{EvictionStrategy, PowerOffMode, ResizePolicy, RestartPolicy, VirtualMachine, VM_LABEL};
 use k8s_openapi::api::core::v1::{
     Affinity, Container, ContainerResizePolicy, ContainerState, NodeAffinity, NodeSelectorRequirement,
-    NodeSelectorTerm, Pod, PodSpec, ResourceRequirements, Toleration,
+    NodeSelectorTerm, PersistentVolumeClaimVolumeSource, Pod, PodSpec, ResourceRequirements, Toleration, Volume,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -189,6 +189,21 @@ pub fn pod_for_vm(
             affinity: spec.affinity.clone(),
             tolerations: Some(tolerations),
             priority_class_name: spec.priority_class_name.clone(),
+            // The VM's data disks: the scheduler places the pod where the
+            // claims' volumes are, and Kubernetes keeps a claim in use.
+            volumes: (!spec.disks.is_empty()).then(|| {
+                spec.disks
+                    .iter()
+                    .map(|disk| Volume {
+                        name: disk.name.clone(),
+                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                            claim_name: disk.persistent_volume_claim.claim_name.clone(),
+                            read_only: None,
+                        }),
+                        ..Volume::default()
+                    })
+                    .collect()
+            }),
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),
             ..PodSpec::default()
@@ -445,6 +460,7 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             image: annotations.get(IMAGE_ANNOTATION).cloned(),
             kernel_boot,
             cloud_init: None,
+            disks: vec![],
         },
         power_off_mode,
         restart_policy: match pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) {

@@ -175,6 +175,43 @@ pub struct VirtualMachineSpec {
     /// log or an Event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<CloudInitSpec>,
+
+    /// Data disks after the boot disk (`image`), in order (virtio `vdb`,
+    /// `vdc`, ...): each a PersistentVolumeClaim of this namespace, which
+    /// becomes a volume of the VM's pod, so the scheduler places the VM where
+    /// its volumes are (a local PersistentVolume's node affinity; a
+    /// StorageClass with `volumeBindingMode: WaitForFirstConsumer` binds the
+    /// claim there) and Kubernetes holds a claim's deletion while the VM's
+    /// pod uses it (`kubernetes.io/pvc-protection`). On libvirt the volume is
+    /// a directory on the host (a `local` or `hostPath` PersistentVolume under
+    /// the host's storage roots) and the disk is its `disk.img`, made (raw,
+    /// sparse, the claim's capacity) at the VM's first start. At most 16.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    #[x_kube(validation = Rule::new("self.all(d, self.exists_one(e, e.name == d.name))")
+        .message("spec.disks[].name must be unique"))]
+    pub disks: Vec<VmDisk>,
+}
+
+/// One of [`VirtualMachineSpec::disks`].
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VmDisk {
+    /// The disk's name: the pod volume's name and the disk's serial in the
+    /// guest (`/dev/disk/by-id/virtio-<name>`). A DNS label.
+    #[schemars(length(min = 1, max = 20), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: String,
+    /// The claim that holds it.
+    pub persistent_volume_claim: ClaimSource,
+}
+
+/// A PersistentVolumeClaim of the VM's namespace.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClaimSource {
+    /// The claim's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
 }
 
 /// [`VirtualMachineSpec::cloud_init`].

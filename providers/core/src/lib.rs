@@ -75,6 +75,24 @@ pub struct VmSpec {
     /// `None` for none. Back ends that cannot deliver it refuse the VM with
     /// `Unsupported`.
     pub cloud_init: Option<CloudInit>,
+    /// Data disks after the boot disk, in order (libvirt: virtio `vdb`,
+    /// `vdc`, ...). vmlet's node agent passes only paths under the host's
+    /// storage roots. Back ends without host-file disks refuse a VM with
+    /// disks (`Unsupported`).
+    pub disks: Vec<DataDisk>,
+}
+
+/// A data disk: an image file on the VM's host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataDisk {
+    /// Its name in the VirtualMachine (`spec.disks[].name`); the guest sees
+    /// it as the disk's serial (`/dev/disk/by-id/virtio-<name>`).
+    pub name: String,
+    /// Absolute path of the image on the host (raw).
+    pub path: String,
+    /// When the image does not exist yet, make it: a sparse raw image of
+    /// this many bytes (a new volume's first use). `None`: it must exist.
+    pub create_bytes: Option<u64>,
 }
 
 /// cloud-init's NoCloud data for a VM: the files `meta-data`, `user-data`

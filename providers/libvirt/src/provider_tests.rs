@@ -37,6 +37,7 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
     VmSpec {
         options: Default::default(),
         cloud_init: None,
+        disks: vec![],
         id: VmId(format!("00000000-0000-4000-8000-{n:012x}")),
         namespace: namespace.into(),
         name: name.into(),

@@ -484,6 +484,7 @@ mod tests {
         VmSpec {
             options: Default::default(),
             cloud_init: None,
+            disks: vec![],
             id: VmId("6c8f1f4e-2b0a-4e53-9d1e-0f1e2d3c4b5a".into()),
             namespace: "team-a".into(),
             name: "web.1".into(),

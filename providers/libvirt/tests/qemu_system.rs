@@ -24,6 +24,7 @@ fn unique_spec() -> VmSpec {
     VmSpec {
         options: Default::default(),
         cloud_init: None,
+        disks: vec![],
         id,
         namespace: NAMESPACE.into(),
         name: format!("lifecycle-{pid}-{}", nanos % 1_000_000_000),

@@ -548,6 +548,14 @@ impl Provider for OpenStackProvider {
         if let Some(cloud_init) = &spec.cloud_init {
             check_cloud_init(cloud_init)?;
         }
+        if !spec.disks.is_empty() {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Unsupported,
+                "spec.disks: data disks from PersistentVolumeClaims are host files, which Nova servers cannot use; \
+                 remove spec.disks (Cinder volumes are not supported yet)",
+            ));
+        }
         let server_options = options::parse(&spec.options)?;
         self.cloud.invalidate_listing();
         let existing = match self.find_anywhere(&spec.id).await? {

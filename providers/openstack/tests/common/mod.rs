@@ -140,6 +140,7 @@ impl Harness {
             kernel_boot: None,
             options: Default::default(),
             cloud_init: None,
+            disks: vec![],
         };
         spec.options.insert("networks".into(), self.network.clone());
         spec
