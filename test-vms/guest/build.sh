@@ -2,11 +2,13 @@
 # Build vmlet's tiny test guest from Debian packages only:
 #
 #   vmlinuz        Debian's cloud kernel (linux-image-cloud-amd64), booted directly
-#   initrd.img     busybox-static, the virtio modules the guest needs (with their
-#                  dependencies from modules.dep), Debian's qemu-guest-agent with
-#                  the shared libraries and loader it links, and an /init that
-#                  brings it all up (busybox acpid powers off on the ACPI power
-#                  button) and keeps a shell on the serial console
+#   initrd.img     busybox-static, the virtio modules the guest needs and those
+#                  that read a cloud-init seed CD-ROM (with their dependencies
+#                  from modules.dep), Debian's qemu-guest-agent with the shared
+#                  libraries and loader it links, and an /init that brings it all
+#                  up (busybox acpid powers off on the ACPI power button), reads
+#                  a NoCloud seed if one is attached, and keeps a shell on the
+#                  serial console
 #   disk.qcow2     a small empty qcow2 disk (shows up as /dev/vda)
 #   cmdline        the kernel command line to boot with (console=ttyS0 ...)
 #   kernel-release `uname -r` of the guest kernel
@@ -24,17 +26,31 @@
 # org.qemu.guest_agent.0 and user-mode networking. The console then shows
 #
 #   vmlet-guest: modules loaded
+#   vmlet-guest: no cloud-init seed      (or: vmlet-guest: cloud-init seed <instance-id> hostname <name>)
 #   vmlet-guest: qemu-ga on /dev/vport1p1
 #   vmlet-guest: eth0 10.0.2.15          (or: vmlet-guest: no DHCP lease on eth0)
+#   vmlet-guest: user-data exited 0      (only with a seed whose user-data is a #! script)
 #   vmlet-guest: booted
 #
 # followed by a root shell (`vmlet-guest# `) that restarts when it exits.
+#
+# cloud-init, in miniature: the guest reads a NoCloud seed
+# (https://cloudinit.readthedocs.io/en/latest/reference/datasources/nocloud.html),
+# the ISO 9660 file system labelled cidata that vmlet's libvirt provider
+# attaches as an IDE CD-ROM. It mounts it read-only at /run/cidata, sets the
+# hostname from meta-data's local-hostname, and runs user-data when it is a
+# script (starts with #!), once per boot (the guest keeps no state between
+# boots), after the network is up. It is no cloud-init: #cloud-config YAML,
+# MIME multipart, network-config and vendor-data are not interpreted.
 set -euo pipefail
 
 CACHE=${VMLET_CACHE:-$HOME/.cache/vmlet}
 ARCH=amd64
-# The virtio drivers the guest loads, in addition to their dependencies.
-MODULES=(virtio_pci virtio_console virtio_blk virtio_net virtio_balloon virtio-rng button evdev)
+# The drivers the guest loads, in addition to their dependencies: virtio, the
+# ACPI power button, and the IDE CD-ROM a cloud-init seed comes on (the PIIX
+# IDE controller of QEMU's 'pc' machine, SCSI CD-ROM, ISO 9660).
+MODULES=(virtio_pci virtio_console virtio_blk virtio_net virtio_balloon virtio-rng button evdev
+  ata_piix sr_mod isofs)
 # Packages whose files end up in the guest besides the kernel and busybox: the
 # agent and what its binary links (checked below: a missing library fails the build).
 AGENT_PACKAGES=(qemu-guest-agent libc6 libglib2.0-0 libnuma1 libudev1 liburing2 libpcre2-8-0
@@ -236,7 +252,10 @@ chmod 755 "$ROOT/etc/acpi/PWRF/00000080"
 cat >"$ROOT/init" <<'EOF'
 #!/bin/sh
 # vmlet test guest: bring up the virtio devices, the guest agent and the network,
-# then keep a root shell on the serial console.
+# then keep a root shell on the serial console. A minimal NoCloud consumer: with
+# a seed (file system labelled cidata) it takes meta-data's local-hostname and
+# runs user-data when that is a #! script; it does not interpret #cloud-config
+# YAML, MIME multipart, network-config or vendor-data (that takes cloud-init).
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin HOME=/root PS1='vmlet-guest# ' TERM=${TERM:-vt100}
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -245,12 +264,45 @@ mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /run
 hostname vmlet-guest
+echo vmlet-guest >/etc/hostname
 echo "vmlet-guest: init on $(uname -r)"
 
 while read -r module; do
   insmod "$module" || echo "vmlet-guest: insmod $module failed"
 done </etc/modules
 echo "vmlet-guest: modules loaded"
+
+# cloud-init's NoCloud seed: the file system labelled cidata (or CIDATA), found
+# by busybox findfs. No udev: a CD-ROM's medium may need a moment to be read,
+# so wait a little while a CD-ROM drive exists; without one, do not wait.
+seed=""
+i=0
+while :; do
+  seed=$(findfs LABEL=cidata 2>/dev/null || findfs LABEL=CIDATA 2>/dev/null) && break
+  seed=""
+  ls -d /sys/class/block/sr* >/dev/null 2>&1 && [ $i -lt 30 ] || break
+  sleep 0.1
+  i=$((i + 1))
+done
+# meta <key>: the value of meta-data's top-level `key: value` line, unquoted.
+meta() {
+  sed -n "s/^$1:[[:space:]]*//p" /run/cidata/meta-data | head -n 1 |
+    sed -e 's/[[:space:]]*$//' -e 's/^"\(.*\)"$/\1/' -e "s/^'\(.*\)'$/\1/"
+}
+cidata=""
+if [ -n "$seed" ] && mkdir -p /run/cidata && mount -o ro "$seed" /run/cidata; then
+  cidata=/run/cidata
+  name=$(meta local-hostname)
+  if [ -n "$name" ]; then
+    hostname "$name"
+    echo "$name" >/etc/hostname
+  fi
+  echo "vmlet-guest: cloud-init seed $(meta instance-id) hostname $(hostname)"
+elif [ -n "$seed" ]; then
+  echo "vmlet-guest: cloud-init seed on $seed cannot be mounted"
+else
+  echo "vmlet-guest: no cloud-init seed"
+fi
 
 # The agent's port: no udev, so find the vport whose name is the agent's.
 port=""
@@ -285,6 +337,16 @@ if ip link show eth0 >/dev/null 2>&1; then
     echo "vmlet-guest: no DHCP lease on eth0"
 else
   echo "vmlet-guest: no eth0"
+fi
+
+# user-data that is a script runs once, after the network, as cloud-init's
+# scripts-user does, from a copy (the seed's files are not executable); its
+# output goes to the console and /var/log/cloud-init-output.log.
+if [ -n "$cidata" ] && [ "$(head -c 2 "$cidata/user-data" 2>/dev/null)" = "#!" ]; then
+  cp "$cidata/user-data" /run/user-data
+  chmod 700 /run/user-data
+  { /run/user-data </dev/null 2>&1; echo $? >/run/user-data.exit; } | tee -a /var/log/cloud-init-output.log
+  echo "vmlet-guest: user-data exited $(cat /run/user-data.exit)"
 fi
 
 echo "vmlet-guest: booted"
