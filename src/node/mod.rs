@@ -25,6 +25,7 @@ pub mod restart;
 mod scenarios;
 mod storage;
 pub mod tasks;
+pub mod volumes;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;

@@ -138,6 +138,9 @@ enum Started {
     Refused(crate::storage::StorageRefusal),
     /// The VM's cloud-init data cannot be read: nothing was defined.
     CloudInitMissing(super::cloud_init::Missing),
+    /// A data disk's volume is not bound yet, or cannot be a disk here:
+    /// nothing was defined.
+    VolumeNotReady(super::volumes::NotReady),
 }
 
 async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
@@ -212,6 +215,17 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             Ok(Action::await_change())
         }
         Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
+        Ok(Started::VolumeNotReady(not_ready)) => {
+            let message = not_ready.to_string();
+            info!(vm.uid = %vm.spec.id, %message, "data disk not ready; not defining the VM");
+            agent.events.publish(pod, Reason::ProviderFailed, &message);
+            let reason = not_ready.reason();
+            write_status(pod, agent, |p| {
+                pod_status(p, &agent.host_ip, &Observed::Waiting { reason, message: &message }, false)
+            })
+            .await?;
+            Ok(Action::requeue(Duration::from_secs(5)))
+        }
         Ok(Started::CloudInitMissing(missing)) => {
             // Waits, and looks again: the Secret may be created after the VM.
             let message = missing.to_string();
@@ -348,10 +362,16 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
             if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
                 return Ok(Started::Refused(refusal));
             }
-            let spec = match super::cloud_init::with_cloud_init(&agent.client, vm).await {
+            let mut spec = match super::cloud_init::with_cloud_init(&agent.client, vm).await {
                 Ok(spec) => spec,
                 Err(missing) => return Ok(Started::CloudInitMissing(missing)),
             };
+            let roots = agent.storage.roots();
+            match super::volumes::data_disks(&agent.client, pod, here_name, roots, agent.storage.resolves_links()).await
+            {
+                Ok(disks) => spec.disks = disks,
+                Err(not_ready) => return Ok(Started::VolumeNotReady(not_ready)),
+            }
             (provider.ensure_defined(&spec).await?, true, record)
         }
     };

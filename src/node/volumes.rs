@@ -1,0 +1,185 @@
+//! Data disks from PersistentVolumeClaims: the claim named by the VM's pod
+//! volume → the PersistentVolume bound to it → a directory on this host →
+//! the disk image `disk.img` in it.
+//!
+//! Every hop is checked against what a tenant cannot forge: the claim is read
+//! from the pod's namespace; the volume must name that very claim (its
+//! `claimRef` UID); it must be a `local` or `hostPath` volume (made by the
+//! cluster's administrators) whose node affinity, if any, includes this host;
+//! and the image must lie under the host's storage roots. A claim that is not
+//! bound yet only waits.
+
+use crate::storage::check_host_file;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::{Api, Client, ResourceExt};
+use vmlet_provider::DataDisk;
+
+/// The image file in a volume's directory (as KubeVirt names it).
+pub const DISK_IMAGE: &str = "disk.img";
+
+/// Why the disks cannot be used (yet): the pod's waiting reason and message.
+#[derive(Debug, thiserror::Error)]
+pub enum NotReady {
+    /// The claim is not bound yet, or does not exist (it may be created
+    /// later): wait.
+    #[error("spec.disks[{disk}]: PersistentVolumeClaim {claim} {why}")]
+    Waiting {
+        /// The disk's name.
+        disk: String,
+        /// The claim's name.
+        claim: String,
+        /// What it waits for.
+        why: String,
+    },
+    /// The volume cannot be a disk here: the message names it and the fix.
+    #[error("spec.disks[{disk}]: {why}")]
+    Unusable {
+        /// The disk's name.
+        disk: String,
+        /// Why.
+        why: String,
+    },
+    /// Reading the API failed.
+    #[error("spec.disks: reading {what}: {source}")]
+    Kube {
+        /// The object.
+        what: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl NotReady {
+    /// The pod's waiting reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            NotReady::Waiting { .. } | NotReady::Kube { .. } => "VolumeNotReady",
+            NotReady::Unusable { .. } => "VolumeNotUsable",
+        }
+    }
+}
+
+/// The data disks of `pod` (its PersistentVolumeClaim volumes, in order) on
+/// host `node`, whose storage roots are `roots` (`local`: vmlet sees the
+/// host's files).
+pub async fn data_disks(
+    client: &Client,
+    pod: &Pod,
+    node: &str,
+    roots: &[String],
+    local: bool,
+) -> Result<Vec<DataDisk>, NotReady> {
+    let namespace = pod.namespace().unwrap_or_default();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &namespace);
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    let mut disks = Vec::new();
+    let pod_volumes = pod.spec.as_ref().and_then(|s| s.volumes.clone()).unwrap_or_default();
+    for volume in pod_volumes {
+        let Some(source) = volume.persistent_volume_claim else { continue };
+        let disk = volume.name;
+        let claim_name = source.claim_name;
+        let waiting =
+            |why: &str| NotReady::Waiting { disk: disk.clone(), claim: claim_name.clone(), why: why.to_owned() };
+        let unusable = |why: String| NotReady::Unusable { disk: disk.clone(), why };
+        let kube = |what: String| move |source| NotReady::Kube { what, source };
+        let claim = claims.get_opt(&claim_name).await.map_err(kube(format!("PersistentVolumeClaim {claim_name}")))?;
+        let Some(claim) = claim else { return Err(waiting(&format!("does not exist in namespace {namespace}"))) };
+        let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+        let Some(volume_name) = claim.spec.as_ref().and_then(|s| s.volume_name.clone()).filter(|_| bound) else {
+            return Err(waiting("is not bound to a PersistentVolume yet"));
+        };
+        let pv = volumes.get_opt(&volume_name).await.map_err(kube(format!("PersistentVolume {volume_name}")))?;
+        let Some(pv) = pv else { return Err(waiting(&format!("is bound to {volume_name}, which does not exist"))) };
+        let spec = pv.spec.clone().unwrap_or_default();
+        let claim_ref_uid = spec.claim_ref.as_ref().and_then(|r| r.uid.clone());
+        if claim_ref_uid.is_none() || claim_ref_uid != claim.uid() {
+            return Err(unusable(format!(
+                "PersistentVolume {volume_name} is not bound to claim {namespace}/{claim_name} (its claimRef names \
+                 another)"
+            )));
+        }
+        if spec.volume_mode.as_deref() == Some("Block") {
+            return Err(unusable(format!(
+                "PersistentVolume {volume_name} has volumeMode Block; vmlet uses Filesystem volumes (a directory \
+                 holding {DISK_IMAGE}) on libvirt"
+            )));
+        }
+        let dir = match (&spec.local, &spec.host_path) {
+            (Some(local), _) => local.path.clone(),
+            (None, Some(host_path)) => host_path.path.clone(),
+            _ => {
+                return Err(unusable(format!(
+                    "PersistentVolume {volume_name} is neither local nor hostPath; on libvirt a VM's disk is a \
+                     directory on its host: use a local PersistentVolume"
+                )))
+            }
+        };
+        if !affinity_allows(&pv, node) {
+            return Err(unusable(format!(
+                "PersistentVolume {volume_name} is on another host (its node affinity does not include {node})"
+            )));
+        }
+        let path = format!("{}/{DISK_IMAGE}", dir.trim_end_matches('/'));
+        if let Err(why) = check_host_file(roots, local, &path).await {
+            return Err(unusable(format!(
+                "PersistentVolume {volume_name}'s disk {path:?} {why}; host {node} keeps VM disks only under its \
+                 storage roots [{}]: make the volume's path a directory under one",
+                roots.join(", ")
+            )));
+        }
+        let capacity = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
+            .and_then(|c| c.get("storage"))
+            .or_else(|| spec.capacity.as_ref().and_then(|c| c.get("storage")))
+            .and_then(|q| crate::quantity::parse_bytes(&q.0).ok());
+        disks.push(DataDisk { name: disk, path, create_bytes: capacity });
+    }
+    Ok(disks)
+}
+
+/// Whether `pv`'s required node affinity (if any) selects node `node` by its
+/// `kubernetes.io/hostname` label (the only label vmlet can match here
+/// without reading the Node).
+fn affinity_allows(pv: &PersistentVolume, node: &str) -> bool {
+    let Some(required) = pv.spec.as_ref().and_then(|s| s.node_affinity.as_ref()).and_then(|a| a.required.as_ref())
+    else {
+        return true;
+    };
+    required.node_selector_terms.iter().any(|term| {
+        term.match_expressions.iter().flatten().all(|e| {
+            e.key == "kubernetes.io/hostname"
+                && e.operator == "In"
+                && e.values.as_ref().is_some_and(|v| v.iter().any(|v| v == node))
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pv(affinity: serde_json::Value) -> PersistentVolume {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "vol-1"},
+            "spec": {"local": {"path": "/srv/vols/1"}, "nodeAffinity": affinity},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_local_volume_is_usable_only_on_the_hosts_its_affinity_names() {
+        let on = |host: &str| {
+            pv(serde_json::json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [host]}]}]}}))
+        };
+        assert!(affinity_allows(&on("host-a"), "host-a"));
+        assert!(!affinity_allows(&on("host-a"), "host-b"));
+        let other_label = pv(serde_json::json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["host-a"]}]}]}}));
+        assert!(!affinity_allows(&other_label, "host-a"), "only the hostname label can be matched here");
+        assert!(affinity_allows(&pv(serde_json::Value::Null), "host-b"), "no affinity: anywhere");
+    }
+}
