@@ -15,9 +15,11 @@ log() { echo "deps: $*" >&2; }
 # Building vmlet: the virt crate links libvirt through pkg-config.
 BUILD=(libvirt-dev pkg-config openssl)
 # Testing: a real libvirtd with QEMU, the guest image build (cpio, kmod), tmux
-# for `kubectl attach -it`, and for hack/hosts.sh's two hosts in namespaces ip
-# (iproute2), unshare and nsenter (util-linux), mount.
-TEST=(libvirt-daemon-system libvirt-clients qemu-system-x86 qemu-utils tmux kmod cpio iproute2 procps util-linux mount)
+# for `kubectl attach -it`, for hack/hosts.sh's two hosts in namespaces ip
+# (iproute2), unshare and nsenter (util-linux), mount, and genisoimage, with
+# which the libvirt provider writes cloud-init seed images.
+TEST=(libvirt-daemon-system libvirt-clients qemu-system-x86 qemu-utils tmux kmod cpio iproute2 procps util-linux mount
+  genisoimage)
 
 case ${1:-test} in
   build) want=("${BUILD[@]}") ;;

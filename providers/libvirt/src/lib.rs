@@ -32,7 +32,11 @@
 //! libvirtd to the target's) and [`Backup`](vmlet_provider::Backup) (a running
 //! VM's disk through libvirt's push-mode backup, an inactive one's and
 //! restores with `qemu-img` on a local connection) capabilities; on the test
-//! driver `Stats` and `Resize`.
+//! driver `Stats` and `Resize`. A VM's cloud-init data
+//! ([`VmSpec::cloud_init`](vmlet_provider::VmSpec::cloud_init)) reaches a QEMU
+//! guest as a NoCloud seed: an ISO 9660 image labelled `cidata` that vmlet
+//! writes with `genisoimage` (on a local connection only) and attaches as a
+//! read-only IDE CD-ROM (see [`LibvirtProvider::with_seed_dir`]).
 //! `test-vms/guest/build.sh` builds a small guest that has all of this.
 //!
 //! How vmlet finds its domains, how the connection survives a libvirtd restart
@@ -46,6 +50,7 @@
 #![warn(missing_docs)]
 
 mod backup;
+mod cloud_init;
 mod connection;
 mod console;
 mod domains;

@@ -1,6 +1,7 @@
 //! [`LibvirtProvider`]: the [`Provider`] operations on one libvirt connection.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -8,11 +9,12 @@ use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
-    Backup, Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result, Stats, VmId,
-    VmSpec, VmStatus,
+    Backup, CloudInit, Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result,
+    Stats, VmId, VmSpec, VmStatus,
 };
 
 use crate::backup::InFlight;
+use crate::cloud_init::{remove_seed, require_local_host, seed_path, write_seed, BUILD_DEADLINE, DEFAULT_SEED_DIR};
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_no_storage_pool, is_operation_invalid, is_unsupported_flags};
@@ -68,6 +70,10 @@ pub enum AcceleratorSetting {
 /// such files); on the test driver, which has neither consoles nor agents nor
 /// migration nor block jobs, [`Stats`] and [`Resize`].
 ///
+/// cloud-init: a QEMU VM with [`VmSpec::cloud_init`] gets a NoCloud seed image
+/// in this host's seed directory ([`LibvirtProvider::with_seed_dir`]),
+/// attached as a read-only CD-ROM; the test driver ignores `cloud_init`.
+///
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct LibvirtProvider {
@@ -75,6 +81,8 @@ pub struct LibvirtProvider {
     /// This host as a migration destination and how it migrates
     /// ([`LibvirtProvider::with_host_name`], [`LibvirtProvider::with_migration_uri`]).
     pub(crate) migration: Arc<MigrationSettings>,
+    /// Where cloud-init seed images go ([`LibvirtProvider::with_seed_dir`]).
+    seed_dir: Arc<Path>,
 }
 
 /// How a host takes part in migrations (see `migration.rs`).
@@ -162,7 +170,43 @@ impl LibvirtProvider {
                 in_flight: InFlight::default(),
             }),
             migration: Arc::new(migration),
+            seed_dir: Arc::from(Path::new(DEFAULT_SEED_DIR)),
         })
+    }
+
+    /// The directory that holds the cloud-init seed images of this host's VMs
+    /// (an absolute path on the libvirt host, which is this machine: seeds
+    /// need a local connection). Each VM with [`VmSpec::cloud_init`] gets
+    /// `<dir>/<domain name>_<vm uid>.iso` (mode 0644, readable by QEMU),
+    /// written when it is defined and removed when it is undefined; the
+    /// directory is created (0755) when missing. Default:
+    /// `/var/lib/vmlet/seeds`.
+    #[must_use]
+    pub fn with_seed_dir(mut self, dir: PathBuf) -> Self {
+        self.seed_dir = Arc::from(dir);
+        self
+    }
+
+    /// Write the NoCloud seed of `spec` into the seed directory and return its
+    /// path. Errors: `Unsupported` on a remote connection; those of
+    /// [`write_seed`].
+    async fn write_seed(&self, spec: &VmSpec, cloud_init: &CloudInit) -> Result<String> {
+        const OP: &str = "write cloud-init seed";
+        require_local_host(self.uri())?;
+        let path = seed_path(&self.seed_dir, &spec.backend_name(), &spec.id);
+        let Some(source) = path.to_str().filter(|_| path.is_absolute()) else {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!(
+                    "the seed directory {} must be an absolute UTF-8 path, as libvirt names disk files",
+                    self.seed_dir.display()
+                ),
+            ));
+        };
+        write_seed(&self.seed_dir, &path, cloud_init, BUILD_DEADLINE).await?;
+        tracing::info!(path = source, "cloud-init seed written");
+        Ok(source.to_owned())
     }
 
     /// Name this host as vmlet does (its node name), for
@@ -346,7 +390,9 @@ impl Host {
         }
     }
 
-    fn ensure_defined(&self, conn: &Connect, spec: &VmSpec) -> Result<VmStatus> {
+    /// Define `spec` unless its domain exists, with the cloud-init seed image
+    /// at `seed` attached when given.
+    fn ensure_defined(&self, conn: &Connect, spec: &VmSpec, seed: Option<&str>) -> Result<VmStatus> {
         const OP: &str = "define domain";
         if let Some(status) = self.get(conn, &spec.id)? {
             return Ok(status);
@@ -360,7 +406,7 @@ impl Host {
             Err(err) => return Err(from_libvirt(OP, err)),
         }
         let uuid = uuid::Uuid::new_v4().to_string();
-        let domain = conn.define_domain_xml(&domain_xml(spec, kind, &uuid)).map_err(|e| from_libvirt(OP, e))?;
+        let domain = conn.define_domain_xml(&domain_xml(spec, kind, &uuid, seed)).map_err(|e| from_libvirt(OP, e))?;
         let identity = identity_of(&domain).map_err(|e| from_libvirt(OP, e))?.ok_or_else(|| {
             Error::new(
                 OP,
@@ -413,7 +459,9 @@ impl Host {
         }
     }
 
-    fn undefine(&self, conn: &Connect, id: &VmId) -> Result<()> {
+    /// Undefine VM `id`'s domain, then remove its console log and its
+    /// cloud-init seed (in `seed_dir`), if any.
+    fn undefine(&self, conn: &Connect, id: &VmId, seed_dir: &Path) -> Result<()> {
         const OP: &str = "undefine domain";
         let Some(domain) = find(conn, &self.uuids, id)? else {
             return Ok(());
@@ -426,6 +474,7 @@ impl Host {
             ));
         }
         let uuid = domain.uuid_string().ok();
+        let name = domain.name().ok();
         // Also remove what libvirt keeps beside the definition; drivers that do
         // not know a flag (the test driver rejects NVRAM) get fewer.
         let all = virt::sys::VIR_DOMAIN_UNDEFINE_MANAGED_SAVE | virt::sys::VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA;
@@ -445,6 +494,11 @@ impl Host {
         self.forget(id);
         if let (DomainKind::Qemu(_), Some(uuid)) = (self.kind, uuid) {
             remove_console_log(self.connection.uri(), &uuid);
+        }
+        if let (DomainKind::Qemu(_), Some(name)) = (self.kind, name) {
+            if is_local_uri(self.connection.uri()) {
+                remove_seed(&seed_path(seed_dir, &name, id));
+            }
         }
         Ok(())
     }
@@ -728,13 +782,20 @@ impl Provider for LibvirtProvider {
     /// type='test'>` on the test driver, `<domain type='kvm'>` or `<domain
     /// type='qemu'>` (see [`AcceleratorSetting`]; machine `pc`, ACPI, direct kernel boot from
     /// `spec.kernel_boot`, a virtio disk from `spec.image`, a serial console
-    /// recorded by virtlogd, a qemu-guest-agent channel and user-mode networking)
-    /// on QEMU. The test driver ignores `spec.image` and `spec.kernel_boot`. The
-    /// domain UUID is random, so a redefined VM gets a new backend id. Errors:
-    /// `InvalidInput` for zero CPUs, less than 1 MiB or a relative image or
-    /// kernel path, and for any `spec.providerOptions` key (libvirt reads
-    /// none); `Unsupported` for drivers other than test and QEMU;
-    /// `Permanent` when the name is taken by a domain without this identity.
+    /// recorded by virtlogd, a qemu-guest-agent channel, user-mode networking,
+    /// and `spec.cloud_init` as a NoCloud seed image written into the seed
+    /// directory and attached as a read-only IDE CD-ROM) on QEMU. The test
+    /// driver ignores `spec.image`, `spec.kernel_boot` and `spec.cloud_init`.
+    /// An existing domain is returned as it is (its seed is not written
+    /// again). The domain UUID is random, so a redefined VM gets a new backend
+    /// id. Errors: `InvalidInput` for zero CPUs, less than 1 MiB or a relative
+    /// image or kernel path, an empty cloud-init instance id, and for any
+    /// `spec.providerOptions` key (libvirt reads none); `Unsupported` for
+    /// drivers other than test and QEMU, and for `spec.cloud_init` on a remote
+    /// connection or without `genisoimage`; `Transient` when the seed image
+    /// was not built within a minute; `Permanent` when the name is taken by a
+    /// domain without this identity (the seed just written is removed again
+    /// when the define fails).
     #[instrument(skip(self, spec), fields(provider = "libvirt", vm.uid = %spec.id, vm.name = %spec.name))]
     async fn ensure_defined(&self, spec: &VmSpec) -> Result<VmStatus> {
         if let Some(key) = spec.options.keys().next() {
@@ -747,8 +808,23 @@ impl Provider for LibvirtProvider {
                 ),
             ));
         }
-        let spec = spec.clone();
-        self.blocking("define domain", move |host, conn| host.ensure_defined(conn, &spec)).await
+        let seed = match &spec.cloud_init {
+            Some(cloud_init) if self.host.kind.is_qemu() => {
+                if let Some(status) = self.get(&spec.id).await? {
+                    return Ok(status);
+                }
+                validate(spec, self.host.kind)?;
+                Some(self.write_seed(spec, cloud_init).await?)
+            }
+            _ => None,
+        };
+        let (spec, source) = (spec.clone(), seed.clone());
+        let defined =
+            self.blocking("define domain", move |host, conn| host.ensure_defined(conn, &spec, source.as_deref())).await;
+        if let (Err(_), Some(seed)) = (&defined, seed) {
+            remove_seed(Path::new(&seed));
+        }
+        defined
     }
 
     /// `virDomainCreate` unless active. Errors: `NotFound` when no domain
@@ -812,12 +888,13 @@ impl Provider for LibvirtProvider {
 
     /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,
     /// fewer flags where the driver rejects them. Disk files are never deleted;
-    /// vmlet's console log of a QEMU domain is.
+    /// vmlet's console log and cloud-init seed of a QEMU domain are (best
+    /// effort: a failure is logged).
     /// Errors: `InvalidInput` while the domain is active.
     #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
     async fn undefine(&self, id: &VmId) -> Result<()> {
-        let id = id.clone();
-        self.blocking("undefine domain", move |host, conn| host.undefine(conn, &id)).await
+        let (id, seed_dir) = (id.clone(), Arc::clone(&self.seed_dir));
+        self.blocking("undefine domain", move |host, conn| host.undefine(conn, &id, &seed_dir)).await
     }
 }
 

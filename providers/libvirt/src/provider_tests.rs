@@ -134,6 +134,21 @@ async fn a_provider_option_is_refused_by_name_and_defines_nothing() {
 }
 
 #[tokio::test]
+async fn the_test_driver_defines_a_vm_with_cloud_init_without_writing_a_seed() {
+    let seeds = std::env::temp_dir().join(format!("vmlet-seeds-{}-test-driver", std::process::id()));
+    let provider = host("host-b").await.with_seed_dir(seeds.clone());
+    let mut spec = vm("team-a", "seeded");
+    spec.cloud_init = Some(vmlet_provider::CloudInit {
+        instance_id: spec.id.0.clone(),
+        hostname: "seeded".into(),
+        user_data: b"#cloud-config\n".to_vec(),
+        network_config: None,
+    });
+    provider.ensure_defined(&spec).await.expect("define");
+    assert!(!seeds.exists(), "a test-driver domain has no guest to read a seed");
+}
+
+#[tokio::test]
 async fn ensure_defined_writes_name_shape_and_identity() {
     let provider = host("host-a").await;
     let mut spec = vm("team-a", "web.1-x");

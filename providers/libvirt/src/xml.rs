@@ -375,6 +375,10 @@ pub(crate) fn console_log_path(uuid: &str) -> String {
 /// Name of the virtio-serial port qemu-guest-agent listens on in the guest.
 pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
 
+/// `<target dev>` of the cloud-init seed CD-ROM: the secondary IDE channel's
+/// master, where PCs traditionally keep their CD-ROM drive.
+pub(crate) const SEED_TARGET: &str = "hdc";
+
 /// The persistent domain definition for `spec` on a driver of `kind` (domain type
 /// `test`, `kvm` or `qemu`, see [`DomainKind::domain_type`]), with UUID
 /// `uuid`: name [`VmSpec::backend_name`], vmlet's identity in `<metadata>`, and
@@ -388,8 +392,13 @@ pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
 /// pty whose output virtlogd records from boot in [`console_log_path`]; a
 /// virtio-serial channel for qemu-guest-agent ([`AGENT_CHANNEL`], libvirt adds
 /// the controller and picks the host socket); user-mode networking on a virtio
-/// NIC; a virtio balloon that reports guest memory statistics every 5 s.
-pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str) -> String {
+/// NIC; a virtio balloon that reports guest memory statistics every 5 s; and
+/// when `seed` names a cloud-init seed image, that image as a read-only CD-ROM
+/// on the IDE bus ([`SEED_TARGET`]), which the `pc` (i440fx) machine has built
+/// in (its PIIX IDE controller: no controller to add, and guests read it with
+/// their ATA and CD-ROM drivers). A CD-ROM is no disk to [`disks`], so backups
+/// leave the seed alone.
+pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Option<&str>) -> String {
     let size = Size::of_spec(spec);
     let mut xml = String::new();
     let domain_type = kind.domain_type();
@@ -444,6 +453,21 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str) -> String 
                     ),
                     format = format,
                     source = escape(image),
+                );
+            }
+            if let Some(seed) = seed {
+                let _ = write!(
+                    xml,
+                    concat!(
+                        "    <disk type='file' device='cdrom'>\n",
+                        "      <driver name='qemu' type='raw'/>\n",
+                        "      <source file='{source}'/>\n",
+                        "      <target dev='{target}' bus='ide'/>\n",
+                        "      <readonly/>\n",
+                        "    </disk>\n",
+                    ),
+                    source = escape(seed),
+                    target = SEED_TARGET,
                 );
             }
             let _ = write!(
@@ -545,7 +569,7 @@ mod tests {
 
     #[test]
     fn memory_is_rounded_up_to_whole_kib() {
-        let xml = domain_xml(&spec(), DomainKind::Test, UUID);
+        let xml = domain_xml(&spec(), DomainKind::Test, UUID, None);
         assert!(xml.contains("<memory unit='KiB'>524289</memory>"), "{xml}");
         assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
         assert!(xml.contains("<name>team-a_web.1</name>"), "{xml}");
@@ -557,7 +581,7 @@ mod tests {
         let mut spec = spec();
         spec.max_cpus = Some(4);
         spec.max_memory_bytes = Some(1024 * 1024 * 1024);
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
         assert!(xml.contains("<vcpu placement='static' current='2'>4</vcpu>"), "{xml}");
         assert!(xml.contains("<memory unit='KiB'>1048576</memory>"), "{xml}");
         assert!(xml.contains("<currentMemory unit='KiB'>524289</currentMemory>"), "{xml}");
@@ -572,7 +596,7 @@ mod tests {
         let mut spec = spec();
         spec.max_cpus = Some(1);
         spec.max_memory_bytes = Some(1024);
-        let xml = domain_xml(&spec, DomainKind::Test, UUID);
+        let xml = domain_xml(&spec, DomainKind::Test, UUID, None);
         assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
         assert!(xml.contains("<memory unit='KiB'>524289</memory>"), "{xml}");
         assert!(xml.contains("<currentMemory unit='KiB'>524289</currentMemory>"), "{xml}");
@@ -605,7 +629,7 @@ mod tests {
 
     #[test]
     fn qemu_domain_gets_a_disk_only_when_an_image_is_given() {
-        let without = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID);
+        let without = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None);
         assert!(without.starts_with("<domain type='qemu'>"), "{without}");
         assert!(without.contains("machine='pc'"), "{without}");
         assert!(without.contains("<boot dev='hd'/>"), "{without}");
@@ -613,12 +637,12 @@ mod tests {
 
         let mut with = spec();
         with.image = Some("/var/lib/vmlet/images/it's.qcow2".into());
-        let xml = domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID);
+        let xml = domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
         assert!(xml.contains("<driver name='qemu' type='qcow2'/>"), "{xml}");
         assert!(xml.contains("<source file='/var/lib/vmlet/images/it&apos;s.qcow2'/>"), "{xml}");
 
         with.image = Some("/images/disk.img".into());
-        assert!(domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID).contains("type='raw'"));
+        assert!(domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID, None).contains("type='raw'"));
     }
 
     #[test]
@@ -651,9 +675,9 @@ mod tests {
     #[test]
     fn what_vmlet_defines_has_one_disk_with_an_image_and_none_without() {
         let mut spec = spec();
-        assert_eq!(disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID)), vec![]);
+        assert_eq!(disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None)), vec![]);
         spec.image = Some("/images/disk.qcow2".into());
-        let found = disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID));
+        let found = disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None));
         assert_eq!(
             found,
             vec![Disk {
@@ -666,16 +690,37 @@ mod tests {
     }
 
     #[test]
+    fn a_cloud_init_seed_is_a_read_only_ide_cdrom_that_is_no_disk() {
+        let mut spec = spec();
+        spec.image = Some("/images/disk.qcow2".into());
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, Some("/seeds/team-a_web.1_u&1.iso"));
+        let cdrom = concat!(
+            "    <disk type='file' device='cdrom'>\n",
+            "      <driver name='qemu' type='raw'/>\n",
+            "      <source file='/seeds/team-a_web.1_u&amp;1.iso'/>\n",
+            "      <target dev='hdc' bus='ide'/>\n",
+            "      <readonly/>\n",
+            "    </disk>\n",
+        );
+        assert!(xml.contains(cdrom), "{xml}");
+        assert!(xml.contains("machine='pc'"), "the IDE bus is the pc machine's own: {xml}");
+        let found: Vec<String> = disks(&xml).into_iter().map(|disk| disk.target).collect();
+        assert_eq!(found, ["vda"], "backups see the one disk, not the seed");
+        assert!(!domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None).contains("cdrom"));
+        assert!(!domain_xml(&spec, DomainKind::Test, UUID, Some("/seeds/s.iso")).contains("cdrom"));
+    }
+
+    #[test]
     fn qemu_domain_type_follows_the_accelerator() {
-        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Kvm), UUID).starts_with("<domain type='kvm'>"));
-        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID).starts_with("<domain type='qemu'>"));
+        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Kvm), UUID, None).starts_with("<domain type='kvm'>"));
+        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None).starts_with("<domain type='qemu'>"));
     }
 
     #[test]
     fn test_domain_stays_minimal() {
         let mut spec = spec();
         spec.kernel_boot = Some(KernelBoot { kernel: "/k".into(), initrd: None, cmdline: None });
-        let xml = domain_xml(&spec, DomainKind::Test, UUID);
+        let xml = domain_xml(&spec, DomainKind::Test, UUID, None);
         assert!(xml.contains(&format!("<uuid>{UUID}</uuid>")), "{xml}");
         for absent in ["<devices>", "<kernel>", "<serial", "<channel"] {
             assert!(!xml.contains(absent), "{absent} in {xml}");
@@ -684,7 +729,7 @@ mod tests {
 
     #[test]
     fn qemu_domain_records_its_console_and_has_an_agent_channel_and_user_networking() {
-        let xml = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID);
+        let xml = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None);
         assert!(xml.contains(&format!("<uuid>{UUID}</uuid>")), "{xml}");
         assert!(xml.contains(&format!("<log file='/var/log/vmlet/console/{UUID}.log' append='off'/>")), "{xml}");
         assert!(xml.contains("<console type='pty'/>"), "{xml}");
@@ -701,14 +746,14 @@ mod tests {
             initrd: Some("/guest/initrd.img".into()),
             cmdline: Some("console=ttyS0 a<b".into()),
         });
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
         assert!(xml.contains("<kernel>/guest/vmlinuz</kernel>"), "{xml}");
         assert!(xml.contains("<initrd>/guest/initrd.img</initrd>"), "{xml}");
         assert!(xml.contains("<cmdline>console=ttyS0 a&lt;b</cmdline>"), "{xml}");
         assert!(!xml.contains("<boot dev="), "{xml}");
 
         spec.kernel_boot = Some(KernelBoot { kernel: "/guest/vmlinuz".into(), initrd: None, cmdline: None });
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
         assert!(!xml.contains("<initrd>") && !xml.contains("<cmdline>"), "{xml}");
     }
 }
