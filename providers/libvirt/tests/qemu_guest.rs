@@ -154,6 +154,7 @@ async fn real_guest_serves_logs_exec_attach_and_stats() {
     let (boot, text) = wait_for_console(&provider, &id, BOOTED, BOOT_DEADLINE).await;
     let booted_after = started.elapsed();
     assert!(text.contains("Linux version"), "kernel messages from boot are in the history:\n{text}");
+    assert!(text.contains("vmlet-guest: no cloud-init seed"), "a VM without cloud-init data has no seed:\n{text}");
     assert!(boot.parse::<u32>().is_ok(), "boot is the domain id: {boot}");
 
     // Exec: wait for the agent (it answers a few seconds after boot).
