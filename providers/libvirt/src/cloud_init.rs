@@ -76,8 +76,9 @@ pub(crate) fn meta_data(cloud_init: &CloudInit) -> String {
 }
 
 /// Write the seed for `cloud_init` to `path` (a file in `dir`, see
-/// [`seed_path`]), mode 0644, replacing one that is there; `dir` is created
-/// (0755) when missing. Within `deadline`.
+/// [`seed_path`]), mode 0600 (libvirt hands it to QEMU at start), replacing
+/// one that is there; `dir` is created (0755) when missing. Within
+/// `deadline`.
 ///
 /// Errors: `InvalidInput` for an empty instance id; `Unsupported` when
 /// genisoimage is not installed; `Transient` when it did not finish in time;
@@ -210,14 +211,16 @@ impl Drop for SeedFiles {
     }
 }
 
-/// Make the built image at `partial` readable (0644), flush it, and rename it
-/// to `path`, then flush the directory entry. Blocking.
+/// Make the built image at `partial` root's alone (0600: it holds user data,
+/// which may hold secrets; libvirt's dynamic ownership hands it to QEMU when
+/// the domain starts), flush it, and rename it to `path`, then flush the
+/// directory entry. Blocking.
 fn publish(partial: &Path, path: &Path) -> Result<()> {
     let failed = |what: &str, err: std::io::Error| {
         Error::new(OP, ErrorKind::Permanent, format!("cannot {what} {}: {err}", partial.display())).with_source(err)
     };
     let file = std::fs::File::open(partial).map_err(|e| failed("open", e))?;
-    file.set_permissions(std::fs::Permissions::from_mode(0o644)).map_err(|e| failed("set the mode of", e))?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| failed("set the mode of", e))?;
     file.sync_all().map_err(|e| failed("flush", e))?;
     std::fs::rename(partial, path).map_err(|e| failed(&format!("rename to {}", path.display()), e))?;
     // Best effort: the image is in place either way.

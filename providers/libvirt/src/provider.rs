@@ -808,6 +808,13 @@ impl Provider for LibvirtProvider {
                 ),
             ));
         }
+        if !spec.disks.is_empty() && self.host.kind.is_qemu() {
+            if let Some(status) = self.get(&spec.id).await? {
+                return Ok(status);
+            }
+            validate(spec, self.host.kind)?;
+            make_data_disks(self.uri(), &spec.disks).await?;
+        }
         let seed = match &spec.cloud_init {
             Some(cloud_init) if self.host.kind.is_qemu() => {
                 if let Some(status) = self.get(&spec.id).await? {
@@ -901,3 +908,70 @@ impl Provider for LibvirtProvider {
 #[cfg(test)]
 #[path = "provider_tests.rs"]
 mod tests;
+
+/// Make the data disks of a VM about to be defined that do not exist yet and
+/// say how big they are to be ([`vmlet_provider::DataDisk::create_bytes`]): a
+/// sparse raw image, mode 0600 (libvirt hands it to QEMU at start). Existing
+/// images are left alone, whatever their size. Only where vmlet shares the
+/// host's files. Errors: `InvalidInput` naming the disk when its directory
+/// does not exist or an image that must exist does not; `Unsupported` on a
+/// remote connection; `Permanent` when the file cannot be made.
+async fn make_data_disks(uri: &str, disks: &[vmlet_provider::DataDisk]) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    const OP: &str = "make data disk";
+    for disk in disks {
+        let path = Path::new(&disk.path);
+        if tokio::fs::symlink_metadata(path).await.is_ok() {
+            continue;
+        }
+        let Some(bytes) = disk.create_bytes else {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!("spec.disks[{}]: the image {} does not exist", disk.name, disk.path),
+            ));
+        };
+        if !is_local_uri(uri) {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Unsupported,
+                format!(
+                    "spec.disks[{}]: vmlet makes a new volume's image where the files are; the connection {uri} \
+                     reaches another machine: make {} there first",
+                    disk.name, disk.path
+                ),
+            ));
+        }
+        if !path.parent().is_some_and(Path::is_dir) {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!(
+                    "spec.disks[{}]: the volume's directory for {} does not exist on the host; create it (the \
+                     PersistentVolume's path)",
+                    disk.name, disk.path
+                ),
+            ));
+        }
+        let (path, name) = (disk.path.clone(), disk.name.clone());
+        let made = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+            file.set_len(bytes)?;
+            file.sync_all()
+        })
+        .await
+        .map_err(|e| Error::new(OP, ErrorKind::Permanent, format!("making the image did not complete: {e}")))?;
+        match made {
+            Ok(()) => tracing::info!(disk = %name, path = %disk.path, bytes, "data disk image made"),
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(err) => {
+                return Err(Error::new(
+                    OP,
+                    ErrorKind::Permanent,
+                    format!("spec.disks[{name}]: cannot make the image {}: {err}", disk.path),
+                ))
+            }
+        }
+    }
+    Ok(())
+}

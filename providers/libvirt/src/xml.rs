@@ -375,6 +375,11 @@ pub(crate) fn console_log_path(uuid: &str) -> String {
 /// Name of the virtio-serial port qemu-guest-agent listens on in the guest.
 pub(crate) const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
 
+/// `<target dev>` of the data disks ([`VmSpec::disks`]), in order after the
+/// boot disk `vda`: as many as the CRD allows (16).
+pub(crate) const DATA_DISK_TARGETS: [&str; 16] =
+    ["vdb", "vdc", "vdd", "vde", "vdf", "vdg", "vdh", "vdi", "vdj", "vdk", "vdl", "vdm", "vdn", "vdo", "vdp", "vdq"];
+
 /// `<target dev>` of the cloud-init seed CD-ROM: the secondary IDE channel's
 /// master, where PCs traditionally keep their CD-ROM drive.
 pub(crate) const SEED_TARGET: &str = "hdc";
@@ -453,6 +458,22 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Opti
                     ),
                     format = format,
                     source = escape(image),
+                );
+            }
+            for (disk, target) in spec.disks.iter().zip(DATA_DISK_TARGETS) {
+                let _ = write!(
+                    xml,
+                    concat!(
+                        "    <disk type='file' device='disk'>\n",
+                        "      <driver name='qemu' type='raw'/>\n",
+                        "      <source file='{source}'/>\n",
+                        "      <target dev='{target}' bus='virtio'/>\n",
+                        "      <serial>{serial}</serial>\n",
+                        "    </disk>\n",
+                    ),
+                    source = escape(&disk.path),
+                    target = target,
+                    serial = escape(&disk.name),
                 );
             }
             if let Some(seed) = seed {
@@ -687,6 +708,25 @@ mod tests {
                 format: Some("qcow2".into()),
             }]
         );
+    }
+
+    #[test]
+    fn data_disks_follow_the_boot_disk_as_raw_virtio_disks_with_their_names_as_serials() {
+        let mut spec = spec();
+        spec.image = Some("/images/boot.qcow2".into());
+        spec.disks = vec![
+            vmlet_provider::DataDisk { name: "data".into(), path: "/vols/1/disk.img".into(), create_bytes: None },
+            vmlet_provider::DataDisk { name: "logs".into(), path: "/vols/2/disk.img".into(), create_bytes: None },
+        ];
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        assert!(xml.contains(concat!(
+            "      <source file='/vols/1/disk.img'/>\n",
+            "      <target dev='vdb' bus='virtio'/>\n",
+            "      <serial>data</serial>\n",
+        )));
+        assert!(xml.contains("<target dev='vdc' bus='virtio'/>\n      <serial>logs</serial>"));
+        let targets: Vec<String> = disks(&xml).into_iter().map(|d| d.target).collect();
+        assert_eq!(targets, ["vda", "vdb", "vdc"]);
     }
 
     #[test]

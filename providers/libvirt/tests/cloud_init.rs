@@ -77,11 +77,12 @@ async fn a_seeded_guest_takes_its_hostname_and_runs_its_user_data() {
     let id = spec.id.clone();
     let defined = provider.ensure_defined(&spec).await.expect("define");
 
-    // The seed: named after the domain and the uid, readable by QEMU, an ISO
-    // 9660 image labelled cidata, in a directory the provider created.
+    // The seed: named after the domain and the uid, root's alone until
+    // libvirt hands it to QEMU at start, an ISO 9660 image labelled cidata,
+    // in a directory the provider created.
     let seed = seed_dir.join(format!("{}_{}.iso", spec.backend_name(), id));
     let mode = |path: &Path| std::fs::metadata(path).expect("metadata").permissions().mode() & 0o7777;
-    assert_eq!(mode(&seed), 0o644, "{}", seed.display());
+    assert_eq!(mode(&seed), 0o600, "user data may hold secrets: {}", seed.display());
     assert_eq!(mode(&seed_dir), 0o755, "{}", seed_dir.display());
     assert_eq!(volume_id(&seed), "cidata");
     let leftovers: Vec<_> = std::fs::read_dir(&seed_dir).expect("read the seed directory").flatten().collect();

@@ -1,0 +1,87 @@
+//! cloud-init: a VM's `spec.cloudInit` from a Secret reaches the real test
+//! guest as a NoCloud seed, through the real API server, vmlet and libvirtd.
+//! The test guest is a minimal NoCloud consumer (test-vms/guest/build.sh):
+//! it takes `local-hostname` from the seed's meta-data and runs a `#!`
+//! user-data script once.
+
+mod common;
+
+use common::deadline::{output_within, VIRSH};
+use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, Host, TestEnv};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+use std::process::Command;
+
+fn exec_stdout(env: &TestEnv, pod: &str, script: &str) -> Option<String> {
+    let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script]);
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+fn secret(name: &str, user_data: &str) -> Secret {
+    serde_json::from_value(json!({"metadata": {"name": name}, "stringData": {"user-data": user_data}})).unwrap()
+}
+
+#[tokio::test]
+async fn user_data_from_a_secret_configures_the_guest_and_a_missing_secret_defines_nothing() {
+    let mut env = TestEnv::new("cloudinit").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    let secrets: Api<Secret> = Api::namespaced(env.client.clone(), &env.ns);
+    // A value that must never show up in vmlet's log.
+    let token = format!("s3cret-{}", env.ns);
+    let script = format!("#!/bin/sh\necho \"ran {token}\" > /run/cloud-init-ran\n");
+    secrets.create(&PostParams::default(), &secret("web-init", &script)).await.expect("create the Secret");
+
+    let mut spec = guest_vm_spec(&guest);
+    spec["cloudInit"] = json!({"userData": {"secretKeyRef": {"name": "web-init", "key": "user-data"}},
+        "hostname": "seeded-web"});
+    env.apply_vm("web", spec.clone());
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    let hostname = env
+        .wait_for("the guest to answer hostname", || {
+            let out = exec_stdout(&env, &pod, "hostname");
+            async move { out }
+        })
+        .await;
+    assert_eq!(hostname, "seeded-web", "the hostname comes from the seed's meta-data");
+    let ran = env
+        .wait_for("the user-data script's file", || {
+            let out = exec_stdout(&env, &pod, "cat /run/cloud-init-ran");
+            async move { out }
+        })
+        .await;
+    assert_eq!(ran, format!("ran {token}"));
+
+    // A Secret that does not exist: the pod waits naming the field, nothing
+    // is defined; once the Secret exists, the VM is defined and runs.
+    let mut missing = spec;
+    // Its own VM, without the first one's disk (QEMU locks a disk in use).
+    missing.as_object_mut().unwrap().remove("image");
+    missing["cloudInit"] = json!({"userData": {"secretKeyRef": {"name": "later-init", "key": "user-data"}}});
+    env.apply_vm("later", missing);
+    let later_pod = env.pod_of("later").await;
+    let pods = env.pods();
+    let message = env
+        .wait_for("the pod to wait for its cloud-init data", || {
+            let pods = pods.clone();
+            let later_pod = later_pod.clone();
+            async move {
+                let status = pods.get(&later_pod).await.ok()?.status?;
+                let waiting = status.container_statuses?.first()?.state.clone()?.waiting?;
+                (waiting.reason.as_deref() == Some("CloudInitDataNotFound"))
+                    .then(|| waiting.message.unwrap_or_default())
+            }
+        })
+        .await;
+    assert!(message.contains("spec.cloudInit.userData") && message.contains("later-init"), "{message}");
+    let domain = format!("{}_later", env.ns);
+    let defined = output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(["domstate", &domain]), VIRSH);
+    assert!(!defined.status.success(), "a VM whose cloud-init data is missing must not be defined");
+    secrets.create(&PostParams::default(), &secret("later-init", "#!/bin/sh\ntrue\n")).await.unwrap();
+    env.wait_vm_phase("later", "Running").await;
+
+    let log = std::fs::read_to_string(env.dir.join("vmlet.log")).unwrap_or_default();
+    assert!(!log.contains(&token), "user data reached vmlet's log");
+}
