@@ -5,15 +5,13 @@
 //! does not exist or never ran, a Job that failed without its pod ever
 //! reaching an agent (a deadline passed while it could not be scheduled).
 
-use super::task_jobs::{job_failure, task_job, TaskJob, TaskPlacement};
+use super::task_jobs::{job_failure, run_job_owner, task_job, TaskJob, TaskPlacement};
+use crate::conditions::new_condition;
 use crate::v1alpha1::{OperationPhase, VirtualMachine, VirtualMachineBackup, VmPhase, BACKUP_ANNOTATION};
-use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
-use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, Resource, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,25 +41,17 @@ struct Context {
 /// `None`) and their Jobs until `shutdown`. `scope` is the scope label value
 /// of this vmlet's nodes.
 pub async fn run(client: Client, namespace: Option<String>, scope: String, shutdown: CancellationToken) {
-    let (backups, jobs): (Api<VirtualMachineBackup>, Api<Job>) = match &namespace {
-        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
-    let jobs_of_backups = watcher::Config::default().labels(BACKUP_ANNOTATION);
     info!("VirtualMachineBackup controller starting");
-    Controller::new(backups, watcher::Config::default())
-        .owns(jobs, jobs_of_backups)
-        .graceful_shutdown_on(async move { shutdown.cancelled().await })
-        .run(
-            reconcile,
-            |_, error: &Error, _| {
-                warn!(%error, "requeue");
-                Action::requeue(Duration::from_secs(5))
-            },
-            Arc::new(Context { client, scope }),
-        )
-        .for_each(|_| async {})
-        .await;
+    let ctx = Arc::new(Context { client: client.clone(), scope });
+    run_job_owner::<VirtualMachineBackup, _, Error, _>(
+        client,
+        namespace.as_deref(),
+        BACKUP_ANNOTATION,
+        reconcile,
+        ctx,
+        shutdown,
+    )
+    .await;
 }
 
 #[instrument(skip_all, fields(backup.namespace = backup.namespace().unwrap_or_default(), backup.name = %backup.name_any()))]
@@ -134,14 +124,7 @@ async fn reconcile(backup: Arc<VirtualMachineBackup>, ctx: Arc<Context>) -> Resu
 /// Mark the backup Failed with `message` (condition `Failed`).
 async fn fail(backups: &Api<VirtualMachineBackup>, name: &str, message: &str) -> Result<Action, kube::Error> {
     warn!(backup = name, message, "backup failed");
-    let condition = Condition {
-        type_: "Failed".to_owned(),
-        status: "True".to_owned(),
-        reason: "BackupFailed".to_owned(),
-        message: message.to_owned(),
-        last_transition_time: Time(Timestamp::now()),
-        observed_generation: None,
-    };
+    let condition = new_condition("Failed", true, "BackupFailed", message, None);
     let patch = serde_json::json!({"status": {
         "phase": OperationPhase::Failed, "message": message, "completionTime": Timestamp::now().to_string(),
         "conditions": [condition],

@@ -9,23 +9,21 @@
 //!    pinned to the host by `nodeSelector`, labelled
 //!    `vmlet.io/restored-from=<backup>`; then the restore is `Succeeded`.
 
-use super::task_jobs::{job_failure, task_job, TaskJob, TaskPlacement};
+use super::task_jobs::{job_failure, run_job_owner, task_job, TaskJob, TaskPlacement};
+use crate::conditions::new_condition;
 use crate::v1alpha1::{
     OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, RESTORE_ANNOTATION,
 };
-use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
-use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, Resource, ResourceExt};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, instrument, warn};
+use tracing::{info, instrument};
 
 /// Label on a VirtualMachine a restore created, naming the backup.
 pub const RESTORED_FROM_LABEL: &str = "vmlet.io/restored-from";
@@ -54,24 +52,17 @@ struct Context {
 /// Run the controller over the VirtualMachineRestores of `namespace` (all when
 /// `None`) and their Jobs until `shutdown`.
 pub async fn run(client: Client, namespace: Option<String>, scope: String, shutdown: CancellationToken) {
-    let (restores, jobs): (Api<VirtualMachineRestore>, Api<Job>) = match &namespace {
-        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
     info!("VirtualMachineRestore controller starting");
-    Controller::new(restores, watcher::Config::default())
-        .owns(jobs, watcher::Config::default().labels(RESTORE_ANNOTATION))
-        .graceful_shutdown_on(async move { shutdown.cancelled().await })
-        .run(
-            reconcile,
-            |_, error: &Error, _| {
-                warn!(%error, "requeue");
-                Action::requeue(Duration::from_secs(5))
-            },
-            Arc::new(Context { client, scope }),
-        )
-        .for_each(|_| async {})
-        .await;
+    let ctx = Arc::new(Context { client: client.clone(), scope });
+    run_job_owner::<VirtualMachineRestore, _, Error, _>(
+        client,
+        namespace.as_deref(),
+        RESTORE_ANNOTATION,
+        reconcile,
+        ctx,
+        shutdown,
+    )
+    .await;
 }
 
 #[instrument(skip_all, fields(restore.namespace = restore.namespace().unwrap_or_default(), restore.name = %restore.name_any()))]
@@ -213,14 +204,7 @@ async fn end(
         OperationPhase::Succeeded => ("Complete", "Restored"),
         _ => ("Failed", "RestoreFailed"),
     };
-    let condition = Condition {
-        type_: type_.to_owned(),
-        status: "True".to_owned(),
-        reason: reason.to_owned(),
-        message: message.to_owned(),
-        last_transition_time: Time(Timestamp::now()),
-        observed_generation: None,
-    };
+    let condition = new_condition(type_, true, reason, message, None);
     let mut status = serde_json::json!({"phase": phase, "message": message, "conditions": [condition]});
     if let Some(uid) = vm_uid {
         status["virtualMachineUid"] = uid.into();

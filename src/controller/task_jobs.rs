@@ -4,12 +4,22 @@
 
 use crate::v1alpha1::VM_LABEL;
 use crate::vmpod::{CONTAINER_IMAGE, VIRTUAL_NODE_LABEL, VIRTUAL_NODE_TAINT_KEY};
+use futures::StreamExt;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, Container, PodAffinity, PodAffinityTerm, PodSpec, PodTemplateSpec, Toleration,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::NamespaceResourceScope;
+use kube::runtime::controller::Action;
+use kube::runtime::{watcher, Controller};
+use kube::{Api, Client, Resource};
+use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// Where a task Job's pod must run.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,6 +125,48 @@ pub fn task_job(task: &TaskJob<'_>) -> Job {
         }),
         status: None,
     }
+}
+
+/// Run `reconcile` over the objects of kind `K` (all namespaces, or
+/// `namespace`) and the Jobs labelled `job_label` they own, until
+/// `shutdown`; a failed pass is retried after 5 s. The loop of the backup and
+/// restore controllers.
+pub async fn run_job_owner<K, Ctx, E, Fut>(
+    client: Client,
+    namespace: Option<&str>,
+    job_label: &str,
+    reconcile: impl FnMut(Arc<K>, Arc<Ctx>) -> Fut,
+    ctx: Arc<Ctx>,
+    shutdown: CancellationToken,
+) where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+    Ctx: Send + Sync + 'static,
+    E: std::error::Error + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+{
+    let (objects, jobs): (Api<K>, Api<Job>) = match namespace {
+        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client, ns)),
+        None => (Api::all(client.clone()), Api::all(client)),
+    };
+    Controller::new(objects, watcher::Config::default())
+        .owns(jobs, watcher::Config::default().labels(job_label))
+        .graceful_shutdown_on(async move { shutdown.cancelled().await })
+        .run(
+            reconcile,
+            |_, error: &E, _| {
+                tracing::warn!(%error, "requeue");
+                Action::requeue(Duration::from_secs(5))
+            },
+            ctx,
+        )
+        .for_each(|_| async {})
+        .await;
 }
 
 /// The message of a Job's `Failed` condition, when it failed (a deadline

@@ -8,6 +8,7 @@
 //! its directory must lie under the host's backup roots.
 
 use super::{end, log_line, mib, now, Outcome, STATUS_EVERY};
+use crate::conditions::new_condition;
 use crate::node::pods::Error;
 use crate::node::Agent;
 use crate::storage::check_host_file;
@@ -16,7 +17,6 @@ use crate::v1alpha1::{
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
@@ -318,14 +318,7 @@ fn finished(outcome: &BackupOutcome, message: &str) -> serde_json::Value {
 /// its condition (`Complete` or `Failed`, as a Job's).
 fn terminal(phase: OperationPhase, reason: &str, message: &str) -> serde_json::Value {
     let type_ = if phase == OperationPhase::Succeeded { "Complete" } else { "Failed" };
-    let condition = Condition {
-        type_: type_.to_owned(),
-        status: "True".to_owned(),
-        reason: reason.to_owned(),
-        message: message.to_owned(),
-        last_transition_time: Time(Timestamp::now()),
-        observed_generation: None,
-    };
+    let condition = new_condition(type_, true, reason, message, None);
     serde_json::json!({
         "phase": phase,
         "completionTime": now(),
