@@ -82,6 +82,9 @@ async fn user_data_from_a_secret_configures_the_guest_and_a_missing_secret_defin
     secrets.create(&PostParams::default(), &secret("later-init", "#!/bin/sh\ntrue\n")).await.unwrap();
     env.wait_vm_phase("later", "Running").await;
 
-    let log = std::fs::read_to_string(env.dir.join("vmlet.log")).unwrap_or_default();
+    let log = std::fs::read_to_string(env.dir.join("vmlet.log")).expect("vmlet's log");
+    assert!(log.contains("cloud-init seed written"), "the log is the one of this run");
     assert!(!log.contains(&token), "user data reached vmlet's log");
+    let events = env.kubectl(&["get", "events", "-o", "yaml"]);
+    assert!(!events.contains(&token), "user data reached an Event");
 }

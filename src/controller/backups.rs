@@ -110,6 +110,7 @@ async fn reconcile(backup: Arc<VirtualMachineBackup>, ctx: Arc<Context>) -> Resu
         placement,
         deadline_seconds: backup.spec.active_deadline_seconds + JOB_SLACK_SECONDS,
         scope: &ctx.scope,
+        tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
     });
     match jobs.create(&PostParams::default(), &job).await {
         Ok(_) => info!(job = %job_name, "backup Job created"),

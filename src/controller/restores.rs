@@ -138,6 +138,14 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
         let job_name = format!("{name}-restore");
         match jobs.get_opt(&job_name).await.map_err(err("read the Job"))? {
             Some(job) => {
+                let ours = job.owner_references().iter().any(|r| Some(&r.uid) == restore.meta().uid.as_ref());
+                if !ours {
+                    return fail(format!(
+                        "Job {job_name} exists and is not this restore's; delete it or rename the restore"
+                    ))
+                    .await
+                    .map_err(err("write status"));
+                }
                 if let Some(message) = job_failure(&job) {
                     return fail(message).await.map_err(err("write status"));
                 }
@@ -153,6 +161,7 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
                     placement: TaskPlacement::OnNode(node.clone()),
                     deadline_seconds: JOB_DEADLINE_SECONDS,
                     scope: &ctx.scope,
+                    tolerations: spec.tolerations.clone().unwrap_or_default(),
                 });
                 match jobs.create(&PostParams::default(), &job).await {
                     Ok(_) => info!(job = %job_name, node = %node, "restore Job created"),

@@ -51,6 +51,9 @@ pub struct TaskJob<'a> {
     pub deadline_seconds: i64,
     /// The scope label value of this vmlet's nodes.
     pub scope: &'a str,
+    /// Tolerations besides the virtual-node taint's (a backup's: its VM's, so
+    /// that the pod can go where the VM is).
+    pub tolerations: Vec<Toleration>,
 }
 
 /// The Job for `task`: `backoffLimit: 0`, `restartPolicy: Never`, the pod
@@ -81,13 +84,14 @@ pub fn task_job(task: &TaskJob<'_>) -> Job {
             None
         }
     };
-    let tolerations = vec![Toleration {
+    let mut tolerations = task.tolerations.clone();
+    tolerations.push(Toleration {
         key: Some(VIRTUAL_NODE_TAINT_KEY.to_owned()),
         operator: Some("Equal".to_owned()),
         value: Some(crate::config::DEFAULT_TAINT_VALUE.to_owned()),
         effect: Some("NoSchedule".to_owned()),
         ..Toleration::default()
-    }];
+    });
     let marks = BTreeMap::from([(annotation.to_owned(), object.to_owned())]);
     Job {
         metadata: ObjectMeta {
@@ -203,11 +207,18 @@ mod tests {
             placement,
             deadline_seconds: 600,
             scope: "all",
+            tolerations: vec![Toleration {
+                key: Some("dedicated".into()),
+                operator: Some("Equal".into()),
+                value: Some("team-a".into()),
+                effect: Some("NoSchedule".into()),
+                ..Toleration::default()
+            }],
         })
     }
 
     #[test]
-    fn a_backup_of_a_running_vm_is_pinned_to_its_pod_by_required_pod_affinity() {
+    fn a_backup_of_a_running_vm_is_pinned_to_its_pod_by_required_pod_affinity_with_its_tolerations() {
         let job = task(TaskPlacement::NextToVm("web".into()));
         let spec = job.spec.unwrap();
         assert_eq!((spec.backoff_limit, spec.active_deadline_seconds), (Some(0), Some(600)));
@@ -219,7 +230,8 @@ mod tests {
         assert_eq!(term.label_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["vmlet.io/vm"], "web");
         assert!(!pod.node_selector.as_ref().unwrap().contains_key("kubernetes.io/hostname"));
         assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
-        assert_eq!(pod.tolerations.unwrap()[0].key.as_deref(), Some("virtual-kubelet.io/provider"));
+        let keys: Vec<_> = pod.tolerations.unwrap().into_iter().map(|t| t.key.unwrap_or_default()).collect();
+        assert_eq!(keys, ["dedicated", "virtual-kubelet.io/provider"], "the VM's tolerations, then the node's taint");
         let annotations = spec.template.metadata.unwrap().annotations.unwrap();
         assert_eq!(annotations["vmlet.io/backup"], "nightly");
         assert_eq!(job.metadata.owner_references.unwrap()[0].kind, "VirtualMachineBackup");

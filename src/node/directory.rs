@@ -34,7 +34,7 @@ impl Directory {
         let vm = resolve_cached(&pod, &self.watches.vms).ok();
         // A task pod's log is written by the agent only once it verified
         // the pod (crate::node::tasks), keyed by the pod's UID.
-        let task = vm.is_none() && super::tasks::claimed_task(&pod).is_some();
+        let task = crate::identity::vm_owner(&pod).is_none() && super::tasks::claimed_task(&pod).is_some();
         let log_dir = match &vm {
             Some(vm) => console::vm_log_dir(&self.state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0),
             None if task => super::tasks::log_dir(&self.state_dir, &pod.uid().unwrap_or_default()),

@@ -80,7 +80,7 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
 }
 
 async fn sync(pod: &Pod, agent: &Arc<Agent>) -> Result<Action, Error> {
-    if let Some((kind, name)) = super::tasks::claimed_task(pod) {
+    if let Some((kind, name)) = super::tasks::claimed_task(pod).filter(|_| crate::identity::vm_owner(pod).is_none()) {
         // A backup's or restore's pod: see crate::node::tasks.
         return super::tasks::sync(pod, agent, kind, &name).await;
     }

@@ -101,6 +101,16 @@ pub(crate) async fn write_seed(dir: &Path, path: &Path, cloud_init: &CloudInit, 
     // Removed again unless the image reaches `path`, also when the caller
     // stops waiting half-way.
     let partial = Partial(partial_path(path));
+    // 0600 from the start: genisoimage truncates the file and keeps its mode,
+    // so the user data is never readable by other users of the host.
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let made = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&partial.0);
+        let private = made.and_then(|file| file.set_permissions(std::fs::Permissions::from_mode(0o600)));
+        private.map_err(|e| {
+            Error::new(OP, ErrorKind::Permanent, format!("cannot create {}: {e}", partial.0.display())).with_source(e)
+        })?;
+    }
     let mut command = Command::new(GENISOIMAGE);
     command.arg("-output").arg(&partial.0);
     // -rational-rock: Rock Ridge names with sane owners (root) and modes

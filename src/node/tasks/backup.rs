@@ -191,13 +191,15 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         quiesce: backup.spec.quiesce,
         timeout: Duration::from_secs(backup.spec.active_deadline_seconds.max(10) as u64),
     };
+    // Running on the pod first: if that write fails, this pass fails and the
+    // next one starts the copy (nothing is marked running before).
+    end(pod, agent, Outcome::Running).await?;
     agent.task_started(&pod_uid);
     log_line(
         agent,
         &pod_uid,
         &format!("backing up VirtualMachine {} ({}) on host {} to {path}", vm.name_any(), id, agent.host.name),
     );
-    end(pod, agent, Outcome::Running).await?;
     tokio::spawn(run(Arc::clone(agent), pod.clone(), backups, name.to_owned(), id, request));
     Ok(Action::requeue(WHILE_RUNNING))
 }

@@ -122,9 +122,9 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&claim))
         .await
         .map_err(kube("write the VirtualMachineRestore status of"))?;
+    end(pod, agent, Outcome::Running).await?;
     agent.task_started(&pod_uid);
     log_line(agent, &pod_uid, &format!("restoring VirtualMachineBackup {backup_name} ({source}) to disk {target}"));
-    end(pod, agent, Outcome::Running).await?;
     let agent = Arc::clone(agent);
     let pod = pod.clone();
     let name = name.to_owned();
