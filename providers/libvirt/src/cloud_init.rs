@@ -341,13 +341,27 @@ mod tests {
 
     #[tokio::test]
     async fn a_build_past_its_deadline_is_killed_and_transient() {
-        let mut sleep = Command::new("sleep");
-        sleep.arg("30");
-        let started = std::time::Instant::now();
-        let err = run(sleep, Duration::from_millis(200)).await.expect_err("too slow");
+        let pid_file = std::env::temp_dir().join(format!("vmlet-seed-deadline-{}", std::process::id()));
+        let mut sleep = Command::new("sh");
+        sleep.args(["-c", &format!("echo $$ > {}; exec sleep 600", pid_file.display())]);
+        let err = run(sleep, Duration::from_secs(3)).await.expect_err("too slow");
         assert_eq!(err.kind, ErrorKind::Transient, "{err}");
         assert!(err.message.contains("was killed"), "{err}");
-        assert!(started.elapsed() < Duration::from_secs(10), "killed, not waited for");
+        // The process is gone (or a zombie being reaped), not left running:
+        // polled, up to a generous bound, never timed.
+        let pid = std::fs::read_to_string(&pid_file).expect("the command wrote its pid").trim().to_owned();
+        let _ = std::fs::remove_file(&pid_file);
+        let running = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+        };
+        for _ in 0..300 {
+            if !running() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the command {pid} still runs after its deadline");
     }
 
     #[tokio::test]
