@@ -129,14 +129,7 @@ pub fn pod_for_vm(
     }
 
     let mut tolerations = spec.tolerations.clone().unwrap_or_default();
-    // vmlet's own taint only: other virtual-kubelet providers use the same key.
-    tolerations.push(Toleration {
-        key: Some(VIRTUAL_NODE_TAINT_KEY.to_owned()),
-        operator: Some("Equal".to_owned()),
-        value: Some(crate::config::DEFAULT_TAINT_VALUE.to_owned()),
-        effect: Some("NoSchedule".to_owned()),
-        ..Toleration::default()
-    });
+    tolerations.push(virtual_node_toleration());
     // A VM outlives vmlet outages: without these, the taint manager would evict the
     // pod 300 s after the node goes NotReady, and the returning agent would read the
     // deletion as a stop.
@@ -210,6 +203,20 @@ pub fn pod_for_vm(
         }),
         status: None,
     })
+}
+
+/// The toleration of vmlet's virtual-node taint
+/// (`virtual-kubelet.io/provider=vmlet:NoSchedule`): vmlet's own value only,
+/// since other virtual-kubelet providers use the same key. VM pods and task
+/// pods carry it.
+pub fn virtual_node_toleration() -> Toleration {
+    Toleration {
+        key: Some(VIRTUAL_NODE_TAINT_KEY.to_owned()),
+        operator: Some("Equal".to_owned()),
+        value: Some(crate::config::DEFAULT_TAINT_VALUE.to_owned()),
+        effect: Some("NoSchedule".to_owned()),
+        ..Toleration::default()
+    }
 }
 
 /// The VM pod's container requests and limits (equal: the pod is Guaranteed):

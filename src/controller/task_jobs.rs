@@ -3,7 +3,7 @@
 //! back), placed next to the VM or on the backup's host.
 
 use crate::v1alpha1::VM_LABEL;
-use crate::vmpod::{CONTAINER_IMAGE, VIRTUAL_NODE_LABEL, VIRTUAL_NODE_TAINT_KEY};
+use crate::vmpod::{virtual_node_toleration, CONTAINER_IMAGE, VIRTUAL_NODE_LABEL};
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
@@ -85,13 +85,7 @@ pub fn task_job(task: &TaskJob<'_>) -> Job {
         }
     };
     let mut tolerations = task.tolerations.clone();
-    tolerations.push(Toleration {
-        key: Some(VIRTUAL_NODE_TAINT_KEY.to_owned()),
-        operator: Some("Equal".to_owned()),
-        value: Some(crate::config::DEFAULT_TAINT_VALUE.to_owned()),
-        effect: Some("NoSchedule".to_owned()),
-        ..Toleration::default()
-    });
+    tolerations.push(virtual_node_toleration());
     let marks = BTreeMap::from([(annotation.to_owned(), object.to_owned())]);
     Job {
         metadata: ObjectMeta {
