@@ -14,11 +14,13 @@
 //! - An inactive VM: its disk file copied with `qemu-img convert` on this
 //!   machine, so only on a local connection (`qemu:///system`).
 //! - A restore: `qemu-img convert` of the backup file into a new qcow2 disk,
-//!   on this machine too.
+//!   or into the place of an inactive VM's disk, on this machine too (see
+//!   `restore.rs`).
 //!
 //! Each VM has one backup at a time: a second call while one runs (in this
 //! process, or a job libvirt reports: another backup, a migration, a block
-//! copy) fails `Conflict` at once and leaves the first alone.
+//! copy), or while this process restores the VM's disk or works on its
+//! snapshots, fails `Conflict` at once and leaves the first alone.
 //!
 //! Where a copy fails, times out or is cancelled, its partial file is removed
 //! (by libvirt itself for a running VM's backup, and by vmlet as well where
@@ -30,9 +32,6 @@
 //! the VM started is invisible to QEMU, and a backup onto it fails ("Could not
 //! open …"; the message says so).
 
-use std::collections::HashSet;
-use std::hash::Hash;
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tracing::instrument;
@@ -41,10 +40,11 @@ use virt::domain::Domain;
 use virt::error::{Error as VirtError, ErrorNumber};
 use virt::sys;
 use vmlet_provider::{
-    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, Error, ErrorKind, Result, VmId,
+    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, Error, ErrorKind, InPlaceRestore, Result, VmId,
 };
 
 use crate::error::{from_libvirt, is_operation_invalid};
+use crate::in_flight::Claim;
 use crate::jobs::{abort_job, block_job, block_job_name, job_stats, operation_name, JobStats};
 use crate::provider::{is_active, is_local_uri, Host, LibvirtProvider};
 use crate::qemu_img;
@@ -53,7 +53,6 @@ use crate::xml::{disks, escape, Disk};
 const OP: &str = "back up disk";
 const OP_PROGRESS: &str = "read backup progress";
 const OP_ABORT: &str = "abort backup";
-const OP_RESTORE: &str = "restore disk";
 
 /// How often a running backup's progress is read.
 const POLL_INTERVAL: Duration = Duration::from_secs(1);
@@ -76,35 +75,6 @@ const ABORT_GRACE: Duration = Duration::from_secs(60);
 
 /// How long `qemu-img info` may take.
 const INFO_DEADLINE: Duration = Duration::from_secs(60);
-
-/// The backups and restores this process runs, per host: a second one for
-/// the same VM or target is refused at once instead of queueing behind
-/// libvirt's job lock or writing the same file.
-#[derive(Default)]
-pub(crate) struct InFlight {
-    vms: Mutex<HashSet<VmId>>,
-    targets: Mutex<HashSet<String>>,
-}
-
-/// An entry in one of [`InFlight`]'s sets, removed on drop.
-struct Claim<'a, K: Eq + Hash> {
-    set: &'a Mutex<HashSet<K>>,
-    key: K,
-}
-
-impl<'a, K: Eq + Hash + Clone> Claim<'a, K> {
-    /// Insert `key` into `set`; `None` when it is there already.
-    fn take(set: &'a Mutex<HashSet<K>>, key: &K) -> Option<Self> {
-        let inserted = set.lock().unwrap_or_else(PoisonError::into_inner).insert(key.clone());
-        inserted.then(|| Claim { set, key: key.clone() })
-    }
-}
-
-impl<K: Eq + Hash> Drop for Claim<'_, K> {
-    fn drop(&mut self) {
-        self.set.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.key);
-    }
-}
 
 /// How a backup began ([`Host::begin_backup`]).
 enum Started {
@@ -135,7 +105,7 @@ impl Host {
     fn begin_backup(&self, conn: &Connect, id: &VmId, target: &str, quiesce: bool) -> Result<Started> {
         let domain = self.require(conn, OP, id)?;
         let xml = domain.xml_desc(0).map_err(|e| from_libvirt(OP, e))?;
-        let disk = single_disk(id, disks(&xml))?;
+        let disk = single_disk(OP, id, disks(&xml))?;
         if !is_active(&domain, OP)? {
             return offline_source(id, disk);
         }
@@ -181,16 +151,17 @@ impl Host {
     }
 }
 
-/// The one disk of VM `id`. Errors: `InvalidInput` naming the count when it
-/// has none or several.
-fn single_disk(id: &VmId, found: Vec<Disk>) -> Result<Disk> {
+/// The one disk of VM `id` (for `operation`). Errors: `InvalidInput`
+/// naming the count when it has none or several.
+pub(crate) fn single_disk(operation: &'static str, id: &VmId, found: Vec<Disk>) -> Result<Disk> {
     match <[Disk; 1]>::try_from(found) {
         Ok([disk]) => Ok(disk),
         Err(found) => Err(Error::new(
-            OP,
+            operation,
             ErrorKind::InvalidInput,
             format!(
-                "VM {id} has {} disks; vmlet backs up VMs with exactly one disk (the one spec.image names)",
+                "VM {id} has {} disks; vmlet backs up and restores VMs with exactly one disk (the one spec.image \
+                 names, and no spec.disks)",
                 found.len()
             ),
         )),
@@ -357,7 +328,7 @@ fn progress_of(job: &JobStats) -> BackupProgress {
 }
 
 /// Refuse (`InvalidInput`) a `path` that is not absolute or holds a NUL byte.
-fn check_path(operation: &'static str, what: &str, path: &str) -> Result<()> {
+pub(crate) fn check_path(operation: &'static str, what: &str, path: &str) -> Result<()> {
     if !path.starts_with('/') || path.contains('\0') {
         return Err(Error::new(
             operation,
@@ -529,13 +500,16 @@ impl LibvirtProvider {
             let processed_bytes = (total as f64 * percent / 100.0) as u64;
             progress(BackupProgress { processed_bytes, total_bytes: total });
         };
-        qemu_img::convert(OP, source, format, &request.target, left(), &mut report).await.map_err(|mut err| {
-            if err.kind == ErrorKind::Permanent && err.message.contains("lock") {
-                err.kind = ErrorKind::Conflict;
-                err.message = format!("the disk of VM {id} is in use (was the VM started meanwhile?): {}", err.message);
-            }
-            err
-        })?;
+        qemu_img::convert(OP, source, format, &request.target, "qcow2", left(), &mut report).await.map_err(
+            |mut err| {
+                if err.kind == ErrorKind::Permanent && err.message.contains("lock") {
+                    err.kind = ErrorKind::Conflict;
+                    err.message =
+                        format!("the disk of VM {id} is in use (was the VM started meanwhile?): {}", err.message);
+                }
+                err
+            },
+        )?;
         progress(BackupProgress { processed_bytes: total, total_bytes: total });
         let file_bytes = self.file_size(&request.target).await;
         tracing::info!(vm.uid = %id, backup.target = %request.target, bytes = total, file_bytes, "offline backup completed");
@@ -607,7 +581,10 @@ impl Backup for LibvirtProvider {
             return Err(Error::new(
                 OP,
                 ErrorKind::Conflict,
-                format!("a backup of VM {id} is already running (started by this vmlet); wait until it ended"),
+                format!(
+                    "VM {id} has a backup, restore or snapshot operation running (started by this vmlet); wait \
+                     until it ended"
+                ),
             ));
         };
         let deadline = Instant::now() + request.timeout;
@@ -634,13 +611,10 @@ impl Backup for LibvirtProvider {
     }
 
     /// `qemu-img convert -f qcow2 -O qcow2` on this machine (a local
-    /// connection only), flushed before it returns; the bytes returned are the
-    /// disk's virtual size. A `target` that exists is left alone (it must be a
-    /// qcow2 image) and its virtual size returned.
-    ///
-    /// Caveat: a restore cut short by a crash of vmlet leaves a partial
-    /// `target` that a retry then takes for done; a timeout or a failed copy
-    /// removes it.
+    /// connection only) into `<target>.partial`, flushed to stable storage,
+    /// then renamed to `target`; the bytes returned are the disk's virtual
+    /// size (see `restore.rs`). A `target` that exists is left alone (it must
+    /// be a qcow2 image) and its virtual size returned.
     ///
     /// Errors as [`Backup::restore_disk`] documents; `Transient` after
     /// `timeout` (qemu-img killed, the partial target removed); `InvalidInput`
@@ -649,75 +623,28 @@ impl Backup for LibvirtProvider {
     /// another restore to `target` runs in this process.
     #[instrument(skip(self), fields(provider = "libvirt", restore.source = %source, restore.target = %target))]
     async fn restore_disk(&self, source: &str, target: &str, timeout: Duration) -> Result<u64> {
-        if !is_local_uri(self.uri()) {
-            return Err(Error::new(
-                OP_RESTORE,
-                ErrorKind::Unsupported,
-                format!(
-                    "vmlet restores disks with qemu-img where the files are; the connection {} reaches another \
-                     machine, where vmlet cannot run it: run vmlet on that host",
-                    self.uri()
-                ),
-            ));
-        }
-        check_path(OP_RESTORE, "backup file", source)?;
-        check_path(OP_RESTORE, "restore target", target)?;
-        let Some(_claim) = Claim::take(&self.in_flight().targets, &target.to_owned()) else {
-            return Err(Error::new(
-                OP_RESTORE,
-                ErrorKind::Conflict,
-                format!("another restore to {target} is running (started by this vmlet); retry once it ended"),
-            ));
-        };
-        let deadline = Instant::now() + timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
-        match tokio::fs::symlink_metadata(target).await {
-            Ok(_) => {
-                let existing = qemu_img::info(OP_RESTORE, target, Some("qcow2"), INFO_DEADLINE.min(left())).await?;
-                tracing::info!(bytes = existing.virtual_size, "restore target exists already; left alone");
-                return Ok(existing.virtual_size);
-            }
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-            Err(err) => {
-                return Err(Error::new(
-                    OP_RESTORE,
-                    ErrorKind::Permanent,
-                    format!("cannot tell whether restore target {target} exists: {err}"),
-                ))
-            }
-        }
-        match tokio::fs::metadata(source).await {
-            Ok(meta) if meta.is_file() => {}
-            Ok(_) => {
-                return Err(Error::new(
-                    OP_RESTORE,
-                    ErrorKind::InvalidInput,
-                    format!("backup file {source} is not a regular file"),
-                ))
-            }
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::new(OP_RESTORE, ErrorKind::NotFound, format!("backup file {source} does not exist")))
-            }
-            Err(err) => {
-                return Err(Error::new(
-                    OP_RESTORE,
-                    ErrorKind::Permanent,
-                    format!("cannot read backup file {source}: {err}"),
-                ))
-            }
-        }
-        let started = Instant::now();
-        let info = qemu_img::info(OP_RESTORE, source, Some("qcow2"), INFO_DEADLINE.min(left())).await?;
-        // Into `<target>.partial`, renamed when complete: a copy a crash
-        // interrupted is never taken for a finished disk by the next call.
-        let partial = format!("{target}.partial");
-        let _ = tokio::fs::remove_file(&partial).await;
-        qemu_img::convert(OP_RESTORE, source, "qcow2", &partial, left(), &mut |_| {}).await?;
-        tokio::fs::rename(&partial, target).await.map_err(|err| {
-            Error::new(OP_RESTORE, ErrorKind::Permanent, format!("cannot move {partial} to {target}: {err}"))
-        })?;
-        tracing::info!(bytes = info.virtual_size, elapsed = ?started.elapsed(), "disk restored");
-        Ok(info.virtual_size)
+        self.restore_new_disk(source, target, timeout).await
+    }
+
+    /// The VM's disk replaced by a copy of `source` in the disk's own format
+    /// (`qemu-img convert` on this machine, a local connection only), its
+    /// previous file kept as `<disk>.before-<tag>` with the old file's owner
+    /// and mode given to the new one; libvirt's record of the internal
+    /// snapshots that only the previous file holds is dropped (see
+    /// `restore.rs`). `bytes` is the disk's virtual size.
+    ///
+    /// The caller keeps the VM stopped during the call: vmlet checks that it
+    /// is inactive before the copy and again just before the renames, but
+    /// cannot lock out a start in between.
+    ///
+    /// Errors as [`Backup::restore_in_place`] documents; `InvalidInput` also
+    /// for a relative `source` and for a disk that is no file;
+    /// `Unsupported` also on the test driver; `Permanent` when the disk file
+    /// and its kept copy are both missing, or a rename failed (the message
+    /// says what is where; a retry completes it).
+    #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id, restore.source = %source, restore.tag = %tag))]
+    async fn restore_in_place(&self, id: &VmId, source: &str, tag: &str, timeout: Duration) -> Result<InPlaceRestore> {
+        self.restore_disk_in_place(id, source, tag, timeout).await
     }
 }
 
@@ -730,7 +657,13 @@ mod tests {
     }
 
     fn disk(target: &str) -> Disk {
-        Disk { target: target.into(), kind: "file".into(), source: Some(format!("/d/{target}.qcow2")), format: None }
+        Disk {
+            target: target.into(),
+            kind: "file".into(),
+            source: Some(format!("/d/{target}.qcow2")),
+            format: None,
+            serial: None,
+        }
     }
 
     #[test]
@@ -744,10 +677,10 @@ mod tests {
 
     #[test]
     fn a_vm_without_exactly_one_disk_is_refused_naming_the_count() {
-        assert_eq!(single_disk(&id(), vec![disk("vda")]).expect("one disk").target, "vda");
+        assert_eq!(single_disk(OP, &id(), vec![disk("vda")]).expect("one disk").target, "vda");
         for found in [vec![], vec![disk("vda"), disk("vdb")]] {
             let count = found.len();
-            let err = single_disk(&id(), found).expect_err("not one disk");
+            let err = single_disk(OP, &id(), found).expect_err("not one disk");
             assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
             assert!(err.message.contains(&format!("has {count} disks")), "{err}");
         }
@@ -770,14 +703,5 @@ mod tests {
         for path in ["b/x.qcow2", "", "/b/x\0.qcow2"] {
             assert_eq!(check_path(OP, "backup target", path).expect_err(path).kind, ErrorKind::InvalidInput);
         }
-    }
-
-    #[test]
-    fn a_claim_is_exclusive_until_dropped() {
-        let set = Mutex::new(HashSet::new());
-        let first = Claim::take(&set, &id()).expect("first");
-        assert!(Claim::take(&set, &id()).is_none(), "second while the first is held");
-        drop(first);
-        assert!(Claim::take(&set, &id()).is_some(), "again once dropped");
     }
 }

@@ -31,8 +31,12 @@
 //! [`Migration`](vmlet_provider::Migration) (peer to peer, from this host's
 //! libvirtd to the target's) and [`Backup`](vmlet_provider::Backup) (a running
 //! VM's disk through libvirt's push-mode backup, an inactive one's and
-//! restores with `qemu-img` on a local connection) capabilities; on the test
-//! driver `Stats` and `Resize`. A VM's cloud-init data
+//! restores, new disks or in place, with `qemu-img` on a local connection)
+//! and [`Snapshots`](vmlet_provider::Snapshots) (libvirt's internal snapshots
+//! in the qcow2 disk, with memory for a running VM; reverts of a stopped VM's
+//! disk with `qemu-img` on a local connection) capabilities; on the test
+//! driver `Stats`, `Resize` and `Snapshots` (kept in memory). A VM's
+//! cloud-init data
 //! ([`VmSpec::cloud_init`](vmlet_provider::VmSpec::cloud_init)) reaches a QEMU
 //! guest as a NoCloud seed: an ISO 9660 image labelled `cidata` that vmlet
 //! writes with `genisoimage` (on a local connection only) and attaches as a
@@ -57,11 +61,14 @@ mod domains;
 mod error;
 mod event_loop;
 mod exec;
+mod in_flight;
 mod jobs;
 mod migration;
 mod provider;
 mod qemu_img;
 mod resize;
+mod restore;
+mod snapshot;
 mod stats;
 mod xml;
 

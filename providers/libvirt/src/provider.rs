@@ -10,14 +10,14 @@ use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
     Backup, CloudInit, Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result,
-    Stats, VmId, VmSpec, VmStatus,
+    Snapshots, Stats, VmId, VmSpec, VmStatus,
 };
 
-use crate::backup::InFlight;
 use crate::cloud_init::{remove_seed, require_local_host, seed_path, write_seed, BUILD_DEADLINE, DEFAULT_SEED_DIR};
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_no_storage_pool, is_operation_invalid, is_unsupported_flags};
+use crate::in_flight::InFlight;
 use crate::xml::{
     console_log_path, domain_xml, pool_target_path, Accelerator, DomainKind, CONSOLE_LOG_DIR, DEFAULT_IMAGES_DIR,
     DEFAULT_POOL,
@@ -100,7 +100,7 @@ pub(crate) struct MigrationSettings {
 /// The shared state behind a [`LibvirtProvider`].
 pub(crate) struct Host {
     pub(crate) connection: Connection,
-    uuids: UuidCache,
+    pub(crate) uuids: UuidCache,
     /// The driver behind the URI (and for QEMU the accelerator), chosen at
     /// connect time.
     pub(crate) kind: DomainKind,
@@ -113,7 +113,8 @@ pub(crate) struct Host {
     /// The boot (domain id) whose console output each VM last served while
     /// running, so that a stopped VM's log keeps its boot (see `console.rs`).
     pub(crate) boots: Mutex<HashMap<VmId, String>>,
-    /// The backups and restores running in this process (see `backup.rs`).
+    /// The backups, restores and snapshot operations running in this process
+    /// (see `in_flight.rs`).
     in_flight: InFlight,
 }
 
@@ -249,7 +250,7 @@ impl LibvirtProvider {
         self
     }
 
-    /// The backups and restores this host runs now.
+    /// The backups, restores and snapshot operations this host runs now.
     pub(crate) fn in_flight(&self) -> &InFlight {
         &self.host.in_flight
     }
@@ -891,6 +892,14 @@ impl Provider for LibvirtProvider {
     /// jobs.
     fn backup(&self) -> Option<&dyn Backup> {
         self.host.kind.is_qemu().then_some(self as &dyn Backup)
+    }
+
+    /// libvirt's internal snapshots (see `snapshot.rs`) on every driver: on
+    /// QEMU in the VM's qcow2 disk (reverts on a local connection only), on
+    /// the test driver in libvirt's memory, where a revert only makes the
+    /// snapshot the current one (it has no disks).
+    fn snapshots(&self) -> Option<&dyn Snapshots> {
+        Some(self)
     }
 
     /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,

@@ -1,5 +1,7 @@
 //! `qemu-img` on this machine (Debian package `qemu-utils`), every run with a
-//! deadline: reading an image's size and copying an image into a new qcow2.
+//! deadline: reading an image's size and internal snapshots, copying an image
+//! into a new one, and putting an inactive qcow2 image back to one of its
+//! internal snapshots.
 //!
 //! Runs only where the files are, so only for local libvirt connections (the
 //! callers check). The child is killed when its deadline passes or its caller
@@ -22,6 +24,9 @@ pub(crate) struct ImageInfo {
     pub(crate) virtual_size: u64,
     /// The image format (`qcow2`, `raw`).
     pub(crate) format: String,
+    /// The names of the internal snapshots the image holds (qcow2 only;
+    /// empty for other formats), in the image's order.
+    pub(crate) snapshots: Vec<String>,
 }
 
 /// `qemu-img info -U --output=json -f <format> <path>` (format probed when
@@ -53,16 +58,25 @@ pub(crate) async fn info(
     })
 }
 
-/// The size and format in `qemu-img info --output=json`'s answer.
+/// The size, format and snapshot names in `qemu-img info --output=json`'s
+/// answer.
 fn parse_info(json: &[u8]) -> Option<ImageInfo> {
     let info: serde_json::Value = serde_json::from_slice(json).ok()?;
-    Some(ImageInfo { virtual_size: info["virtual-size"].as_u64()?, format: info["format"].as_str()?.to_owned() })
+    let snapshots = match info.get("snapshots") {
+        None => Vec::new(),
+        Some(list) => list.as_array()?.iter().map(|s| s["name"].as_str().map(str::to_owned)).collect::<Option<_>>()?,
+    };
+    Some(ImageInfo {
+        virtual_size: info["virtual-size"].as_u64()?,
+        format: info["format"].as_str()?.to_owned(),
+        snapshots,
+    })
 }
 
-/// `qemu-img convert -p -t writeback -f <format> -O qcow2 <source> <target>`:
-/// a new, independent qcow2 at `target` with what `source` holds (backing
-/// files flattened, zero blocks not stored), flushed to disk before qemu-img
-/// exits. Calls `percent` with qemu-img's progress (0.0 to 100.0) as it
+/// `qemu-img convert -p -t writeback -f <format> -O <output_format> <source>
+/// <target>`: a new, independent image at `target` (`qcow2` or `raw`) with
+/// what `source` holds (backing files flattened, zero blocks not stored;
+/// internal snapshots are not copied), flushed to disk before qemu-img exits. Calls `percent` with qemu-img's progress (0.0 to 100.0) as it
 /// reports it. `target` must not exist yet: it is created, and removed again
 /// when the copy fails or does not finish within `deadline`.
 ///
@@ -75,11 +89,12 @@ pub(crate) async fn convert(
     source: &str,
     format: &str,
     target: &str,
+    output_format: &str,
     deadline: Duration,
     percent: &mut (dyn FnMut(f64) + Send),
 ) -> Result<()> {
     let mut command = Command::new(QEMU_IMG);
-    command.args(["convert", "-p", "-t", "writeback", "-f", format, "-O", "qcow2", source, target]);
+    command.args(["convert", "-p", "-t", "writeback", "-f", format, "-O", output_format, source, target]);
     match run(operation, command, deadline, percent).await {
         Ok(_) => Ok(()),
         Err(mut err) => {
@@ -89,6 +104,25 @@ pub(crate) async fn convert(
             Err(err)
         }
     }
+}
+
+/// `qemu-img snapshot -a <name> --image-opts driver=qcow2,file.filename=<path>`:
+/// put the qcow2 image `path` back to
+/// its internal snapshot `name` (what it holds now is lost; the snapshot is
+/// kept). qemu-img takes the image's write lock, so this fails while a VM
+/// (or another qemu-img) has the image open.
+///
+/// Errors (for `operation`): `Transient` after `deadline` (qemu-img killed:
+/// the image may be half reverted; run it again); `Unsupported` when qemu-img
+/// is not installed; `Permanent` with qemu-img's message when it failed (no
+/// such snapshot, the image locked: the message says `lock`).
+pub(crate) async fn apply_snapshot(operation: &'static str, path: &str, name: &str, deadline: Duration) -> Result<()> {
+    // `snapshot` takes no `-f`: the format is stated in image options, so
+    // that qemu-img never probes it. Option values double their commas.
+    let options = format!("driver=qcow2,file.filename={}", path.replace(',', ",,"));
+    let mut command = Command::new(QEMU_IMG);
+    command.args(["snapshot", "-a", name, "--image-opts", &options]);
+    run(operation, command, deadline, &mut |_| {}).await.map(drop)
 }
 
 /// Remove the partial file `path` that a failed copy left; true when there was
@@ -202,8 +236,19 @@ mod tests {
     #[test]
     fn info_is_read_from_qemu_imgs_json() {
         let json = br#"{"virtual-size": 67108864, "filename": "/d.qcow2", "format": "qcow2", "actual-size": 200704}"#;
-        assert_eq!(parse_info(json), Some(ImageInfo { virtual_size: 64 << 20, format: "qcow2".into() }));
+        let image = ImageInfo { virtual_size: 64 << 20, format: "qcow2".into(), snapshots: vec![] };
+        assert_eq!(parse_info(json), Some(image));
         assert_eq!(parse_info(br#"{"format": "raw"}"#), None);
         assert_eq!(parse_info(b"qemu-img: Could not open"), None);
+    }
+
+    #[test]
+    fn internal_snapshots_are_read_by_name() {
+        let json = br#"{"snapshots": [{"id": "1", "name": "a", "vm-state-size": 0},
+            {"id": "2", "name": "b.2", "vm-state-size": 110952448}],
+            "virtual-size": 1048576, "format": "qcow2"}"#;
+        let info = parse_info(json).expect("parsed");
+        assert_eq!(info.snapshots, ["a", "b.2"]);
+        assert_eq!(parse_info(br#"{"snapshots": [{"id": "1"}], "virtual-size": 1, "format": "qcow2"}"#), None);
     }
 }

@@ -161,7 +161,7 @@ pub(crate) fn parse_identity(element: &str) -> Option<Identity> {
 
 /// The attributes of the first element in `xml`, unescaped, in document order.
 /// `None` when `xml` does not start with a well-formed start tag.
-fn attributes(xml: &str) -> Option<Vec<(String, String)>> {
+pub(crate) fn attributes(xml: &str) -> Option<Vec<(String, String)>> {
     let start = xml.find('<')?;
     let mut rest = &xml[start + 1..];
     // Skip the element name.
@@ -236,7 +236,7 @@ impl Size {
 
 /// Where the first `<name …>` or `<name/>` start tag in `xml` begins (exactly
 /// that name: `<vcpu` does not match `<vcpus>`).
-fn start_of(xml: &str, name: &str) -> Option<usize> {
+pub(crate) fn start_of(xml: &str, name: &str) -> Option<usize> {
     let open = format!("<{name}");
     let mut from = 0;
     loop {
@@ -250,7 +250,7 @@ fn start_of(xml: &str, name: &str) -> Option<usize> {
 
 /// The attributes and text of the first `<name …>text</name>` element in `xml`
 /// (exactly that name: `<vcpu` does not match `<vcpus>`).
-fn element<'a>(xml: &'a str, name: &str) -> Option<(Vec<(String, String)>, &'a str)> {
+pub(crate) fn element<'a>(xml: &'a str, name: &str) -> Option<(Vec<(String, String)>, &'a str)> {
     let start = start_of(xml, name)?;
     let attrs = attributes(&xml[start..])?;
     let text_start = start + xml[start..].find('>')? + 1;
@@ -293,6 +293,9 @@ pub(crate) struct Disk {
     pub(crate) source: Option<String>,
     /// `<driver type='…'>`: the image format (`qcow2`, `raw`), when stated.
     pub(crate) format: Option<String>,
+    /// `<serial>…</serial>`: for vmlet's data disks, the name of the disk in
+    /// the VirtualMachine (`spec.disks[].name`).
+    pub(crate) serial: Option<String>,
 }
 
 /// The disks of a domain XML in document order: `<disk>` elements with
@@ -333,6 +336,7 @@ pub(crate) fn disks(xml: &str) -> Vec<Disk> {
             kind: get(&attrs, "type").unwrap_or_else(|| "file".to_owned()),
             source: child("source").and_then(|attrs| get(&attrs, "file").or_else(|| get(&attrs, "dev"))),
             format: child("driver").and_then(|attrs| get(&attrs, "type")),
+            serial: self::element(body, "serial").map(|(_, text)| unescape(text.trim())),
         });
     }
     disks
@@ -687,8 +691,15 @@ mod tests {
                     kind: "file".into(),
                     source: Some("/var/lib/vmlet/it's.qcow2".into()),
                     format: Some("qcow2".into()),
+                    serial: None,
                 },
-                Disk { target: "vdb".into(), kind: "block".into(), source: Some("/dev/sdb".into()), format: None },
+                Disk {
+                    target: "vdb".into(),
+                    kind: "block".into(),
+                    source: Some("/dev/sdb".into()),
+                    format: None,
+                    serial: None,
+                },
             ]
         );
     }
@@ -706,6 +717,7 @@ mod tests {
                 kind: "file".into(),
                 source: Some("/images/disk.qcow2".into()),
                 format: Some("qcow2".into()),
+                serial: None,
             }]
         );
     }
@@ -725,8 +737,9 @@ mod tests {
             "      <serial>data</serial>\n",
         )));
         assert!(xml.contains("<target dev='vdc' bus='virtio'/>\n      <serial>logs</serial>"));
-        let targets: Vec<String> = disks(&xml).into_iter().map(|d| d.target).collect();
-        assert_eq!(targets, ["vda", "vdb", "vdc"]);
+        let found: Vec<(String, Option<String>)> = disks(&xml).into_iter().map(|d| (d.target, d.serial)).collect();
+        let expected = [("vda", None), ("vdb", Some("data")), ("vdc", Some("logs"))];
+        assert_eq!(found, expected.map(|(target, serial)| (target.to_owned(), serial.map(str::to_owned))));
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 mod common;
 use common::deadline::{output_within, run};
+use common::disk::{disk_head, image_info};
 use common::guest::BOOT_DEADLINE;
 use common::guest::{
     exec, exec_when_ready, guest_accelerator, guest_dir, remove_leftovers, wait_for, RunDir, RUN_DIRS,
@@ -79,28 +80,6 @@ fn unmount_leftovers() {
             let _ = run(Command::new("umount").arg(point), COMMAND);
         }
     }
-}
-
-/// What `qemu-img info` says of `path`: (format, virtual size).
-fn image_info(path: &str) -> (String, u64) {
-    let out = output_within(Command::new("qemu-img").args(["info", "-U", "--output=json", path]), COMMAND);
-    assert!(out.status.success(), "qemu-img info {path}: {}", String::from_utf8_lossy(&out.stderr));
-    let info: serde_json::Value = serde_json::from_slice(&out.stdout).expect("qemu-img info JSON");
-    (info["format"].as_str().expect("format").to_owned(), info["virtual-size"].as_u64().expect("virtual-size"))
-}
-
-/// The first `len` bytes of the qcow2 disk `path` as the guest would read
-/// them, through a raw copy next to it.
-fn disk_head(path: &str, len: usize) -> Vec<u8> {
-    let raw = format!("{path}.raw");
-    let out = output_within(
-        Command::new("qemu-img").args(["convert", "-U", "-f", "qcow2", "-O", "raw", path, &raw]),
-        COMMAND,
-    );
-    assert!(out.status.success(), "qemu-img convert {path} to raw: {}", String::from_utf8_lossy(&out.stderr));
-    let data = std::fs::read(&raw).expect("read the raw copy");
-    std::fs::remove_file(&raw).expect("remove the raw copy");
-    data[..len].to_vec()
 }
 
 /// What the guest reads at the start of its disk.

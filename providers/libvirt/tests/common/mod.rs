@@ -5,6 +5,10 @@
 #[path = "../../../../tests/support/deadline.rs"]
 pub mod deadline;
 
+/// Disk images read with qemu-img.
+#[allow(dead_code)] // not every test binary reads images
+pub mod disk;
+
 /// The test guest: its files, commands in it, waiting for it.
 #[allow(dead_code)] // not every test binary boots a guest
 pub mod guest;
