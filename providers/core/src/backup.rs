@@ -105,4 +105,31 @@ pub trait Backup: Send + Sync {
     /// Errors: `NotFound` when `source` does not exist; `Permanent` when the
     /// copy failed (the partial target is removed).
     async fn restore_disk(&self, source: &str, target: &str, timeout: Duration) -> Result<u64>;
+
+    /// Put the disk of stopped VM `id` back as the backup file `source` (an
+    /// absolute path on this host the caller checked) holds. Nothing is
+    /// lost: the VM's current disk file is renamed to `<disk>.before-<tag>`
+    /// (`tag`: letters, digits and `-`; vmlet passes the restore's UID) and
+    /// the copy, written first as `<disk>.partial`, takes the disk's place.
+    /// Idempotent: a call that finds the renamed old disk and the disk both
+    /// present has been done and returns as the first did; one that finds the
+    /// renamed old disk but no disk completes the rename.
+    /// Errors: `NotFound` when the VM or `source` does not exist; `Conflict`
+    /// while the VM is active or has a job running; `InvalidInput` for a VM
+    /// with more than one disk or a bad `tag`; `Unsupported` where vmlet
+    /// cannot reach the files (a remote connection); `Permanent` when the
+    /// copy failed (the partial file is removed and the VM's disk is
+    /// untouched); `Transient` after `timeout`.
+    async fn restore_in_place(&self, id: &VmId, source: &str, tag: &str, timeout: Duration) -> Result<InPlaceRestore>;
+}
+
+/// What an in-place restore did ([`Backup::restore_in_place`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InPlaceRestore {
+    /// The VM's disk, now holding the backup's data.
+    pub disk: String,
+    /// Where the disk's previous content was kept (`<disk>.before-<tag>`).
+    pub kept_as: String,
+    /// Bytes of disk data copied (the disk's virtual size).
+    pub bytes: u64,
 }

@@ -20,11 +20,13 @@ mod capabilities;
 mod error;
 mod migration;
 mod resize;
-pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency};
+mod snapshot;
+pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, InPlaceRestore};
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
 pub use resize::{Resize, ResizeScope, Resources};
+pub use snapshot::{RevertOutcome, SnapshotInfo, SnapshotRequest, Snapshots};
 
 /// The stable identity of a VM: the UID of its VirtualMachine object
 /// (`metadata.uid`, an RFC 4122 UUID string).
@@ -387,6 +389,12 @@ pub trait Provider: Send + Sync + 'static {
     /// The capability to copy a VM's disk to a file on its host and make new
     /// disks from such files, if this backend (and host) has one.
     fn backup(&self) -> Option<&dyn Backup> {
+        None
+    }
+
+    /// The capability to take, delete and revert to snapshots of a VM, if
+    /// this backend (and host) has one.
+    fn snapshots(&self) -> Option<&dyn Snapshots> {
         None
     }
 

@@ -1,0 +1,90 @@
+//! Named points in time of a VM kept by the back end beside its disk
+//! (snapshots), and going back to one (revert).
+//!
+//! A snapshot is the back end's own: libvirt's internal snapshots live inside
+//! the VM's qcow2 disk (and, taken of a running VM, hold its memory too:
+//! QEMU's `savevm`, which pauses the guest while the memory is written). vmlet
+//! names each snapshot; a name is unique per VM.
+//!
+//! A revert writes over what the VM's disk holds, so it is refused while the
+//! VM is active: the caller stops the VM first.
+
+use std::time::Duration;
+
+use crate::{Result, VmId};
+
+/// What to take ([`Snapshots::create_snapshot`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotRequest {
+    /// The snapshot's name on the back end, unique per VM: letters, digits,
+    /// `-`, `_` and `.`, at most 200 bytes (vmlet uses `<namespace>_<name>_<uid>`).
+    pub name: String,
+    /// Whether to save the VM's memory too. `None`: what the back end does for
+    /// the VM's state (libvirt: with memory when running, disk only when
+    /// stopped). `Some(true)` of a stopped VM and `Some(false)` of a running
+    /// one where the back end cannot do it are refused `InvalidInput`, with a
+    /// message naming the fix.
+    pub memory: Option<bool>,
+    /// Freeze the guest's filesystems (guest agent) while a disk-only
+    /// snapshot of a running VM is taken; a snapshot with memory needs no
+    /// freeze (the memory holds what was not written out).
+    pub quiesce: bool,
+    /// How long taking it may take; then the call fails `Transient` (the
+    /// back end may still finish it: a retry with the same name finds it).
+    pub timeout: Duration,
+}
+
+/// A snapshot the back end holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// Its name ([`SnapshotRequest::name`]).
+    pub name: String,
+    /// Whether it holds the VM's memory (a revert then resumes the guest
+    /// where it was, where the back end can).
+    pub memory: bool,
+    /// Whether the VM was running when it was taken.
+    pub vm_was_running: bool,
+    /// When it was taken, seconds since the Unix epoch (the back end's clock).
+    pub created_unix_seconds: i64,
+}
+
+/// What a revert did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RevertOutcome {
+    /// Whether the snapshot's memory was put back. Reverting a stopped VM to
+    /// a snapshot with memory puts back its disks only (the VM stays
+    /// stopped): they then hold what the guest had written out when the
+    /// snapshot was taken, as after a power cut.
+    pub memory_restored: bool,
+}
+
+/// The snapshot capability ([`crate::Provider::snapshots`]). Called on the
+/// provider of the host that holds the VM.
+#[async_trait::async_trait]
+pub trait Snapshots: Send + Sync {
+    /// Take snapshot `request.name` of VM `id`. Idempotent: a snapshot of that
+    /// name that exists already is returned as it is (a retried call).
+    /// Errors: `NotFound` when this host has no such VM; `InvalidInput` for a
+    /// request the back end cannot do (see [`SnapshotRequest::memory`]; a disk
+    /// that cannot hold snapshots, e.g. a raw data disk: the message names
+    /// it); `Conflict` while the VM has another job running (a backup, a
+    /// migration); `Transient` after `request.timeout`.
+    async fn create_snapshot(&self, id: &VmId, request: &SnapshotRequest) -> Result<SnapshotInfo>;
+
+    /// The snapshot `name` of VM `id`, if the back end holds it.
+    /// Errors: `NotFound` when this host has no such VM.
+    async fn snapshot(&self, id: &VmId, name: &str) -> Result<Option<SnapshotInfo>>;
+
+    /// Delete snapshot `name` of VM `id` (its data is dropped from the disk;
+    /// the VM's current state is untouched). A snapshot that does not exist,
+    /// or a VM this host does not have, is success.
+    /// Errors: `Conflict` while the VM has another job running.
+    async fn delete_snapshot(&self, id: &VmId, name: &str) -> Result<()>;
+
+    /// Put VM `id`'s disks back as they were at snapshot `name` (see
+    /// [`RevertOutcome`]); everything written since is lost, so the VM must be
+    /// stopped. The snapshot itself is kept.
+    /// Errors: `NotFound` when the VM or the snapshot does not exist;
+    /// `Conflict` while the VM is active or has a job running.
+    async fn revert_to_snapshot(&self, id: &VmId, name: &str) -> Result<RevertOutcome>;
+}
