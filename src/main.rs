@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use vmlet::config::{Config, HostConfig};
-use vmlet::v1alpha1::{VirtualMachine, VirtualMachineBackup, VirtualMachineRestore};
+use vmlet::v1alpha1::{VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineSnapshot};
 use vmlet_provider::Provider;
 
 mod cloud_hosts;
@@ -46,13 +46,19 @@ enum Command {
         shutdown_grace_seconds: u64,
     },
     /// Print vmlet's CustomResourceDefinitions (VirtualMachine,
-    /// VirtualMachineBackup, VirtualMachineRestore) as one multi-document YAML.
+    /// VirtualMachineBackup, VirtualMachineRestore, VirtualMachineSnapshot) as
+    /// one multi-document YAML.
     Crd,
 }
 
 /// Every CRD vmlet serves, as YAML documents separated by `---`.
 fn crds_yaml() -> Result<String, serde_yaml::Error> {
-    let crds = [VirtualMachine::crd(), VirtualMachineBackup::crd(), VirtualMachineRestore::crd()];
+    let crds = [
+        VirtualMachine::crd(),
+        VirtualMachineBackup::crd(),
+        VirtualMachineRestore::crd(),
+        VirtualMachineSnapshot::crd(),
+    ];
     let documents: Result<Vec<String>, _> = crds.iter().map(serde_yaml::to_string).collect();
     Ok(documents?.join("---\n"))
 }
@@ -210,6 +216,12 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
             shutdown.child_token(),
         ));
         tasks.spawn(vmlet::controller::restores::run(
+            client.clone(),
+            config.namespace.clone(),
+            scope.clone(),
+            shutdown.child_token(),
+        ));
+        tasks.spawn(vmlet::controller::snapshots::run(
             client.clone(),
             config.namespace.clone(),
             scope,

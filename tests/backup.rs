@@ -9,6 +9,7 @@
 mod common;
 
 use common::deadline::{output_within, VIRSH};
+use common::disk::{domstate, read_marker, wait_backup_ended, wait_job_condition, write_marker};
 use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -16,75 +17,13 @@ use kube::api::{Api, PostParams};
 use serde_json::json;
 use std::process::Command;
 use std::time::Duration;
-use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestore};
-
-/// Write `marker` to the first sector of the guest's disk of `pod`, flushed.
-async fn write_marker(env: &TestEnv, pod: &str, marker: &str) {
-    let script = r#"printf '%s\n' "$1" | dd of=/dev/vda bs=512 count=1 conv=sync,fsync 2>/dev/null && sync"#;
-    env.wait_for(&format!("the guest of {pod} to write {marker}"), || {
-        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script, "sh", marker]);
-        async move { out.status.success().then_some(()) }
-    })
-    .await;
-}
-
-/// The first sector of the guest's disk of `pod`, as text.
-async fn read_marker(env: &TestEnv, pod: &str) -> String {
-    env.wait_for(&format!("the guest of {pod} to read its disk"), || {
-        let out = env.kubectl_output(&[
-            "exec",
-            pod,
-            "--",
-            "sh",
-            "-c",
-            "dd if=/dev/vda bs=512 count=1 2>/dev/null | head -n 1",
-        ]);
-        async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()) }
-    })
-    .await
-}
-
-/// Wait until backup `name` has ended (Succeeded or Failed); returns it.
-async fn wait_backup_ended(env: &TestEnv, name: &str) -> VirtualMachineBackup {
-    let backups: Api<VirtualMachineBackup> = Api::namespaced(env.client.clone(), &env.ns);
-    env.wait_for(&format!("VirtualMachineBackup {name} to end"), || {
-        let backups = backups.clone();
-        async move {
-            let backup = backups.get_opt(name).await.ok()??;
-            let phase = backup.status.as_ref()?.phase?;
-            matches!(phase, OperationPhase::Succeeded | OperationPhase::Failed).then_some(backup)
-        }
-    })
-    .await
-}
-
-/// Wait until Job `name` has condition `type_` (`Complete`, `Failed`).
-async fn wait_job_condition(env: &TestEnv, name: &str, type_: &str) -> Job {
-    let jobs: Api<Job> = Api::namespaced(env.client.clone(), &env.ns);
-    env.wait_for(&format!("Job {name} condition {type_}"), || {
-        let jobs = jobs.clone();
-        async move {
-            let job = jobs.get_opt(name).await.ok()??;
-            let done = job.status.as_ref()?.conditions.as_ref()?.iter().any(|c| c.type_ == type_ && c.status == "True");
-            done.then_some(job)
-        }
-    })
-    .await
-}
+use vmlet::v1alpha1::{OperationPhase, VirtualMachineRestore};
 
 fn apply_backup(env: &TestEnv, name: &str, spec: serde_json::Value) {
     let object = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineBackup",
         "metadata": {"name": name, "namespace": env.ns}, "spec": spec});
     let out = env.apply(&object.to_string());
     assert!(out.status.success(), "apply backup {name}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-fn domstate(env: &TestEnv, vm: &str) -> String {
-    let out = output_within(
-        Command::new("virsh").arg("-c").arg(qemu_uri()).args(["domstate", &format!("{}_{vm}", env.ns)]),
-        VIRSH,
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 /// A tmpfs of 1 MiB at `dir`, unmounted on drop.

@@ -23,6 +23,7 @@
 pub mod backups;
 pub mod decide;
 pub mod restores;
+pub mod snapshots;
 pub mod status;
 pub mod task_jobs;
 mod written;

@@ -1,5 +1,8 @@
-//! The VirtualMachineRestore controller: a new VirtualMachine from a backup.
+//! The VirtualMachineRestore controller: a new VirtualMachine from a backup,
+//! or (with `spec.target.inPlace`) a stopped VM put back from its backup or
+//! snapshot ([`in_place`]).
 //!
+//! A new VM:
 //! 1. The backup must have succeeded and the target VM must not exist (a
 //!    restore never writes over a VM).
 //! 2. A Job on the backup's host makes the new disk ([`crate::node::tasks`]);
@@ -12,8 +15,10 @@
 use super::task_jobs::{job_failure, run_job_owner, task_job, TaskJob, TaskPlacement};
 use crate::conditions::new_condition;
 use crate::v1alpha1::{
-    OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, RESTORE_ANNOTATION,
+    OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineRestoreStatus,
+    VirtualMachineSnapshot, VmPhase, RESTORE_ANNOTATION,
 };
+use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -80,13 +85,19 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
     let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
     let backups: Api<VirtualMachineBackup> = Api::namespaced(ctx.client.clone(), &namespace);
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
-    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &namespace);
     let fail = |message: String| {
         let (restores, name) = (restores.clone(), name.clone());
         async move { end(&restores, &name, OperationPhase::Failed, &message, None).await }
     };
 
-    let backup_name = &restore.spec.source.backup;
+    if restore.spec.target.in_place {
+        return in_place(&restore, &ctx, &status).await;
+    }
+    let Some(backup_name) = restore.spec.source.backup.as_ref() else {
+        let message = "spec.source: a new VM is made from a backup only; name spec.source.backup, or set \
+                       spec.target.inPlace to revert a stopped VM to a snapshot";
+        return fail(message.to_owned()).await.map_err(err("write status"));
+    };
     let Some(backup) = backups.get_opt(backup_name).await.map_err(err("read the backup"))? else {
         return fail(format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}"))
             .await
@@ -135,46 +146,9 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
 
     let Some(disk) = status.disk.clone() else {
         // Step 2: the Job that makes the disk on the backup's host.
-        let job_name = format!("{name}-restore");
-        match jobs.get_opt(&job_name).await.map_err(err("read the Job"))? {
-            Some(job) => {
-                let ours = job.owner_references().iter().any(|r| Some(&r.uid) == restore.meta().uid.as_ref());
-                if !ours {
-                    return fail(format!(
-                        "Job {job_name} exists and is not this restore's; delete it or rename the restore"
-                    ))
-                    .await
-                    .map_err(err("write status"));
-                }
-                if let Some(message) = job_failure(&job) {
-                    return fail(message).await.map_err(err("write status"));
-                }
-            }
-            None => {
-                let owner = restore.controller_owner_ref(&()).expect("a stored object has a name and UID");
-                let job = task_job(&TaskJob {
-                    name: job_name.clone(),
-                    namespace: &namespace,
-                    owner,
-                    annotation: (RESTORE_ANNOTATION, &name),
-                    container: "restore",
-                    placement: TaskPlacement::OnNode(node.clone()),
-                    deadline_seconds: JOB_DEADLINE_SECONDS,
-                    scope: &ctx.scope,
-                    tolerations: spec.tolerations.clone().unwrap_or_default(),
-                });
-                match jobs.create(&PostParams::default(), &job).await {
-                    Ok(_) => info!(job = %job_name, node = %node, "restore Job created"),
-                    Err(kube::Error::Api(s)) if s.code == 409 => {}
-                    Err(e) => return Err(err("create the Job")(e)),
-                }
-                let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name,
-                    "nodeName": node}});
-                restores
-                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                    .map_err(err("write status"))?;
-            }
+        let tolerations = spec.tolerations.clone().unwrap_or_default();
+        if let Err(message) = ensure_job(&restore, &ctx, &node, tolerations).await.map_err(err("run the Job"))? {
+            return fail(message).await.map_err(err("write status"));
         }
         return Ok(Action::requeue(Duration::from_secs(30)));
     };
@@ -199,6 +173,205 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
     info!(vm = %vm_name, disk = %disk, node = %node, "VirtualMachine restored");
     let message = format!("VirtualMachine {vm_name} created on host {node} with disk {disk}");
     end(&restores, &name, OperationPhase::Succeeded, &message, created.uid()).await.map_err(err("write status"))
+}
+
+/// A restore in place (`spec.target.inPlace`): the VM must exist, be the
+/// source's, and be stopped; then the Job runs on the VM's host, whose agent
+/// puts the disk back and ends the restore
+/// ([`crate::node::tasks`]). This pass only starts it and reports what
+/// happens before the agent claimed it.
+async fn in_place(
+    restore: &VirtualMachineRestore,
+    ctx: &Context,
+    status: &VirtualMachineRestoreStatus,
+) -> Result<Action, Error> {
+    let namespace = restore.namespace().unwrap_or_default();
+    let name = restore.name_any();
+    let err = |action| {
+        let object = format!("{namespace}/{name}");
+        move |source| Error { action, object, source }
+    };
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
+    let fail = |message: String| {
+        let (restores, name) = (restores.clone(), name.clone());
+        async move { end(&restores, &name, OperationPhase::Failed, &message, None).await }
+    };
+    let wait = |message: String| {
+        let (restores, name) = (restores.clone(), name.clone());
+        async move {
+            let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "message": message}});
+            restores.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+            Ok::<_, kube::Error>(Action::requeue(Duration::from_secs(5)))
+        }
+    };
+    if status.pod_uid.is_some() {
+        // The agent runs it and ends it; only a Job that failed around it is ours to report.
+        let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &namespace);
+        let job = jobs.get_opt(&format!("{name}-restore")).await.map_err(err("read the Job"))?;
+        if let Some(message) = job.as_ref().and_then(job_failure) {
+            return fail(message).await.map_err(err("write status"));
+        }
+        return Ok(Action::requeue(Duration::from_secs(30)));
+    }
+    let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
+    let vm_name = &restore.spec.target.virtual_machine;
+    let Some(vm) = vms.get_opt(vm_name).await.map_err(err("read the target VM"))? else {
+        return fail(format!(
+            "spec.target.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name} to restore in place; \
+             to make a new VM, leave spec.target.inPlace unset"
+        ))
+        .await
+        .map_err(err("write status"));
+    };
+    let source_node = match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
+        (Some(backup_name), _) => {
+            let backups: Api<VirtualMachineBackup> = Api::namespaced(ctx.client.clone(), &namespace);
+            let Some(backup) = backups.get_opt(backup_name).await.map_err(err("read the backup"))? else {
+                let message =
+                    format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}");
+                return fail(message).await.map_err(err("write status"));
+            };
+            if backup.spec.virtual_machine != *vm_name {
+                return fail(format!(
+                    "spec.source.backup: VirtualMachineBackup {backup_name} is of VirtualMachine {}, not {vm_name}; \
+                     in place, a VM is restored from its own backups only (to make a new VM from it, leave \
+                     spec.target.inPlace unset)",
+                    backup.spec.virtual_machine
+                ))
+                .await
+                .map_err(err("write status"));
+            }
+            let backup_status = backup.status.unwrap_or_default();
+            match backup_status.phase {
+                Some(OperationPhase::Succeeded) => backup_status.node_name,
+                Some(OperationPhase::Failed) => {
+                    let message = format!("spec.source.backup: VirtualMachineBackup {backup_name} failed");
+                    return fail(message).await.map_err(err("write status"));
+                }
+                _ => {
+                    let message = format!("waiting for VirtualMachineBackup {backup_name} to succeed");
+                    return wait(message).await.map_err(err("write status"));
+                }
+            }
+        }
+        (None, Some(snapshot_name)) => {
+            let snapshots: Api<VirtualMachineSnapshot> = Api::namespaced(ctx.client.clone(), &namespace);
+            let Some(snapshot) = snapshots.get_opt(snapshot_name).await.map_err(err("read the snapshot"))? else {
+                let message =
+                    format!("spec.source.snapshot: namespace {namespace} has no VirtualMachineSnapshot {snapshot_name}");
+                return fail(message).await.map_err(err("write status"));
+            };
+            let snapshot_status = snapshot.status.clone().unwrap_or_default();
+            if snapshot.spec.virtual_machine != *vm_name || snapshot_status.virtual_machine_uid != vm.uid() {
+                return fail(format!(
+                    "spec.source.snapshot: VirtualMachineSnapshot {snapshot_name} is not a snapshot of this \
+                     VirtualMachine {vm_name}; a VM reverts only to its own snapshots"
+                ))
+                .await
+                .map_err(err("write status"));
+            }
+            match snapshot_status.phase {
+                Some(OperationPhase::Succeeded)
+                    if snapshot.metadata.deletion_timestamp.is_none() && snapshot_status.ready_to_use =>
+                {
+                    snapshot_status.node_name
+                }
+                Some(OperationPhase::Succeeded) => {
+                    let message = format!(
+                        "spec.source.snapshot: VirtualMachineSnapshot {snapshot_name} is not ready to use ({})",
+                        snapshot_status.message.as_deref().unwrap_or("being deleted")
+                    );
+                    return fail(message).await.map_err(err("write status"));
+                }
+                Some(OperationPhase::Failed) => {
+                    let message = format!("spec.source.snapshot: VirtualMachineSnapshot {snapshot_name} failed");
+                    return fail(message).await.map_err(err("write status"));
+                }
+                _ => {
+                    let message = format!("waiting for VirtualMachineSnapshot {snapshot_name} to be taken");
+                    return wait(message).await.map_err(err("write status"));
+                }
+            }
+        }
+        (None, None) => {
+            return fail("spec.source: name a backup or a snapshot".to_owned()).await.map_err(err("write status"))
+        }
+    };
+    if vm.spec.replicas != 0 {
+        return fail(format!(
+            "spec.target.virtualMachine: VirtualMachine {vm_name} has spec.replicas {}; a restore in place never \
+             writes under a running VM: stop it (kubectl scale vm/{vm_name} --replicas=0), then create the restore \
+             again",
+            vm.spec.replicas
+        ))
+        .await
+        .map_err(err("write status"));
+    }
+    let vm_status = vm.status.clone().unwrap_or_default();
+    if vm_status.phase != Some(VmPhase::Stopped) || vm_status.pod_name.is_some() {
+        return wait(format!("waiting for VirtualMachine {vm_name} to stop")).await.map_err(err("write status"));
+    }
+    let Some(node) = crate::node::placement::recorded_node(&vm).map(str::to_owned) else {
+        let message = format!("VirtualMachine {vm_name} has never been defined on a host: there is nothing to restore");
+        return fail(message).await.map_err(err("write status"));
+    };
+    if source_node.as_deref() != Some(node.as_str()) {
+        return fail(format!(
+            "the source is on host {} and VirtualMachine {vm_name} on host {node}: a restore in place runs where \
+             both are; to make a new VM on the backup's host, leave spec.target.inPlace unset",
+            source_node.as_deref().unwrap_or("(none)")
+        ))
+        .await
+        .map_err(err("write status"));
+    }
+    let tolerations = vm.spec.tolerations.clone().unwrap_or_default();
+    if let Err(message) = ensure_job(restore, ctx, &node, tolerations).await.map_err(err("run the Job"))? {
+        return fail(message).await.map_err(err("write status"));
+    }
+    Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// Make sure the restore's Job `<name>-restore` exists on `node` (status:
+/// Pending, its name and node); `Ok(Err(message))` when it cannot be this
+/// restore's: another object's Job of that name, or it failed.
+async fn ensure_job(
+    restore: &VirtualMachineRestore,
+    ctx: &Context,
+    node: &str,
+    tolerations: Vec<Toleration>,
+) -> Result<Result<(), String>, kube::Error> {
+    let namespace = restore.namespace().unwrap_or_default();
+    let name = restore.name_any();
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &namespace);
+    let job_name = format!("{name}-restore");
+    if let Some(job) = jobs.get_opt(&job_name).await? {
+        let ours = job.owner_references().iter().any(|r| Some(&r.uid) == restore.meta().uid.as_ref());
+        if !ours {
+            return Ok(Err(format!("Job {job_name} exists and is not this restore's; delete it or rename the restore")));
+        }
+        return Ok(job_failure(&job).map_or(Ok(()), Err));
+    }
+    let owner = restore.controller_owner_ref(&()).expect("a stored object has a name and UID");
+    let job = task_job(&TaskJob {
+        name: job_name.clone(),
+        namespace: &namespace,
+        owner,
+        annotation: (RESTORE_ANNOTATION, &name),
+        container: "restore",
+        placement: TaskPlacement::OnNode(node.to_owned()),
+        deadline_seconds: JOB_DEADLINE_SECONDS,
+        scope: &ctx.scope,
+        tolerations,
+    });
+    match jobs.create(&PostParams::default(), &job).await {
+        Ok(_) => info!(job = %job_name, node = %node, "restore Job created"),
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => return Err(e),
+    }
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
+    let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name, "nodeName": node}});
+    restores.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(Ok(()))
 }
 
 /// End the restore with `phase` and `message` (condition `Complete` or `Failed`).

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
-use vmlet_provider::{HostInfo, Provider};
+use vmlet_provider::{HostInfo, Provider, VmId};
 
 /// Shared state of one host's agent.
 pub struct Agent {
@@ -67,6 +67,22 @@ pub struct Agent {
     state_dir: PathBuf,
     /// Task pods (by UID) whose work runs now ([`tasks`]).
     tasks: Mutex<HashSet<String>>,
+    /// VMs (by UID) a restore in place writes under now, and the restore's
+    /// name: this agent does not start them meanwhile.
+    restoring: Arc<Mutex<HashMap<String, String>>>,
+}
+
+/// A VM held stopped while a restore in place writes under it
+/// ([`Agent::lock_for_restore`]); released when dropped.
+pub struct RestoreLock {
+    restoring: Arc<Mutex<HashMap<String, String>>>,
+    vm_uid: String,
+}
+
+impl Drop for RestoreLock {
+    fn drop(&mut self) {
+        self.restoring.lock().expect("agent map poisoned").remove(&self.vm_uid);
+    }
 }
 
 impl Agent {
@@ -86,6 +102,22 @@ impl Agent {
 
     fn task_ended(&self, uid: &str) {
         self.tasks.lock().expect("agent set poisoned").remove(uid);
+    }
+
+    /// Hold VM `id` stopped for restore `restore`: `None` when another
+    /// restore holds it.
+    fn lock_for_restore(&self, id: &VmId, restore: &str) -> Option<RestoreLock> {
+        let mut restoring = self.restoring.lock().expect("agent map poisoned");
+        if restoring.contains_key(&id.0) {
+            return None;
+        }
+        restoring.insert(id.0.clone(), restore.to_owned());
+        Some(RestoreLock { restoring: Arc::clone(&self.restoring), vm_uid: id.0.clone() })
+    }
+
+    /// The restore that holds VM `id` stopped, if one does.
+    fn restoring(&self, id: &VmId) -> Option<String> {
+        self.restoring.lock().expect("agent map poisoned").get(&id.0).cloned()
     }
 
     fn forget(&self, uid: &str) {
@@ -157,6 +189,7 @@ pub async fn run(
         backoff: Default::default(),
         state_dir: config.state_dir.clone(),
         tasks: Mutex::default(),
+        restoring: Arc::default(),
     });
 
     hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone() });

@@ -141,6 +141,8 @@ enum Started {
     /// A data disk's volume is not bound yet, or cannot be a disk here:
     /// nothing was defined.
     VolumeNotReady(super::volumes::NotReady),
+    /// A restore in place (named) writes under the VM: it is not started.
+    Restoring(String),
 }
 
 async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
@@ -226,6 +228,17 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             .await?;
             Ok(Action::requeue(Duration::from_secs(5)))
         }
+        Ok(Started::Restoring(restore)) => {
+            let message = format!(
+                "VirtualMachineRestore {restore} puts this VM's disk back; it starts once the restore ended"
+            );
+            info!(vm.uid = %vm.spec.id, %restore, "restore in place runs; not starting the VM");
+            write_status(pod, agent, |p| {
+                pod_status(p, &agent.host_ip, &Observed::Waiting { reason: RESTORING, message: &message }, false)
+            })
+            .await?;
+            Ok(Action::requeue(Duration::from_secs(5)))
+        }
         Ok(Started::CloudInitMissing(missing)) => {
             // Waits, and looks again: the Secret may be created after the VM.
             let message = missing.to_string();
@@ -267,6 +280,9 @@ async fn provider_failed(pod: &Pod, agent: &Agent, e: vmlet_provider::Error) -> 
         Retry::OnChange => Ok(Action::await_change()),
     }
 }
+
+/// Waiting reason of a pod whose VM a restore in place writes under.
+pub const RESTORING: &str = "Restoring";
 
 /// Waiting reason of a pod whose VM's cloud-init data cannot be read.
 pub const CLOUD_INIT_MISSING: &str = "CloudInitDataNotFound";
@@ -354,6 +370,9 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
             // It started meanwhile (it was inactive when read above).
             let status = on_host.expect("only a VM defined here runs");
             return Ok(Started::Synced { status, restarted: false });
+        }
+        StartStep::Start { .. } if agent.restoring(&vm.spec.id).is_some() => {
+            return Ok(Started::Restoring(agent.restoring(&vm.spec.id).unwrap_or_default()));
         }
         StartStep::Start { record } => (on_host.expect("only a VM defined here is started"), false, record),
         StartStep::DefineAndStart { record } => {

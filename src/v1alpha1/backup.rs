@@ -172,7 +172,8 @@ pub struct VirtualMachineBackupStatus {
     pub conditions: Vec<Condition>,
 }
 
-/// A new VirtualMachine made from a backup.
+/// A VirtualMachine's disk made from a backup (a new VM, or a stopped VM put
+/// back in place), or a stopped VM reverted to a snapshot.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "vmlet.io",
@@ -182,15 +183,19 @@ pub struct VirtualMachineBackupStatus {
     status = "VirtualMachineRestoreStatus",
     shortname = "vmrestore",
     category = "all",
-    doc = "A new VirtualMachine whose disk is made from a VirtualMachineBackup, on the backup's host.",
+    doc = "A new VirtualMachine whose disk is made from a VirtualMachineBackup on the backup's host, or a stopped VirtualMachine put back in place from a backup or a VirtualMachineSnapshot.",
     printcolumn(name = "Backup", type_ = "string", json_path = ".spec.source.backup"),
+    printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.source.snapshot"),
     printcolumn(name = "VM", type_ = "string", json_path = ".spec.target.virtualMachine"),
+    printcolumn(name = "InPlace", type_ = "boolean", json_path = ".spec.target.inPlace"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = Rule::new("self.metadata.name.size() <= 52")
         .message("metadata.name must be at most 52 characters: the restore's Job is named <name>-restore and its pod adds a suffix; choose a shorter name"),
     validation = Rule::new("self.spec == oldSelf.spec")
         .message("spec is immutable: create a new VirtualMachineRestore instead"),
+    validation = Rule::new("!has(self.spec.source.snapshot) || self.spec.target.inPlace")
+        .message("spec.target.inPlace must be true with spec.source.snapshot: a snapshot lives inside its VM's disk and reverts that VM; to make a new VM, restore from a VirtualMachineBackup"),
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineRestoreSpec {
@@ -200,24 +205,40 @@ pub struct VirtualMachineRestoreSpec {
     pub target: RestoreTarget,
 }
 
-/// The backup a restore reads.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+/// The backup or snapshot a restore reads: exactly one.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(validation = Rule::new("has(self.backup) != has(self.snapshot)")
+    .message("name exactly one of backup and snapshot"))]
 pub struct RestoreSource {
     /// Name of a Succeeded VirtualMachineBackup in this namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
-    pub backup: String,
+    pub backup: Option<String>,
+    /// Name of a ready VirtualMachineSnapshot in this namespace (of the
+    /// target VM; only with `target.inPlace`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub snapshot: Option<String>,
 }
 
-/// The VM a restore makes.
+/// The VM a restore makes or puts back.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RestoreTarget {
-    /// Name of the new VirtualMachine in this namespace; it must not exist
-    /// (a restore never writes over a VM). It gets the backed-up VM's spec,
-    /// its disk made from the backup, pinned to the backup's host.
+    /// Name of the VirtualMachine in this namespace. Without `inPlace` it
+    /// must not exist (a restore never writes over a VM): it is made with the
+    /// backed-up VM's spec, its disk made from the backup, pinned to the
+    /// backup's host. With `inPlace` it must exist and be stopped.
     #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     pub virtual_machine: String,
+    /// Put this existing, stopped VM (`spec.replicas: 0`) back as the source
+    /// holds it: a backup's disk replaces its disk (the old disk is kept
+    /// beside it as `<disk>.before-<restore uid>`), or its disks go back to
+    /// the snapshot. The VM stays stopped while the restore runs; scale it
+    /// up afterwards. Default false.
+    #[serde(default)]
+    pub in_place: bool,
 }
 
 /// Observed state of a VirtualMachineRestore.
@@ -233,13 +254,19 @@ pub struct VirtualMachineRestoreStatus {
     /// The host (node) of the backup, the new disk and the new VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
-    /// The new disk, once made.
+    /// The new disk, once made (in place: the VM's disk, once written).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk: Option<String>,
+    /// In place from a backup: where the VM's previous disk was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_disk: Option<String>,
+    /// UID of the pod that runs it: only that pod writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
     /// Bytes of disk data copied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<i64>,
-    /// UID of the VirtualMachine this restore created.
+    /// UID of the VirtualMachine this restore created (or put back).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub virtual_machine_uid: Option<String>,
     /// What went wrong, or what it waits for.

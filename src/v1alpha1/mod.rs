@@ -7,7 +7,9 @@
 //! object fails at the API server with a message naming the field.
 
 mod backup;
+mod snapshot;
 pub use backup::*;
+pub use snapshot::*;
 
 use k8s_openapi::api::core::v1::{Affinity, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;

@@ -7,6 +7,7 @@
 /// Deadlines for external commands; every command a test runs goes through it.
 #[path = "../support/deadline.rs"]
 pub mod deadline;
+pub mod disk;
 
 use deadline::{kill_and_reap, output_within, run_echoing, run_with_stdin, GUEST_BUILD, KUBECTL};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};

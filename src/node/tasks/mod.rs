@@ -1,13 +1,14 @@
-//! Task pods: the pods of backup and restore Jobs, which run on this host
-//! beside VM pods and do one thing with the host's provider.
+//! Task pods: the pods of backup, restore and snapshot Jobs, which run on
+//! this host beside VM pods and do one thing with the host's provider.
 //!
-//! A pod is a task pod when it carries annotation `vmlet.io/backup` (or
-//! `vmlet.io/restore`) naming a VirtualMachineBackup (VirtualMachineRestore)
-//! of its namespace. It is acted on only when what a tenant cannot forge
+//! A pod is a task pod when it carries one of the annotations
+//! `vmlet.io/backup`, `vmlet.io/restore`, `vmlet.io/snapshot` naming a
+//! VirtualMachineBackup, VirtualMachineRestore or VirtualMachineSnapshot of
+//! its namespace. It is acted on only when what a tenant cannot forge
 //! agrees ([`verify_job`]): its controlling ownerReference is a batch/v1 Job
 //! that exists in the pod's namespace with that UID, and if that Job has a
-//! controlling owner of kind VirtualMachineBackup/Restore it is the one the
-//! annotation names. Everything it reaches is in the pod's own namespace (the
+//! controlling owner of one of those kinds it is the one the annotation
+//! names. Everything it reaches is in the pod's own namespace (the
 //! backup, its VirtualMachine, the backup file whose name carries both), so a
 //! pod can only ever touch VMs of its own namespace, whatever it claims.
 //!
@@ -18,11 +19,13 @@
 //! reads through the kubelet API.
 
 mod backup;
+mod in_place;
 mod restore;
+mod snapshot;
 
 use super::pods::{finish_deletion, write_status, Error};
 use super::Agent;
-use crate::v1alpha1::{BACKUP_ANNOTATION, RESTORE_ANNOTATION};
+use crate::v1alpha1::{BACKUP_ANNOTATION, RESTORE_ANNOTATION, SNAPSHOT_ANNOTATION};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{
     ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus, Pod, PodCondition, PodStatus,
@@ -39,8 +42,11 @@ use std::time::Duration;
 pub enum TaskKind {
     /// Copy a VM's disk to a backup file.
     Backup,
-    /// Make a new disk from a backup file.
+    /// Make a new disk from a backup file, or put a stopped VM back from a
+    /// backup or a snapshot.
     Restore,
+    /// Take a snapshot, or delete it.
+    Snapshot,
 }
 
 impl TaskKind {
@@ -49,6 +55,7 @@ impl TaskKind {
         match self {
             TaskKind::Backup => BACKUP_ANNOTATION,
             TaskKind::Restore => RESTORE_ANNOTATION,
+            TaskKind::Snapshot => SNAPSHOT_ANNOTATION,
         }
     }
 
@@ -57,17 +64,20 @@ impl TaskKind {
         match self {
             TaskKind::Backup => "VirtualMachineBackup",
             TaskKind::Restore => "VirtualMachineRestore",
+            TaskKind::Snapshot => "VirtualMachineSnapshot",
         }
     }
 }
 
 /// The task a pod claims to be, from its annotations (not yet verified): the
-/// kind and the object's name. A pod claiming both is no task pod.
+/// kind and the object's name. A pod claiming more than one is no task pod.
 pub fn claimed_task(pod: &Pod) -> Option<(TaskKind, String)> {
     let annotations = pod.metadata.annotations.as_ref()?;
-    match (annotations.get(BACKUP_ANNOTATION), annotations.get(RESTORE_ANNOTATION)) {
-        (Some(name), None) => Some((TaskKind::Backup, name.clone())),
-        (None, Some(name)) => Some((TaskKind::Restore, name.clone())),
+    let mut claims = [TaskKind::Backup, TaskKind::Restore, TaskKind::Snapshot]
+        .into_iter()
+        .filter_map(|kind| annotations.get(kind.annotation()).map(|name| (kind, name.clone())));
+    match (claims.next(), claims.next()) {
+        (Some(claim), None) => Some(claim),
         _ => None,
     }
 }
@@ -95,6 +105,7 @@ pub(super) async fn sync(
         Ok(job) => match kind {
             TaskKind::Backup => backup::sync(pod, agent, name, &job).await,
             TaskKind::Restore => restore::sync(pod, agent, name, &job).await,
+            TaskKind::Snapshot => snapshot::sync(pod, agent, name, &job).await,
         },
         Err(refusal) => {
             end(pod, agent, Outcome::Failed { reason: "NotAVirtualMachineTask", message: &refusal }).await?;
@@ -133,8 +144,9 @@ async fn verify_job(pod: &Pod, agent: &Agent, kind: TaskKind, name: &str) -> Res
     };
     let job_owner = job.owner_references().iter().find(|r| r.controller == Some(true)).cloned();
     if let Some(job_owner) = job_owner {
-        let other_task = matches!(job_owner.kind.as_str(), "VirtualMachineBackup" | "VirtualMachineRestore")
-            && job_owner.api_version.starts_with("vmlet.io/");
+        let other_task =
+            matches!(job_owner.kind.as_str(), "VirtualMachineBackup" | "VirtualMachineRestore" | "VirtualMachineSnapshot")
+                && job_owner.api_version.starts_with("vmlet.io/");
         if other_task && (job_owner.kind != kind.object_kind() || job_owner.name != name) {
             return Ok(Err(format!(
                 "pod {pod_name} names {} {name}, but its Job belongs to {} {}",
@@ -269,4 +281,32 @@ pub(super) const STATUS_EVERY: Duration = Duration::from_secs(5);
 /// RFC 3339 now.
 pub(super) fn now() -> String {
     Timestamp::now().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn pod_with(annotations: &[(&str, &str)]) -> Pod {
+        let mut pod = Pod::default();
+        pod.metadata.annotations =
+            Some(annotations.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect::<BTreeMap<_, _>>());
+        pod
+    }
+
+    #[test]
+    fn a_pod_is_the_task_its_one_annotation_names() {
+        let snapshot = pod_with(&[("vmlet.io/snapshot", "before-upgrade")]);
+        assert_eq!(claimed_task(&snapshot), Some((TaskKind::Snapshot, "before-upgrade".to_owned())));
+        let restore = pod_with(&[("vmlet.io/restore", "back"), ("unrelated", "x")]);
+        assert_eq!(claimed_task(&restore), Some((TaskKind::Restore, "back".to_owned())));
+        assert_eq!(claimed_task(&pod_with(&[])), None);
+    }
+
+    #[test]
+    fn a_pod_claiming_two_tasks_is_none() {
+        let both = pod_with(&[("vmlet.io/snapshot", "s"), ("vmlet.io/backup", "b")]);
+        assert_eq!(claimed_task(&both), None);
+    }
 }

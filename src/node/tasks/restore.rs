@@ -42,10 +42,13 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
             format!("namespace {namespace} has no VirtualMachineRestore {name} (annotation vmlet.io/restore)");
         return fail(pod, agent, None, &message).await;
     };
+    if restore.spec.target.in_place {
+        return super::in_place::sync(pod, agent, &restores, &restore, job).await;
+    }
     let status = restore.status.clone().unwrap_or_default();
     if let Some(disk) = &status.disk {
         // Made already (this vmlet restarted before it ended the pod).
-        let message = format!("disk {disk} made from VirtualMachineBackup {}", restore.spec.source.backup);
+        let message = format!("disk {disk} made from {}", source_name(&restore));
         end(pod, agent, Outcome::Succeeded { message: &message }).await?;
         return Ok(Action::await_change());
     }
@@ -53,39 +56,14 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         let message = format!("VirtualMachineRestore {name} has ended already");
         return fail(pod, agent, None, &message).await;
     }
-    let backups: Api<VirtualMachineBackup> = Api::namespaced(agent.client.clone(), &namespace);
-    let backup_name = &restore.spec.source.backup;
-    let Some(backup) = backups.get_opt(backup_name).await.map_err(kube("read the VirtualMachineBackup of"))? else {
-        let message = format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}");
-        return fail(pod, agent, Some((&restores, name)), &message).await;
+    let Some(backup_name) = restore.spec.source.backup.clone() else {
+        let message = "spec.source: a new VM is made from a backup only; name spec.source.backup";
+        return fail(pod, agent, Some((&restores, name)), message).await;
     };
-    let backup_status = backup.status.clone().unwrap_or_default();
-    if backup_status.phase != Some(OperationPhase::Succeeded) {
-        let message = format!("spec.source.backup: VirtualMachineBackup {backup_name} has not succeeded");
-        return fail(pod, agent, Some((&restores, name)), &message).await;
-    }
-    if backup_status.node_name.as_deref() != Some(agent.host.name.as_str()) {
-        let message = format!(
-            "VirtualMachineBackup {backup_name} is on host {}, not {}: the restore's pod must run there",
-            backup_status.node_name.as_deref().unwrap_or("(none)"),
-            agent.host.name
-        );
-        return fail(pod, agent, Some((&restores, name)), &message).await;
-    }
-    let expected_file = backup_file_name(&namespace, backup_name, &backup.uid().unwrap_or_default());
-    let source = backup_status.location.clone().unwrap_or_default();
-    let backup_roots = agent.host.effective_backup_roots();
-    let local = agent.storage.resolves_links();
-    let named_right = std::path::Path::new(&source).file_name().and_then(|f| f.to_str()) == Some(&expected_file);
-    if !named_right || check_host_file(&backup_roots, local, &source).await.is_err() {
-        let message = format!(
-            "VirtualMachineBackup {backup_name}'s status.location {source:?} is not its file ({expected_file} under \
-             host {}'s backupRoots [{}]); refusing to read it",
-            agent.host.name,
-            backup_roots.join(", ")
-        );
-        return fail(pod, agent, Some((&restores, name)), &message).await;
-    }
+    let source = match backup_file(agent, &namespace, &backup_name).await? {
+        Ok(source) => source,
+        Err(message) => return fail(pod, agent, Some((&restores, name)), &message).await,
+    };
     let vm_name = &restore.spec.target.virtual_machine;
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
     if vms.get_opt(vm_name).await.map_err(kube("read the target VirtualMachine of"))?.is_some() {
@@ -108,7 +86,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         root.trim_end_matches('/'),
         restored_disk_name(&namespace, vm_name, &restore.uid().unwrap_or_default())
     );
-    if let Err(why) = check_host_file(agent.storage.roots(), local, &target).await {
+    if let Err(why) = check_host_file(agent.storage.roots(), agent.storage.resolves_links(), &target).await {
         let message = format!("the restored disk {target:?} {why}; check host {}'s storageRoots", agent.host.name);
         return fail(pod, agent, Some((&restores, name)), &message).await;
     }
@@ -166,8 +144,62 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     Ok(Action::requeue(Duration::from_secs(30)))
 }
 
+/// What a restore reads, for messages: `VirtualMachineBackup <name>` or
+/// `VirtualMachineSnapshot <name>`.
+pub(super) fn source_name(restore: &VirtualMachineRestore) -> String {
+    match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
+        (Some(backup), _) => format!("VirtualMachineBackup {backup}"),
+        (None, Some(snapshot)) => format!("VirtualMachineSnapshot {snapshot}"),
+        (None, None) => "nothing".to_owned(),
+    }
+}
+
+/// The file of VirtualMachineBackup `backup_name` of `namespace` on this
+/// host: `Ok(Err(why))` unless it succeeded here and its recorded location is
+/// exactly the name vmlet gives it under this host's backup roots (an edited
+/// status cannot point a restore at another namespace's backup).
+pub(super) async fn backup_file(
+    agent: &Agent,
+    namespace: &str,
+    backup_name: &str,
+) -> Result<Result<String, String>, Error> {
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(agent.client.clone(), namespace);
+    let backup = backups.get_opt(backup_name).await.map_err(|source| Error::Kube {
+        action: "read the VirtualMachineBackup of restore",
+        pod: backup_name.to_owned(),
+        source,
+    })?;
+    let Some(backup) = backup else {
+        return Ok(Err(format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}")));
+    };
+    let backup_status = backup.status.clone().unwrap_or_default();
+    if backup_status.phase != Some(OperationPhase::Succeeded) {
+        return Ok(Err(format!("spec.source.backup: VirtualMachineBackup {backup_name} has not succeeded")));
+    }
+    if backup_status.node_name.as_deref() != Some(agent.host.name.as_str()) {
+        return Ok(Err(format!(
+            "VirtualMachineBackup {backup_name} is on host {}, not {}: the restore's pod must run there",
+            backup_status.node_name.as_deref().unwrap_or("(none)"),
+            agent.host.name
+        )));
+    }
+    let expected_file = backup_file_name(namespace, backup_name, &backup.uid().unwrap_or_default());
+    let source = backup_status.location.clone().unwrap_or_default();
+    let backup_roots = agent.host.effective_backup_roots();
+    let named_right = std::path::Path::new(&source).file_name().and_then(|f| f.to_str()) == Some(&expected_file);
+    if !named_right || check_host_file(&backup_roots, agent.storage.resolves_links(), &source).await.is_err() {
+        return Ok(Err(format!(
+            "VirtualMachineBackup {backup_name}'s status.location {source:?} is not its file ({expected_file} under \
+             host {}'s backupRoots [{}]); refusing to read it",
+            agent.host.name,
+            backup_roots.join(", ")
+        )));
+    }
+    Ok(Ok(source))
+}
+
 /// Fail the pod (and the restore, when given) with `message`.
-async fn fail(
+pub(super) async fn fail(
     pod: &Pod,
     agent: &Agent,
     restore: Option<(&Api<VirtualMachineRestore>, &str)>,
