@@ -9,31 +9,75 @@
 
 mod common;
 
+use common::disk::wait_backup_ended;
 use common::{guest_accelerator, guest_for, guest_vm_spec, storage_root, test_driver_uri, Host, TestEnv};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::ResourceExt;
 use serde_json::json;
+use std::path::Path;
+use vmlet::v1alpha1::OperationPhase;
 
-/// Cluster-scoped objects of the test (a StorageClass and a
-/// PersistentVolume named after the namespace), deleted on drop with kubectl
-/// under its deadline (the test's kube client cannot be used from Drop).
+/// Cluster-scoped objects of the test: a StorageClass named after the
+/// namespace and PersistentVolumes `<namespace>`, `<namespace>-<suffix>`…
+/// of it, deleted on drop with kubectl under its deadline (the test's kube
+/// client cannot be used from Drop).
 struct ClusterObjects {
     name: String,
+    volumes: Vec<String>,
+}
+
+impl ClusterObjects {
+    /// The StorageClass (`WaitForFirstConsumer`, no provisioner).
+    async fn new(env: &TestEnv) -> ClusterObjects {
+        let objects = ClusterObjects { name: env.ns.clone(), volumes: Vec::new() };
+        let class: StorageClass = serde_json::from_value(json!({
+            "metadata": {"name": objects.name},
+            "provisioner": "kubernetes.io/no-provisioner",
+            "volumeBindingMode": "WaitForFirstConsumer",
+        }))
+        .unwrap();
+        Api::<StorageClass>::all(env.client.clone()).create(&PostParams::default(), &class).await.unwrap();
+        objects
+    }
+
+    /// A 64 MiB local PersistentVolume of the class at `dir` on `node`, and
+    /// a claim `claim` of the test's namespace for it.
+    async fn volume_and_claim(&mut self, env: &TestEnv, suffix: &str, dir: &Path, node: &str, claim: &str) {
+        std::fs::create_dir_all(dir).unwrap();
+        let name = if suffix.is_empty() { self.name.clone() } else { format!("{}-{suffix}", self.name) };
+        self.volumes.push(name.clone());
+        let volume: PersistentVolume = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": "64Mi"}, "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain", "storageClassName": self.name,
+                "local": {"path": dir},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}},
+            },
+        }))
+        .unwrap();
+        Api::<PersistentVolume>::all(env.client.clone()).create(&PostParams::default(), &volume).await.unwrap();
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+        let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": {"name": claim},
+            "spec": {"storageClassName": self.name, "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "64Mi"}}},
+        }))
+        .unwrap();
+        claims.create(&PostParams::default(), &claim).await.unwrap();
+    }
 }
 
 impl Drop for ClusterObjects {
     fn drop(&mut self) {
         let cluster = common::cluster();
         let mut kubectl = std::process::Command::new(cluster.bin.join("kubectl"));
-        kubectl.env("KUBECONFIG", &cluster.kubeconfig).args([
-            "delete",
-            &format!("persistentvolume/{}", self.name),
-            &format!("storageclass/{}", self.name),
-            "--ignore-not-found",
-            "--wait=false",
-        ]);
+        kubectl.env("KUBECONFIG", &cluster.kubeconfig).arg("delete");
+        kubectl.args(self.volumes.iter().map(|v| format!("persistentvolume/{v}")));
+        kubectl.args([&format!("storageclass/{}", self.name), "--ignore-not-found", "--wait=false"]);
         let _ = common::deadline::output_within(&mut kubectl, common::kubectl_deadline(&["delete"]));
     }
 }
@@ -59,35 +103,9 @@ async fn a_vm_with_a_claim_starts_where_its_volume_is_keeps_its_writes_and_holds
     env.wait_node_ready(&env.node("t")).await;
 
     let dir = storage_root(&env).join("vol-1");
-    std::fs::create_dir_all(&dir).unwrap();
-    let objects = ClusterObjects { name: env.ns.clone() };
-    let class: StorageClass = serde_json::from_value(json!({
-        "metadata": {"name": objects.name},
-        "provisioner": "kubernetes.io/no-provisioner",
-        "volumeBindingMode": "WaitForFirstConsumer",
-    }))
-    .unwrap();
-    Api::<StorageClass>::all(env.client.clone()).create(&PostParams::default(), &class).await.unwrap();
-    let volume: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": objects.name},
-        "spec": {
-            "capacity": {"storage": "64Mi"}, "accessModes": ["ReadWriteOnce"],
-            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": objects.name,
-            "local": {"path": dir},
-            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                {"key": "kubernetes.io/hostname", "operator": "In", "values": [qemu_node]}]}]}},
-        },
-    }))
-    .unwrap();
-    Api::<PersistentVolume>::all(env.client.clone()).create(&PostParams::default(), &volume).await.unwrap();
+    let mut objects = ClusterObjects::new(&env).await;
+    objects.volume_and_claim(&env, "", &dir, &qemu_node, "data").await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
-    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
-        "metadata": {"name": "data"},
-        "spec": {"storageClassName": objects.name, "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": "64Mi"}}},
-    }))
-    .unwrap();
-    claims.create(&PostParams::default(), &claim).await.unwrap();
 
     let mut spec = guest_vm_spec(&guest);
     spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
@@ -127,5 +145,49 @@ async fn a_vm_with_a_claim_starts_where_its_volume_is_keeps_its_writes_and_holds
         async move { claims.get_opt("data").await.ok()?.is_none().then_some(()) }
     })
     .await;
+    drop(objects);
+}
+
+#[tokio::test]
+async fn a_backup_to_a_claim_binds_it_next_to_the_vm_and_writes_only_under_the_backup_roots() {
+    let mut env = TestEnv::new("backup-claim").await;
+    let guest = guest_for(&env);
+    let backup_root = storage_root(&env).join("backups");
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
+        .with("backupRoots", json!([backup_root]))]);
+    let node = env.node("q");
+    env.wait_node_ready(&node).await;
+    let mut objects = ClusterObjects::new(&env).await;
+    let inside = backup_root.join("vol-nightly");
+    objects.volume_and_claim(&env, "in", &inside, &node, "nightly-target").await;
+    // A volume outside the backup roots (under the storage root, where VM disks are).
+    let outside = storage_root(&env).join("vol-elsewhere");
+    objects.volume_and_claim(&env, "out", &outside, &node, "elsewhere").await;
+    env.apply_vm("web", guest_vm_spec(&guest));
+    env.wait_vm_phase("web", "Running").await;
+
+    let backup = |name: &str, claim: &str| {
+        json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineBackup",
+            "metadata": {"name": name, "namespace": env.ns},
+            "spec": {"virtualMachine": "web", "target": {"persistentVolumeClaim": {"claimName": claim}}}})
+        .to_string()
+    };
+    assert!(env.apply(&backup("nightly", "nightly-target")).status.success());
+    let done = wait_backup_ended(&env, "nightly").await;
+    let status = done.status.unwrap();
+    assert_eq!(status.phase, Some(OperationPhase::Succeeded), "{:?}", status.message);
+    let file = inside.join(format!("{}_nightly_{}.qcow2", env.ns, done.metadata.uid.unwrap()));
+    assert_eq!(status.location.as_deref(), file.to_str());
+    assert!(file.is_file(), "the backup is in the claim's directory");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let bound = claims.get("nightly-target").await.unwrap();
+    assert_eq!(bound.status.and_then(|s| s.phase).as_deref(), Some("Bound"), "the backup's pod bound the claim");
+
+    assert!(env.apply(&backup("stray", "elsewhere")).status.success());
+    let refused = wait_backup_ended(&env, "stray").await.status.unwrap();
+    assert_eq!(refused.phase, Some(OperationPhase::Failed));
+    let message = refused.message.unwrap_or_default();
+    assert!(message.contains("spec.target.persistentVolumeClaim") && message.contains("backupRoots"), "{message}");
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0, "nothing written outside the backup roots");
     drop(objects);
 }

@@ -111,6 +111,7 @@ async fn reconcile(backup: Arc<VirtualMachineBackup>, ctx: Arc<Context>) -> Resu
         deadline_seconds: backup.spec.active_deadline_seconds + JOB_SLACK_SECONDS,
         scope: &ctx.scope,
         tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
+        claim: backup.spec.target.persistent_volume_claim.as_ref().map(|c| c.claim_name.clone()),
     });
     match jobs.create(&PostParams::default(), &job).await {
         Ok(_) => info!(job = %job_name, "backup Job created"),

@@ -362,6 +362,7 @@ async fn ensure_job(
         deadline_seconds: JOB_DEADLINE_SECONDS,
         scope: &ctx.scope,
         tolerations,
+        claim: None,
     });
     match jobs.create(&PostParams::default(), &job).await {
         Ok(_) => info!(job = %job_name, node = %node, "restore Job created"),

@@ -225,6 +225,7 @@ fn snapshot_job(
         deadline_seconds: snapshot.spec.active_deadline_seconds + JOB_SLACK_SECONDS,
         scope,
         tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
+        claim: None,
     })
 }
 

@@ -7,7 +7,8 @@ use crate::vmpod::{virtual_node_toleration, CONTAINER_IMAGE, VIRTUAL_NODE_LABEL}
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Affinity, Container, PodAffinity, PodAffinityTerm, PodSpec, PodTemplateSpec, Toleration,
+    Affinity, Container, PersistentVolumeClaimVolumeSource, PodAffinity, PodAffinityTerm, PodSpec, PodTemplateSpec,
+    Toleration, Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::NamespaceResourceScope;
@@ -54,6 +55,9 @@ pub struct TaskJob<'a> {
     /// Tolerations besides the virtual-node taint's (a backup's: its VM's, so
     /// that the pod can go where the VM is).
     pub tolerations: Vec<Toleration>,
+    /// A PersistentVolumeClaim the pod uses (volume `target`): the scheduler
+    /// binds it next to the pod, and it cannot be deleted while the pod runs.
+    pub claim: Option<String>,
 }
 
 /// The Job for `task`: `backoffLimit: 0`, `restartPolicy: Never`, the pod
@@ -114,6 +118,16 @@ pub fn task_job(task: &TaskJob<'_>) -> Job {
                     node_selector: Some(node_selector),
                     affinity,
                     tolerations: Some(tolerations),
+                    volumes: task.claim.as_ref().map(|claim| {
+                        vec![Volume {
+                            name: "target".to_owned(),
+                            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                                claim_name: claim.clone(),
+                                read_only: None,
+                            }),
+                            ..Volume::default()
+                        }]
+                    }),
                     automount_service_account_token: Some(false),
                     enable_service_links: Some(false),
                     ..PodSpec::default()
@@ -208,6 +222,7 @@ mod tests {
                 effect: Some("NoSchedule".into()),
                 ..Toleration::default()
             }],
+            claim: Some("backups".into()),
         })
     }
 
@@ -229,6 +244,8 @@ mod tests {
         let annotations = spec.template.metadata.unwrap().annotations.unwrap();
         assert_eq!(annotations["vmlet.io/backup"], "nightly");
         assert_eq!(job.metadata.owner_references.unwrap()[0].kind, "VirtualMachineBackup");
+        let volume = &pod.volumes.unwrap()[0];
+        assert_eq!(volume.persistent_volume_claim.as_ref().unwrap().claim_name, "backups", "the target claim");
     }
 
     #[test]

@@ -71,73 +71,126 @@ pub async fn data_disks(
     local: bool,
 ) -> Result<Vec<DataDisk>, NotReady> {
     let namespace = pod.namespace().unwrap_or_default();
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &namespace);
-    let volumes: Api<PersistentVolume> = Api::all(client.clone());
     let mut disks = Vec::new();
     let pod_volumes = pod.spec.as_ref().and_then(|s| s.volumes.clone()).unwrap_or_default();
     for volume in pod_volumes {
         let Some(source) = volume.persistent_volume_claim else { continue };
         let disk = volume.name;
         let claim_name = source.claim_name;
-        let waiting =
-            |why: &str| NotReady::Waiting { disk: disk.clone(), claim: claim_name.clone(), why: why.to_owned() };
-        let unusable = |why: String| NotReady::Unusable { disk: disk.clone(), why };
-        let kube = |what: String| move |source| NotReady::Kube { what, source };
-        let claim = claims.get_opt(&claim_name).await.map_err(kube(format!("PersistentVolumeClaim {claim_name}")))?;
-        let Some(claim) = claim else { return Err(waiting(&format!("does not exist in namespace {namespace}"))) };
-        let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
-        let Some(volume_name) = claim.spec.as_ref().and_then(|s| s.volume_name.clone()).filter(|_| bound) else {
-            return Err(waiting("is not bound to a PersistentVolume yet"));
-        };
-        let pv = volumes.get_opt(&volume_name).await.map_err(kube(format!("PersistentVolume {volume_name}")))?;
-        let Some(pv) = pv else { return Err(waiting(&format!("is bound to {volume_name}, which does not exist"))) };
-        let spec = pv.spec.clone().unwrap_or_default();
-        let claim_ref_uid = spec.claim_ref.as_ref().and_then(|r| r.uid.clone());
-        if claim_ref_uid.is_none() || claim_ref_uid != claim.uid() {
-            return Err(unusable(format!(
-                "PersistentVolume {volume_name} is not bound to claim {namespace}/{claim_name} (its claimRef names \
-                 another)"
-            )));
-        }
-        if spec.volume_mode.as_deref() == Some("Block") {
-            return Err(unusable(format!(
-                "PersistentVolume {volume_name} has volumeMode Block; vmlet uses Filesystem volumes (a directory \
-                 holding {DISK_IMAGE}) on libvirt"
-            )));
-        }
-        let dir = match (&spec.local, &spec.host_path) {
-            (Some(local), _) => local.path.clone(),
-            (None, Some(host_path)) => host_path.path.clone(),
-            _ => {
-                return Err(unusable(format!(
-                    "PersistentVolume {volume_name} is neither local nor hostPath; on libvirt a VM's disk is a \
-                     directory on its host: use a local PersistentVolume"
-                )))
-            }
-        };
-        if !affinity_allows(&pv, node) {
-            return Err(unusable(format!(
-                "PersistentVolume {volume_name} is on another host (its node affinity does not include {node})"
-            )));
-        }
-        let path = format!("{}/{DISK_IMAGE}", dir.trim_end_matches('/'));
+        let found = claim_directory(client, &namespace, &claim_name, node).await.map_err(|e| match e {
+            ClaimError::Waiting(why) => NotReady::Waiting { disk: disk.clone(), claim: claim_name.clone(), why },
+            ClaimError::Unusable(why) => NotReady::Unusable { disk: disk.clone(), why },
+            ClaimError::Kube { what, source } => NotReady::Kube { what, source },
+        })?;
+        let path = format!("{}/{DISK_IMAGE}", found.dir.trim_end_matches('/'));
         if let Err(why) = check_host_file(roots, local, &path).await {
-            return Err(unusable(format!(
-                "PersistentVolume {volume_name}'s disk {path:?} {why}; host {node} keeps VM disks only under its \
-                 storage roots [{}]: make the volume's path a directory under one",
-                roots.join(", ")
-            )));
+            return Err(NotReady::Unusable {
+                disk,
+                why: format!(
+                    "PersistentVolume {}'s disk {path:?} {why}; host {node} keeps VM disks only under its storage \
+                     roots [{}]: make the volume's path a directory under one",
+                    found.volume,
+                    roots.join(", ")
+                ),
+            });
         }
-        let capacity = claim
-            .status
-            .as_ref()
-            .and_then(|s| s.capacity.as_ref())
-            .and_then(|c| c.get("storage"))
-            .or_else(|| spec.capacity.as_ref().and_then(|c| c.get("storage")))
-            .and_then(|q| crate::quantity::parse_bytes(&q.0).ok());
-        disks.push(DataDisk { name: disk, path, create_bytes: capacity });
+        disks.push(DataDisk { name: disk, path, create_bytes: found.capacity_bytes });
     }
     Ok(disks)
+}
+
+/// A claim's directory on a host ([`claim_directory`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimDirectory {
+    /// The PersistentVolume's name.
+    pub volume: String,
+    /// Its `local.path` or `hostPath.path` (not yet checked against any root).
+    pub dir: String,
+    /// The claim's capacity in bytes, when known.
+    pub capacity_bytes: Option<u64>,
+}
+
+/// Why a claim gives no directory ([`claim_directory`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// Not bound yet, or it does not exist (yet): wait.
+    #[error("{0}")]
+    Waiting(String),
+    /// It cannot be a directory here: the message names why and the fix.
+    #[error("{0}")]
+    Unusable(String),
+    /// The API server could not be asked.
+    #[error("reading {what}: {source}")]
+    Kube {
+        /// What was read.
+        what: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// The directory on host `node` of claim `claim_name` of `namespace`: the
+/// PersistentVolume bound to it must name that very claim (its `claimRef`
+/// UID), be a Filesystem `local` or `hostPath` volume, and its node affinity
+/// (if any) must include `node`. The caller checks the directory against its
+/// roots.
+pub async fn claim_directory(
+    client: &Client,
+    namespace: &str,
+    claim_name: &str,
+    node: &str,
+) -> Result<ClaimDirectory, ClaimError> {
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    let kube = |what: String| move |source| ClaimError::Kube { what, source };
+    let claim = claims.get_opt(claim_name).await.map_err(kube(format!("PersistentVolumeClaim {claim_name}")))?;
+    let Some(claim) = claim else {
+        return Err(ClaimError::Waiting(format!("does not exist in namespace {namespace}")));
+    };
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    let Some(volume_name) = claim.spec.as_ref().and_then(|s| s.volume_name.clone()).filter(|_| bound) else {
+        return Err(ClaimError::Waiting("is not bound to a PersistentVolume yet".to_owned()));
+    };
+    let pv = volumes.get_opt(&volume_name).await.map_err(kube(format!("PersistentVolume {volume_name}")))?;
+    let Some(pv) = pv else {
+        return Err(ClaimError::Waiting(format!("is bound to {volume_name}, which does not exist")));
+    };
+    let spec = pv.spec.clone().unwrap_or_default();
+    let claim_ref_uid = spec.claim_ref.as_ref().and_then(|r| r.uid.clone());
+    if claim_ref_uid.is_none() || claim_ref_uid != claim.uid() {
+        return Err(ClaimError::Unusable(format!(
+            "PersistentVolume {volume_name} is not bound to claim {namespace}/{claim_name} (its claimRef names another)"
+        )));
+    }
+    if spec.volume_mode.as_deref() == Some("Block") {
+        return Err(ClaimError::Unusable(format!(
+            "PersistentVolume {volume_name} has volumeMode Block; vmlet uses Filesystem volumes (a directory) on libvirt"
+        )));
+    }
+    let dir = match (&spec.local, &spec.host_path) {
+        (Some(local), _) => local.path.clone(),
+        (None, Some(host_path)) => host_path.path.clone(),
+        _ => {
+            return Err(ClaimError::Unusable(format!(
+                "PersistentVolume {volume_name} is neither local nor hostPath; on libvirt vmlet needs a directory on \
+                 the VM's host: use a local PersistentVolume"
+            )))
+        }
+    };
+    if !affinity_allows(&pv, node) {
+        return Err(ClaimError::Unusable(format!(
+            "PersistentVolume {volume_name} is on another host (its node affinity does not include {node})"
+        )));
+    }
+    let capacity_bytes = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.capacity.as_ref())
+        .and_then(|c| c.get("storage"))
+        .or_else(|| spec.capacity.as_ref().and_then(|c| c.get("storage")))
+        .and_then(|q| crate::quantity::parse_bytes(&q.0).ok());
+    Ok(ClaimDirectory { volume: volume_name, dir, capacity_bytes })
 }
 
 /// Whether `pv`'s required node affinity (if any) selects node `node` by its

@@ -78,9 +78,11 @@ fn default_backup_deadline() -> i64 {
     3600
 }
 
-/// Where a backup is written.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+/// Where a backup is written: a host directory or a claim, at most one.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(validation = Rule::new("!(has(self.hostPath) && has(self.persistentVolumeClaim))")
+    .message("name at most one of hostPath and persistentVolumeClaim"))]
 pub struct BackupTarget {
     /// A directory on the VM's host, which must be one of the host's backup
     /// roots or lie under one (vmlet's config, `backupRoots`). The file is
@@ -89,6 +91,13 @@ pub struct BackupTarget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/[^\x00-\x1f\x7f]*$"))]
     pub host_path: Option<String>,
+    /// A PersistentVolumeClaim of this namespace: the backup's pod mounts it
+    /// (so the claim is bound next to the VM, and cannot be deleted while the
+    /// backup runs), and the file goes into its volume's directory. On libvirt
+    /// the volume must be a `local` or `hostPath` PersistentVolume on the VM's
+    /// host whose directory lies under the host's backup roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<super::ClaimSource>,
 }
 
 /// How much a backup copies.

@@ -10,6 +10,7 @@
 use super::{end, log_line, mib, now, Outcome, STATUS_EVERY};
 use crate::conditions::new_condition;
 use crate::node::pods::Error;
+use crate::node::volumes::{claim_directory, ClaimError};
 use crate::node::Agent;
 use crate::storage::check_host_file;
 use crate::v1alpha1::{
@@ -119,22 +120,41 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
             Err(e) => return Err(refuse("ProviderFailed", e.to_string())),
         }
         let roots = agent.host.effective_backup_roots();
-        let dir = match backup.spec.target.host_path.as_deref().or(roots.first().map(String::as_str)) {
-            Some(dir) => dir.trim_end_matches('/').to_owned(),
-            None => {
-                return Err(refuse(
-                    "NoBackupRoots",
-                    format!("host {} allows no backups (its backupRoots in vmlet's config is empty)", agent.host.name),
-                ))
+        let (field, dir) = match (&backup.spec.target.persistent_volume_claim, &backup.spec.target.host_path) {
+            (Some(claim), _) => {
+                let field = "spec.target.persistentVolumeClaim";
+                match claim_directory(&agent.client, &namespace, &claim.claim_name, &agent.host.name).await {
+                    Ok(found) => (field, found.dir.trim_end_matches('/').to_owned()),
+                    Err(ClaimError::Waiting(why) | ClaimError::Unusable(why)) => {
+                        return Err(refuse(
+                            "TargetNotAllowed",
+                            format!("{field}: PersistentVolumeClaim {} {why}", claim.claim_name),
+                        ))
+                    }
+                    Err(e @ ClaimError::Kube { .. }) => return Err(refuse("", e.to_string())),
+                }
             }
+            (None, Some(dir)) => ("spec.target.hostPath", dir.trim_end_matches('/').to_owned()),
+            (None, None) => match roots.first() {
+                Some(dir) => ("backupRoots", dir.trim_end_matches('/').to_owned()),
+                None => {
+                    return Err(refuse(
+                        "NoBackupRoots",
+                        format!(
+                            "host {} allows no backups (its backupRoots in vmlet's config is empty)",
+                            agent.host.name
+                        ),
+                    ))
+                }
+            },
         };
         let path = format!("{dir}/{}", backup_file_name(&namespace, name, &backup.uid().unwrap_or_default()));
         if let Err(why) = check_host_file(&roots, agent.storage.resolves_links(), &path).await {
             return Err(refuse(
                 "TargetNotAllowed",
                 format!(
-                    "spec.target.hostPath {dir:?}: the backup file {path:?} {why}; host {} writes backups only under \
-                     its backupRoots [{}]: name one of them or a directory under one",
+                    "{field} {dir:?}: the backup file {path:?} {why}; host {} writes backups only under its \
+                     backupRoots [{}]: name one of them or a directory under one",
                     agent.host.name,
                     roots.join(", ")
                 ),
@@ -177,7 +197,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     }
     if agent.storage.resolves_links() {
         if let Err(e) = tokio::fs::create_dir_all(&dir).await {
-            let message = format!("spec.target.hostPath {dir:?}: cannot create the directory on the host: {e}");
+            let message = format!("{dir:?}: cannot create the backup directory on the host: {e}");
             return fail(pod, agent, Some((&backups, name)), "TargetNotWritable", &message).await;
         }
         if resumed {
