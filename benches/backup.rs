@@ -295,8 +295,13 @@ async fn main() {
     for round in 1..=rounds {
         let target = dir.join(format!("backup-{round}.qcow2"));
         drop_page_cache();
-        let request =
-            BackupRequest { target: target.display().to_string(), quiesce: true, timeout: copy_deadline(bytes) };
+        let request = BackupRequest {
+            target: target.display().to_string(),
+            quiesce: true,
+            timeout: copy_deadline(bytes),
+            checkpoint: None,
+            incremental: None,
+        };
         let start = Instant::now();
         let outcome = backup.backup(&spec.id, &request, &|_| {}).await.expect("vmlet backup");
         let (timed, file_bytes) = fsync_and_remove(&target, start.elapsed());

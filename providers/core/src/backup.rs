@@ -6,6 +6,16 @@
 //! goes on writing (libvirt's push-mode `virDomainBackupBegin`); an inactive
 //! VM's disk is copied as it is. A backup never pauses or stops the VM beyond
 //! the moment its guest's filesystems are frozen (when asked and possible).
+//!
+//! Incremental backups: a backup may leave a *checkpoint* on the VM
+//! ([`BackupRequest::checkpoint`]), from which the back end tracks the blocks
+//! the guest writes; a later backup based on it
+//! ([`BackupRequest::incremental`]) copies only those blocks into a file whose
+//! backing file is the previous backup's, so the chain (full backup, then each
+//! incremental one) reads as the whole disk at the newest backup's point in
+//! time. A VM carries at most one checkpoint of vmlet's: a backup that
+//! creates one deletes the VM's older ones once it completed, so an
+//! incremental backup is always based on the newest backup of the chain.
 
 use std::time::Duration;
 
@@ -26,6 +36,43 @@ pub struct BackupRequest {
     /// How long the whole backup may take; then it is aborted (the VM runs on)
     /// and the call fails `Transient`.
     pub timeout: Duration,
+    /// Create a checkpoint of this name on the VM at the backup's point in
+    /// time, atomically with it, so a later backup can copy only what changed
+    /// since ([`BackupRequest::incremental`]). 1 to 128 ASCII letters, digits,
+    /// `-`, `_` and `.` (else `InvalidInput`). Once the backup completed, the
+    /// provider deletes the VM's other checkpoints that vmlet created (a VM
+    /// carries at most one); a backup that fails deletes the checkpoint it
+    /// created, and leaves the older ones. A checkpoint of vmlet's that has
+    /// this name already (an earlier, interrupted attempt of the same backup)
+    /// is replaced; one that vmlet did not create fails `InvalidInput`.
+    /// `None`: no checkpoint is created, and the VM's checkpoints are left
+    /// as they are. An inactive VM's backup (a plain copy of its disk)
+    /// creates none either (libvirt creates checkpoints of running VMs only)
+    /// and leaves the VM's checkpoints alone: [`BackupOutcome::checkpoint`]
+    /// is then `None`, and the next backup must be a full one.
+    pub checkpoint: Option<String>,
+    /// Copy only the blocks written since checkpoint
+    /// [`IncrementalBase::checkpoint`] into [`BackupRequest::target`], which
+    /// the provider creates as a qcow2 whose backing file is
+    /// [`IncrementalBase::backing_file`]. `None`: a full backup.
+    pub incremental: Option<IncrementalBase>,
+}
+
+/// What an incremental backup builds on ([`BackupRequest::incremental`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IncrementalBase {
+    /// The VM's checkpoint that the backup in `backing_file` created (same
+    /// name rules as [`BackupRequest::checkpoint`]). Errors: `NotFound` when
+    /// the VM has no such checkpoint (deleted by a newer backup, by a revert,
+    /// or never made): the message says to take a full backup.
+    pub checkpoint: String,
+    /// Absolute path on the VM's host of the backup file (qcow2) written by
+    /// the backup that created `checkpoint`: the newest file of the chain. The
+    /// new file names it as its backing file (format qcow2), so it must stay
+    /// where it is while the chain is used (a restore reads the whole chain).
+    /// Errors: `NotFound` when it does not exist; `InvalidInput` when it is no
+    /// qcow2 image. The caller checked it lies under the host's backup roots.
+    pub backing_file: String,
 }
 
 /// How far a backup got.
@@ -63,12 +110,18 @@ pub enum Consistency {
 pub struct BackupOutcome {
     /// The file written ([`BackupRequest::target`]).
     pub path: String,
-    /// Bytes of disk data copied (the disk's virtual size for a full backup).
+    /// Bytes of disk data copied: the disk's virtual size for a full backup,
+    /// the bytes written since the base checkpoint for an incremental one
+    /// (in the back end's granularity, 64 KiB clusters for QEMU).
     pub bytes: u64,
     /// Size in bytes of the file written (zero blocks are not stored).
     pub file_bytes: u64,
     /// How consistent the copy is.
     pub consistency: Consistency,
+    /// The checkpoint created with the backup ([`BackupRequest::checkpoint`]),
+    /// on which the next incremental backup can be based; `None` when none
+    /// was asked or the VM was not running ([`Consistency::Offline`]).
+    pub checkpoint: Option<String>,
 }
 
 /// The backup capability ([`crate::Provider::backup`]). Called on the provider
@@ -77,8 +130,14 @@ pub struct BackupOutcome {
 #[async_trait::async_trait]
 pub trait Backup: Send + Sync {
     /// Copy the VM's disk to `request.target` (qcow2) and wait until the copy
-    /// completed, calling `progress` about once a second. A VM with several
-    /// disks, or with none, is refused `InvalidInput` (vmlet's VMs have one).
+    /// completed, calling `progress` about once a second (for an incremental
+    /// backup, `total_bytes` counts the changed bytes to copy). A VM with
+    /// several disks, or with none, is refused `InvalidInput` (vmlet's VMs
+    /// have one).
+    ///
+    /// An incremental backup ([`BackupRequest::incremental`]) needs a running
+    /// VM: an inactive one is refused `InvalidInput` (take a full backup),
+    /// and so is a request whose new checkpoint has the base's name.
     ///
     /// Idempotent in the sense the core needs: a second call while one runs
     /// for the same VM fails `Conflict` and does not disturb the first.
@@ -95,8 +154,9 @@ pub trait Backup: Send + Sync {
     ) -> Result<BackupOutcome>;
 
     /// Write a new, independent qcow2 disk at `target` holding what the backup
-    /// file `source` holds (a full copy: deleting the backup later does not
-    /// harm the disk). Both are absolute paths on this host that the caller
+    /// file `source` holds, read through its backing chain for an incremental
+    /// backup (a full copy without a backing file: deleting the backups later
+    /// does not harm the disk). Both are absolute paths on this host that the caller
     /// checked. The copy is written to `<target>.partial` and renamed to
     /// `target` once complete, so an interrupted restore is never taken for a
     /// finished one; a `target` that exists already is left alone and its
@@ -107,7 +167,9 @@ pub trait Backup: Send + Sync {
     async fn restore_disk(&self, source: &str, target: &str, timeout: Duration) -> Result<u64>;
 
     /// Put the disk of stopped VM `id` back as the backup file `source` (an
-    /// absolute path on this host the caller checked) holds. Nothing is
+    /// absolute path on this host the caller checked) holds, read through its
+    /// backing chain for an incremental backup; the disk gets no backing
+    /// file. Nothing is
     /// lost: the VM's current disk file is renamed to `<disk>.before-<tag>`
     /// (`tag`: letters, digits and `-`; vmlet passes the restore's UID) and
     /// the copy, written first as `<disk>.partial`, takes the disk's place.

@@ -17,6 +17,19 @@
 //!   or into the place of an inactive VM's disk, on this machine too (see
 //!   `restore.rs`).
 //!
+//! - Checkpoints and incremental backups (see `checkpoint.rs`): a backup
+//!   asked to leave a checkpoint passes checkpoint XML to
+//!   `virDomainBackupBegin`, which creates it atomically with the backup's
+//!   point in time. An incremental backup first creates its target with
+//!   `qemu-img create -b <previous backup> -F qcow2`, then begins with
+//!   `<incremental>base</incremental>` and `VIR_DOMAIN_BACKUP_BEGIN_REUSE_EXTERNAL`:
+//!   QEMU writes only the blocks the base checkpoint's bitmap marks, and the
+//!   new file reads the others through its backing file. Once a backup that
+//!   created a checkpoint completed, vmlet deletes the VM's other checkpoints
+//!   that carry vmlet's mark; one that failed deletes the checkpoint it
+//!   created. An inactive VM gets no checkpoint (libvirt 9 creates them only
+//!   for running VMs), and an incremental backup of it is refused.
+//!
 //! Each VM has one backup at a time: a second call while one runs (in this
 //! process, or a job libvirt reports: another backup, a migration, a block
 //! copy), or while this process restores the VM's disk or works on its
@@ -40,9 +53,11 @@ use virt::domain::Domain;
 use virt::error::{Error as VirtError, ErrorNumber};
 use virt::sys;
 use vmlet_provider::{
-    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, Error, ErrorKind, InPlaceRestore, Result, VmId,
+    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, Error, ErrorKind, InPlaceRestore,
+    IncrementalBase, Result, VmId,
 };
 
+use crate::checkpoint::{self, check_name, checkpoint_xml};
 use crate::error::{from_libvirt, is_operation_invalid};
 use crate::in_flight::Claim;
 use crate::jobs::{abort_job, block_job, block_job_name, job_stats, operation_name, JobStats};
@@ -53,6 +68,7 @@ use crate::xml::{disks, escape, Disk};
 const OP: &str = "back up disk";
 const OP_PROGRESS: &str = "read backup progress";
 const OP_ABORT: &str = "abort backup";
+const OP_CHECKPOINTS: &str = "delete backup checkpoints";
 
 /// How often a running backup's progress is read.
 const POLL_INTERVAL: Duration = Duration::from_secs(1);
@@ -75,6 +91,9 @@ const ABORT_GRACE: Duration = Duration::from_secs(60);
 
 /// How long `qemu-img info` may take.
 const INFO_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long deleting a VM's checkpoints may take.
+const CHECKPOINTS_DEADLINE: Duration = Duration::from_secs(60);
 
 /// How a backup began ([`Host::begin_backup`]).
 enum Started {
@@ -100,14 +119,48 @@ enum Poll {
 
 impl Host {
     /// Start backing up VM `id` to `target`: for a running VM, libvirt's
-    /// backup job (frozen file systems around its start when `quiesce`); for
-    /// an inactive one, nothing yet but the disk to copy.
-    fn begin_backup(&self, conn: &Connect, id: &VmId, target: &str, quiesce: bool) -> Result<Started> {
+    /// backup job (frozen file systems around its start when `quiesce`),
+    /// creating `checkpoint` with it and copying only what changed since
+    /// `base` (whose target exists already) when asked; for an inactive one,
+    /// nothing yet but the disk to copy (an incremental one is refused).
+    fn begin_backup(
+        &self,
+        conn: &Connect,
+        id: &VmId,
+        target: &str,
+        quiesce: bool,
+        plan: &Checkpoints,
+    ) -> Result<Started> {
         let domain = self.require(conn, OP, id)?;
         let xml = domain.xml_desc(0).map_err(|e| from_libvirt(OP, e))?;
         let disk = single_disk(OP, id, disks(&xml))?;
         if !is_active(&domain, OP)? {
+            if plan.base.is_some() {
+                return Err(Error::new(
+                    OP,
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "VM {id} is not running: an incremental backup copies what a running VM wrote since its \
+                         checkpoint, and libvirt tracks that only while it runs; take a full backup"
+                    ),
+                ));
+            }
             return offline_source(id, disk);
+        }
+        if let Some(base) = &plan.base {
+            if checkpoint::lookup(&domain, base).map_err(|e| from_libvirt(OP, e))?.is_none() {
+                return Err(Error::new(
+                    OP,
+                    ErrorKind::NotFound,
+                    format!(
+                        "VM {id} has no checkpoint {base} to base an incremental backup on (a newer backup or a \
+                         revert removed it, or it was never made): take a full backup"
+                    ),
+                ));
+            }
+        }
+        if let Some(name) = &plan.create {
+            replace_stale_checkpoint(&domain, id, name)?;
         }
         refuse_other_jobs(&domain, id, &disk.target, target)?;
         let consistency = if quiesce {
@@ -115,7 +168,9 @@ impl Host {
         } else {
             Consistency::CrashConsistent { reason: "quiesce was not asked".to_owned() }
         };
-        let begun = backup_begin(&domain, &backup_xml(&disk.target, target));
+        let checkpoint = plan.create.as_deref().map(|name| checkpoint_xml(name, &disk.target));
+        let backup = backup_xml(&disk.target, target, plan.base.as_deref());
+        let begun = backup_begin(&domain, &backup, checkpoint.as_deref(), plan.base.is_some());
         if quiesce {
             thaw(&domain, id, matches!(consistency, Consistency::Quiesced { .. }));
         }
@@ -139,6 +194,22 @@ impl Host {
         job_stats(&domain, flags).map(Poll::Ended).map_err(|e| from_libvirt(OP_PROGRESS, e))
     }
 
+    /// Delete VM `id`'s checkpoints that vmlet created, except `keep`; the
+    /// names of those left (that could not be deleted).
+    fn delete_checkpoints(&self, conn: &Connect, id: &VmId, keep: Option<&str>) -> Result<Vec<String>> {
+        let domain = self.require(conn, OP_CHECKPOINTS, id)?;
+        checkpoint::delete_vmlets_except(&domain, keep).map_err(|e| from_libvirt(OP_CHECKPOINTS, e))
+    }
+
+    /// Delete VM `id`'s checkpoint `name`, if it has one.
+    fn delete_checkpoint(&self, conn: &Connect, id: &VmId, name: &str) -> Result<()> {
+        let domain = self.require(conn, OP_CHECKPOINTS, id)?;
+        match checkpoint::lookup(&domain, name).map_err(|e| from_libvirt(OP_CHECKPOINTS, e))? {
+            Some(found) => found.delete().map_err(|e| from_libvirt(OP_CHECKPOINTS, e)),
+            None => Ok(()),
+        }
+    }
+
     /// `virDomainAbortJob` on VM `id` while its current job is a backup; any
     /// other job is left alone.
     fn abort_backup(&self, conn: &Connect, id: &VmId) -> Result<()> {
@@ -149,6 +220,33 @@ impl Host {
         }
         abort_job(&domain).map_err(|e| from_libvirt(OP_ABORT, e))
     }
+}
+
+/// The checkpoints of one backup: the one it creates, the one it is based on.
+#[derive(Clone, Debug, Default)]
+struct Checkpoints {
+    create: Option<String>,
+    base: Option<String>,
+}
+
+/// Delete checkpoint `name` of `domain` when vmlet created it (an earlier,
+/// interrupted attempt of the same backup): the backup creates it anew.
+/// Errors: `InvalidInput` when a checkpoint of that name is not vmlet's.
+fn replace_stale_checkpoint(domain: &Domain, id: &VmId, name: &str) -> Result<()> {
+    let Some(existing) = checkpoint::lookup(domain, name).map_err(|e| from_libvirt(OP, e))? else {
+        return Ok(());
+    };
+    if !existing.is_vmlets().map_err(|e| from_libvirt(OP, e))? {
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!(
+                "VM {id} has a checkpoint {name} that vmlet did not create; name the backup's checkpoint otherwise"
+            ),
+        ));
+    }
+    tracing::info!(vm.uid = %id, checkpoint.name = %name, "replacing a checkpoint an interrupted backup left");
+    existing.delete().map_err(|e| from_libvirt(OP, e))
 }
 
 /// The one disk of VM `id` (for `operation`). Errors: `InvalidInput`
@@ -257,25 +355,35 @@ fn thaw(domain: &Domain, id: &VmId, frozen: bool) {
     }
 }
 
-/// `virDomainBackupBegin` with `xml`, no checkpoint, no flags: libvirt
-/// creates the target file itself and refuses one that exists.
-fn backup_begin(domain: &Domain, xml: &str) -> Result<(), VirtError> {
-    // vmlet builds `xml` from paths without NUL bytes (checked on entry).
+/// `virDomainBackupBegin` with `xml` and `checkpoint` XML (none when
+/// `None`): libvirt creates the target file itself and refuses one that
+/// exists, unless `reuse_target` (an incremental backup's target, created by
+/// vmlet with its backing file).
+fn backup_begin(domain: &Domain, xml: &str, checkpoint: Option<&str>, reuse_target: bool) -> Result<(), VirtError> {
+    // vmlet builds both from paths and names without NUL bytes (checked on
+    // entry).
     let xml = std::ffi::CString::new(xml).unwrap_or_default();
-    // SAFETY: `domain` holds a valid virDomainPtr and `xml` is NUL-terminated
-    // for the call; a null checkpoint XML means none; libvirt keeps neither.
-    let ret = unsafe { sys::virDomainBackupBegin(domain.as_ptr(), xml.as_ptr(), std::ptr::null(), 0) };
+    let checkpoint = checkpoint.map(|c| std::ffi::CString::new(c).unwrap_or_default());
+    let checkpoint_ptr = checkpoint.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+    let flags = if reuse_target { sys::VIR_DOMAIN_BACKUP_BEGIN_REUSE_EXTERNAL } else { 0 };
+    // SAFETY: `domain` holds a valid virDomainPtr and both strings are
+    // NUL-terminated (or null: no checkpoint) for the call; libvirt keeps
+    // neither.
+    let ret = unsafe { sys::virDomainBackupBegin(domain.as_ptr(), xml.as_ptr(), checkpoint_ptr, flags) };
     if ret < 0 {
         return Err(VirtError::last_error());
     }
     Ok(())
 }
 
-/// The push-mode backup of disk `disk` into a new qcow2 at `target`.
-fn backup_xml(disk: &str, target: &str) -> String {
+/// The push-mode backup of disk `disk` into a qcow2 at `target`: all of
+/// it, or what changed since checkpoint `incremental`.
+fn backup_xml(disk: &str, target: &str, incremental: Option<&str>) -> String {
+    let incremental =
+        incremental.map(|base| format!("<incremental>{}</incremental>", escape(base))).unwrap_or_default();
     format!(
-        "<domainbackup mode='push'><disks><disk name='{}' backup='yes' type='file'><driver type='qcow2'/>\
-         <target file='{}'/></disk></disks></domainbackup>",
+        "<domainbackup mode='push'>{incremental}<disks><disk name='{}' backup='yes' type='file'>\
+         <driver type='qcow2'/><target file='{}'/></disk></disks></domainbackup>",
         escape(disk),
         escape(target)
     )
@@ -396,7 +504,8 @@ impl LibvirtProvider {
             progress(BackupProgress { processed_bytes: processed, total_bytes: total });
             let file_bytes = self.file_size(target).await;
             tracing::info!(vm.uid = %id, backup.target = %target, bytes = processed, file_bytes, ?consistency, "backup completed");
-            return Ok(BackupOutcome { path: target.clone(), bytes: processed, file_bytes, consistency });
+            let checkpoint = request.checkpoint.clone();
+            return Ok(BackupOutcome { path: target.clone(), bytes: processed, file_bytes, consistency, checkpoint });
         }
         let partial = self.discard_partial(target);
         let (kind, message) = if !job.is_backup() {
@@ -513,7 +622,8 @@ impl LibvirtProvider {
         progress(BackupProgress { processed_bytes: total, total_bytes: total });
         let file_bytes = self.file_size(&request.target).await;
         tracing::info!(vm.uid = %id, backup.target = %request.target, bytes = total, file_bytes, "offline backup completed");
-        Ok(BackupOutcome { path: request.target.clone(), bytes: total, file_bytes, consistency: Consistency::Offline })
+        let consistency = Consistency::Offline;
+        Ok(BackupOutcome { path: request.target.clone(), bytes: total, file_bytes, consistency, checkpoint: None })
     }
 
     /// The size of the file at `path` when it is on this machine; 0 for a
@@ -528,6 +638,97 @@ impl LibvirtProvider {
                 tracing::warn!(path, error = %err, "cannot read the backup file's size");
                 0
             }
+        }
+    }
+
+    /// Check `request`'s checkpoint names and, for an incremental backup,
+    /// its backing file, and create its target on top of it.
+    ///
+    /// Errors: `InvalidInput` for a bad name, a new checkpoint named as the
+    /// base, a relative or non-qcow2 backing file, or a target that exists;
+    /// `NotFound` when the backing file does not exist; `Unsupported` on a
+    /// remote connection (qemu-img creates the target where it is).
+    async fn plan_checkpoints(&self, id: &VmId, request: &BackupRequest) -> Result<Checkpoints> {
+        if let Some(name) = &request.checkpoint {
+            check_name(OP, "checkpoint", name)?;
+        }
+        let Some(IncrementalBase { checkpoint: base, backing_file }) = &request.incremental else {
+            return Ok(Checkpoints { create: request.checkpoint.clone(), base: None });
+        };
+        check_name(OP, "base checkpoint", base)?;
+        if request.checkpoint.as_ref() == Some(base) {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!("the backup's new checkpoint must not have its base's name ({base})"),
+            ));
+        }
+        check_path(OP, "backing file", backing_file)?;
+        if !is_local_uri(self.uri()) {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Unsupported,
+                format!(
+                    "vmlet creates an incremental backup's file (on top of the previous backup) with qemu-img where \
+                     the files are; the connection {} reaches another machine: run vmlet on that host",
+                    self.uri()
+                ),
+            ));
+        }
+        match tokio::fs::metadata(backing_file).await {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => {
+                return Err(Error::new(OP, ErrorKind::InvalidInput, format!("backing file {backing_file} is no file")))
+            }
+            Err(err) => {
+                return Err(Error::new(
+                    OP,
+                    if err.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Permanent },
+                    format!(
+                        "the previous backup {backing_file}, on which the incremental backup of VM {id} builds, \
+                         cannot be read ({err}): take a full backup"
+                    ),
+                ))
+            }
+        }
+        let info = qemu_img::info(OP, backing_file, None, INFO_DEADLINE).await?;
+        if info.format != "qcow2" {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!("backing file {backing_file} is a {} image; a backup chain is qcow2 files", info.format),
+            ));
+        }
+        qemu_img::create_with_backing(OP, &request.target, backing_file, INFO_DEADLINE).await?;
+        Ok(Checkpoints { create: request.checkpoint.clone(), base: Some(base.clone()) })
+    }
+
+    /// After a backup job that created checkpoint `created`: when it
+    /// `succeeded`, delete the VM's other vmlet checkpoints (a VM carries at
+    /// most one); when not, delete `created`. Failures are logged: the
+    /// backup's outcome stands.
+    async fn tidy_checkpoints(&self, id: &VmId, created: Option<&str>, succeeded: bool) {
+        let Some(created) = created.map(str::to_owned) else {
+            return;
+        };
+        let task_id = id.clone();
+        let result = if succeeded {
+            self.blocking_within(OP_CHECKPOINTS, CHECKPOINTS_DEADLINE, move |host, conn| {
+                host.delete_checkpoints(conn, &task_id, Some(&created))
+            })
+            .await
+        } else {
+            self.blocking_within(OP_CHECKPOINTS, CHECKPOINTS_DEADLINE, move |host, conn| {
+                host.delete_checkpoint(conn, &task_id, &created).map(|()| vec![created.clone()])
+            })
+            .await
+        };
+        match result {
+            Ok(left) if succeeded && !left.is_empty() => {
+                tracing::warn!(vm.uid = %id, checkpoints = ?left, "older checkpoints left; `virsh checkpoint-delete` them");
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(vm.uid = %id, error = %err, "cannot tidy the VM's backup checkpoints"),
         }
     }
 
@@ -587,6 +788,7 @@ impl Backup for LibvirtProvider {
                 ),
             ));
         };
+        let plan = self.plan_checkpoints(id, request).await?;
         let deadline = Instant::now() + request.timeout;
         // The freeze is a guest-agent call: it waits its turn with the others.
         let agent = if request.quiesce {
@@ -596,17 +798,32 @@ impl Backup for LibvirtProvider {
             None
         };
         let (task_id, target, quiesce) = (id.clone(), request.target.clone(), request.quiesce);
+        let task_plan = plan.clone();
         let started = self
             .blocking_within(OP, BEGIN_DEADLINE.min(request.timeout), move |host, conn| {
-                host.begin_backup(conn, &task_id, &target, quiesce)
+                host.begin_backup(conn, &task_id, &target, quiesce, &task_plan)
             })
-            .await?;
+            .await;
         drop(agent);
+        let started = match started {
+            Ok(started) => started,
+            Err(err) => {
+                if plan.base.is_some() {
+                    // vmlet created this target (libvirt did not begin).
+                    qemu_img::remove_partial(&request.target);
+                }
+                return Err(err);
+            }
+        };
         match started {
             Started::Offline { source, format } => {
                 self.offline_backup(id, request, &source, &format, deadline, progress).await
             }
-            Started::Job { consistency } => self.follow_backup(id, request, consistency, deadline, progress).await,
+            Started::Job { consistency } => {
+                let ended = self.follow_backup(id, request, consistency, deadline, progress).await;
+                self.tidy_checkpoints(id, plan.create.as_deref(), ended.is_ok()).await;
+                ended
+            }
         }
     }
 
@@ -669,9 +886,18 @@ mod tests {
     #[test]
     fn the_backup_xml_pushes_the_one_disk_into_a_new_qcow2() {
         assert_eq!(
-            backup_xml("vda", "/backups/it's.qcow2"),
+            backup_xml("vda", "/backups/it's.qcow2", None),
             "<domainbackup mode='push'><disks><disk name='vda' backup='yes' type='file'><driver type='qcow2'/>\
              <target file='/backups/it&apos;s.qcow2'/></disk></disks></domainbackup>"
+        );
+    }
+
+    #[test]
+    fn an_incremental_backup_xml_names_its_base_checkpoint() {
+        assert_eq!(
+            backup_xml("vda", "/b/2.qcow2", Some("b-1")),
+            "<domainbackup mode='push'><incremental>b-1</incremental><disks><disk name='vda' backup='yes' \
+             type='file'><driver type='qcow2'/><target file='/b/2.qcow2'/></disk></disks></domainbackup>"
         );
     }
 

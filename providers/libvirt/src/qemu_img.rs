@@ -106,6 +106,33 @@ pub(crate) async fn convert(
     }
 }
 
+/// `qemu-img create -f qcow2 -b <backing> -F qcow2 <target>`: a new, empty
+/// qcow2 image at `target` (which must not exist: checked, `InvalidInput`)
+/// that reads through to the qcow2 image `backing` (an absolute path, kept
+/// as it is in the new image's header) and has its virtual size.
+///
+/// Errors (for `operation`): as [`info`]'s, `Permanent` when `backing`
+/// cannot be opened.
+pub(crate) async fn create_with_backing(
+    operation: &'static str,
+    target: &str,
+    backing: &str,
+    deadline: Duration,
+) -> Result<()> {
+    if std::path::Path::new(target).exists() {
+        return Err(Error::new(operation, ErrorKind::InvalidInput, format!("{target} exists already")));
+    }
+    let mut command = Command::new(QEMU_IMG);
+    command.args(["create", "-q", "-f", "qcow2", "-b", backing, "-F", "qcow2", target]);
+    match run(operation, command, deadline, &mut |_| {}).await {
+        Ok(_) => Ok(()),
+        Err(err) => {
+            remove_partial(target);
+            Err(err)
+        }
+    }
+}
+
 /// `qemu-img snapshot -a <name> --image-opts driver=qcow2,file.filename=<path>`:
 /// put the qcow2 image `path` back to
 /// its internal snapshot `name` (what it holds now is lost; the snapshot is

@@ -104,7 +104,7 @@ impl Reports {
 }
 
 fn request(target: &str, quiesce: bool) -> BackupRequest {
-    BackupRequest { target: target.to_owned(), quiesce, timeout: COPY_TIMEOUT }
+    BackupRequest { target: target.to_owned(), quiesce, timeout: COPY_TIMEOUT, checkpoint: None, incremental: None }
 }
 
 /// `virsh -c <uri> <args>`, which must succeed; its stdout.

@@ -219,7 +219,13 @@ async fn a_backup_is_restored_in_place_keeping_the_previous_disk_and_dropping_it
     write_marker(&provider, &id, &before, BOOT_DEADLINE).await;
     std::fs::create_dir_all(run.path("backups")).expect("backups directory");
     let source = run.path("backups/b.qcow2");
-    let to_source = BackupRequest { target: source.clone(), quiesce: false, timeout: JOB_TIMEOUT };
+    let to_source = BackupRequest {
+        target: source.clone(),
+        quiesce: false,
+        timeout: JOB_TIMEOUT,
+        checkpoint: None,
+        incremental: None,
+    };
     backup.backup(&id, &to_source, &|_| {}).await.expect("backup");
     write_marker(&provider, &id, &after, PROMPT).await;
     snapshots.create_snapshot(&id, &request("s-after", None)).await.expect("snapshot");

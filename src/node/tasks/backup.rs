@@ -210,6 +210,8 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         target: path.clone(),
         quiesce: backup.spec.quiesce,
         timeout: Duration::from_secs(backup.spec.active_deadline_seconds.max(10) as u64),
+        checkpoint: None,
+        incremental: None,
     };
     // Running on the pod first: if that write fails, this pass fails and the
     // next one starts the copy (nothing is marked running before).
