@@ -478,9 +478,13 @@ impl Host {
         let name = domain.name().ok();
         // Also remove what libvirt keeps beside the definition; drivers that do
         // not know a flag (the test driver rejects NVRAM) get fewer.
+        // Checkpoints (incremental backups' bases): libvirt refuses to
+        // undefine a domain that has any without the flag; their bitmaps stay
+        // in the disk file.
         let all = virt::sys::VIR_DOMAIN_UNDEFINE_MANAGED_SAVE | virt::sys::VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA;
+        let checkpoints = all | virt::sys::VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA;
         let mut result = Ok(());
-        for flags in [all | virt::sys::VIR_DOMAIN_UNDEFINE_NVRAM, all, 0] {
+        for flags in [checkpoints | virt::sys::VIR_DOMAIN_UNDEFINE_NVRAM, checkpoints, all, 0] {
             result = domain.undefine_flags(flags);
             match &result {
                 Err(err) if flags != 0 && is_unsupported_flags(err) => continue,
@@ -902,7 +906,8 @@ impl Provider for LibvirtProvider {
         Some(self)
     }
 
-    /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA and NVRAM,
+    /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA,
+    /// CHECKPOINTS_METADATA and NVRAM,
     /// fewer flags where the driver rejects them. Disk files are never deleted;
     /// vmlet's console log and cloud-init seed of a QEMU domain are (best
     /// effort: a failure is logged).

@@ -47,6 +47,13 @@
 //! on another of its snapshots) fails `Conflict` at once, as does one while
 //! libvirt runs a job on a running VM (a migration, a backup).
 //!
+//! Checkpoints (incremental backups' bases, `checkpoint.rs`) and snapshots,
+//! as libvirt 9.0 and QEMU 7.2 have them: a running VM with a checkpoint
+//! takes a snapshot with memory; a stopped one takes none (libvirt: "cannot
+//! perform block operations while checkpoint exists") and its disk reverts
+//! to none (qemu-img: "Device has active dirty bitmaps"): both are refused
+//! `InvalidInput` saying so.
+//!
 //! A VM undefined by vmlet takes libvirt's snapshot metadata with it
 //! (`VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA`); the snapshots' data stays in
 //! the disk file, which vmlet never deletes (`qemu-img snapshot -l` lists it).
@@ -293,6 +300,18 @@ fn is_busy(err: &VirtError) -> bool {
 /// libvirt refused with `err`: `Conflict` when the VM or its disk is busy
 /// ([`is_busy`]), else the libvirt error's kind.
 fn refused(operation: &'static str, id: &VmId, name: &str, err: VirtError) -> Error {
+    if err.message().contains("checkpoint exists") {
+        return Error::new(
+            operation,
+            ErrorKind::InvalidInput,
+            format!(
+                "VM {id} has a checkpoint for incremental backups, and libvirt takes no snapshot of a stopped VM \
+                 with one ({}); snapshot {name} can be taken while the VM runs (with its memory)",
+                err.message()
+            ),
+        )
+        .with_source(err);
+    }
     if is_busy(&err) {
         return Error::new(
             operation,
@@ -568,7 +587,15 @@ impl LibvirtProvider {
         }
         for disk in disks {
             qemu_img::apply_snapshot(OP_REVERT, &disk.file, name, APPLY_DEADLINE).await.map_err(|mut err| {
-                if err.kind == ErrorKind::Permanent && err.message.contains(" lock") {
+                if err.kind == ErrorKind::Permanent && err.message.contains("dirty bitmaps") {
+                    err.kind = ErrorKind::InvalidInput;
+                    err.message = format!(
+                        "disk {} of VM {id} carries a checkpoint for incremental backups (a dirty bitmap), and \
+                         qemu-img reverts no snapshot of a disk with one; nothing was changed: delete the VM's \
+                         checkpoints (`virsh checkpoint-delete`) to revert, then take a full backup ({})",
+                        disk.target, err.message
+                    );
+                } else if err.kind == ErrorKind::Permanent && err.message.contains(" lock") {
                     err.kind = ErrorKind::Conflict;
                     err.message =
                         format!("the disk of VM {id} is in use (was the VM started meanwhile?): {}", err.message);
