@@ -381,14 +381,6 @@ async fn attach_sessions_whose_stdin_closes_at_once_all_return_and_a_hung_one_hi
     .await;
 }
 
-/// A client for the local control plane that authenticates with `token` only.
-async fn client_with_token(token: &str) -> kube::Client {
-    let kubeconfig = kube::config::Kubeconfig::read_from(&common::cluster().kubeconfig).expect("read kubeconfig");
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.expect("kubeconfig");
-    config.auth_info = kube::config::AuthInfo { token: Some(token.to_owned().into()), ..Default::default() };
-    kube::Client::try_from(config).expect("client")
-}
-
 /// A tenant whose ServiceAccount may only manage pods (and exec, attach and
 /// logs) in its own namespace copies another namespace's VM pod: spec, node,
 /// labels and annotations. Through the API (not only kubectl),
@@ -411,27 +403,9 @@ async fn a_tenant_copying_another_namespaces_vm_pod_reaches_nothing_of_that_vm()
 
     // The attacker: a namespace of its own and a ServiceAccount limited to it.
     let attacker = format!("{}-attacker", env.ns);
-    let setup = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": attacker}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": attacker}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-         "metadata": {"name": "pods", "namespace": attacker},
-         "rules": [{"apiGroups": [""], "resources": ["pods", "pods/exec", "pods/log", "pods/attach"],
-                    "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": {"name": "pods", "namespace": attacker},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
-         "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": attacker}]},
-    ]});
-    // Objects of several namespaces: no `-n` on this kubectl.
-    let cluster = common::cluster();
-    let mut kubectl = Command::new(cluster.bin.join("kubectl"));
-    kubectl.env("KUBECONFIG", &cluster.kubeconfig).args(["apply", "-f", "-"]);
-    let applied = run_with_stdin(&mut kubectl, serde_yaml::to_string(&setup).unwrap().as_bytes(), KUBECTL)
-        .unwrap_or_else(|timed_out| panic!("{timed_out}"));
-    assert!(applied.status.success(), "attacker setup: {}", String::from_utf8_lossy(&applied.stderr));
-    let token = env.kubectl(&["create", "token", "tenant", "-n", &attacker]).trim().to_owned();
-    let tenant = client_with_token(&token).await;
+    let rules = serde_json::json!([{"apiGroups": [""], "resources": ["pods", "pods/exec", "pods/log", "pods/attach"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}]);
+    let common::tenant::Tenant { client: tenant, token, .. } = common::tenant::tenant(&env, &attacker, rules).await;
     let tenant_pods: Api<Pod> = Api::namespaced(tenant.clone(), &attacker);
 
     // The copy: the victim pod's spec (with its node), labels and annotations.

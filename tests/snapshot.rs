@@ -11,8 +11,12 @@ mod common;
 
 use common::deadline::{output_within, VIRSH};
 use common::disk::{domstate, read_marker, wait_backup_ended, wait_job_condition, write_marker};
+use common::tenant::tenant;
 use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
-use kube::api::{Api, DeleteParams};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
+use kube::ResourceExt;
 use serde_json::json;
 use std::process::Command;
 use vmlet::v1alpha1::{OperationPhase, VirtualMachineRestore, VirtualMachineSnapshot};
@@ -104,6 +108,68 @@ async fn a_stopped_vm_goes_back_to_its_snapshot_and_to_its_backup_in_place() {
     assert_eq!(domstate(&env, "web"), "running");
     let log = env.kubectl(&["logs", "job/before-upgrade-snapshot"]);
     assert!(log.contains(&format!("snapshot {backend_name} taken, with the VM's memory")), "{log}");
+
+    // A tenant of another namespace, through the API with only its own
+    // rights, names this namespace's snapshot from a Job pod bound to the
+    // VM's node, and asks to revert this namespace's VM: neither reaches it.
+    let attacker = format!("{}-x", env.ns);
+    let rules = json!([
+        {"apiGroups": ["", "batch"], "resources": ["pods", "pods/log", "jobs"], "verbs": ["*"]},
+        {"apiGroups": ["vmlet.io"], "resources": ["virtualmachinesnapshots", "virtualmachinerestores"], "verbs": ["*"]},
+    ]);
+    let tenant = tenant(&env, &attacker, rules).await;
+    let their_jobs: Api<Job> = Api::namespaced(tenant.client.clone(), &attacker);
+    let their_pods: Api<Pod> = Api::namespaced(tenant.client.clone(), &attacker);
+    // A Job of theirs whose pod carries `annotation` (naming `object`) and is
+    // bound to the VM's node; the pod's failure message once it failed.
+    let grab = |job_name: &'static str, annotation: &'static str, object: &'static str| {
+        let (their_jobs, their_pods, node) = (their_jobs.clone(), their_pods.clone(), node.clone());
+        let env = &env;
+        async move {
+            let job: Job = serde_json::from_value(json!({
+                "metadata": {"name": job_name},
+                "spec": {"backoffLimit": 0, "template": {
+                    "metadata": {"annotations": {annotation: object}},
+                    "spec": {"nodeName": node, "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+                        "containers": [{"name": "task", "image": "vmlet.io/virtual-machine"}]}}},
+            }))
+            .unwrap();
+            their_jobs.create(&PostParams::default(), &job).await.expect("the tenant may create Jobs in its namespace");
+            let selector = format!("job-name={job_name}");
+            let (pod, message) = env
+                .wait_for(&format!("the tenant's Job {job_name}'s pod to fail"), || {
+                    let (their_pods, selector) = (their_pods.clone(), selector.clone());
+                    async move {
+                        let pods = their_pods.list(&ListParams::default().labels(&selector)).await.ok()?;
+                        let pod = pods.items.first()?.clone();
+                        let status = pod.status.clone()?;
+                        (status.phase.as_deref() == Some("Failed"))
+                            .then(|| (pod.name_any(), status.message.unwrap_or_default()))
+                    }
+                })
+                .await;
+            let log = their_pods.logs(&pod, &LogParams::default()).await.unwrap_or_default();
+            (message, log)
+        }
+    };
+    let (grabbed, log) = grab("grab", "vmlet.io/snapshot", "before-upgrade").await;
+    assert!(grabbed.contains(&format!("namespace {attacker} has no VirtualMachineSnapshot before-upgrade")), "{grabbed}");
+    assert!(!log.contains(&backend_name), "the tenant's pod log shows the victim's snapshot: {log}");
+    // Their own restore "in place" of a VM named like the victim's, run by a
+    // Job pod on the VM's node: the VM is looked up in their namespace only.
+    let revert: VirtualMachineRestore = serde_json::from_value(json!({
+        "metadata": {"name": "revert-theirs"},
+        "spec": {"source": {"snapshot": "before-upgrade"}, "target": {"virtualMachine": "web", "inPlace": true}},
+    }))
+    .unwrap();
+    let their_restores: Api<VirtualMachineRestore> = Api::namespaced(tenant.client.clone(), &attacker);
+    their_restores.create(&PostParams::default(), &revert).await.expect("the tenant may create restores");
+    let (refused, _) = grab("revert", "vmlet.io/restore", "revert-theirs").await;
+    assert!(refused.contains(&format!("namespace {attacker} has no VirtualMachine web")), "{refused}");
+    assert_eq!(libvirt_snapshots(&env, "web"), vec![backend_name.clone()]);
+    assert_eq!(domstate(&env, "web"), "running");
+    let namespaces: Api<Namespace> = Api::all(env.client.clone());
+    let _ = namespaces.delete(&attacker, &DeleteParams::default()).await;
 
     // A disk-only snapshot of a running VM cannot be had on libvirt: it says why.
     apply(&env, "VirtualMachineSnapshot", "disk-only", json!({"virtualMachine": "web", "memory": false}));
