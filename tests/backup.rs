@@ -237,3 +237,64 @@ async fn a_backup_job_runs_next_to_the_vm_and_a_restore_boots_what_it_held() {
     assert!(reason.contains("agent"), "the reason does not name the agent: {reason}");
     assert_eq!(domstate(&env, "web"), "running");
 }
+
+#[tokio::test]
+async fn an_incremental_backup_copies_what_changed_and_a_restore_reads_its_chain() {
+    let mut env = TestEnv::new("incr").await;
+    let guest = guest_for(&env);
+    let backups_dir = storage_root(&env).join("backups");
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
+        .with("backupRoots", json!([backups_dir]))]);
+    env.apply_vm("web", guest_vm_spec(&guest));
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+
+    // Without an earlier backup that left a checkpoint there is nothing to build on.
+    apply_backup(&env, "too-soon", json!({"virtualMachine": "web", "mode": "Incremental"}));
+    let refused = wait_backup_ended(&env, "too-soon").await.status.unwrap();
+    assert_eq!(refused.phase, Some(OperationPhase::Failed));
+    assert!(refused.message.clone().unwrap_or_default().contains("take a Full backup"), "{:?}", refused.message);
+
+    let fill = "dd if=/dev/urandom of=/dev/vda bs=1M seek=1 count=8 conv=fsync 2>/dev/null";
+    env.wait_for("the guest to fill part of its disk", || {
+        let out = env.kubectl_output(&["exec", &pod, "--", "sh", "-c", fill]);
+        async move { out.status.success().then_some(()) }
+    })
+    .await;
+    write_marker(&env, &pod, "in-the-full-one").await;
+    apply_backup(&env, "sunday", json!({"virtualMachine": "web", "checkpoint": true}));
+    let full = wait_backup_ended(&env, "sunday").await;
+    let full_status = full.status.clone().unwrap();
+    assert_eq!(full_status.phase, Some(OperationPhase::Succeeded), "{:?}", full_status.message);
+    let checkpoint = format!("vmlet-{}", full.metadata.uid.clone().unwrap());
+    assert_eq!(full_status.checkpoint.as_deref(), Some(checkpoint.as_str()));
+
+    write_marker(&env, &pod, "in-the-increment").await;
+    apply_backup(&env, "monday", json!({"virtualMachine": "web", "mode": "Incremental"}));
+    let incremental = wait_backup_ended(&env, "monday").await.status.unwrap();
+    assert_eq!(incremental.phase, Some(OperationPhase::Succeeded), "{:?}", incremental.message);
+    assert_eq!(incremental.base_backup.as_deref(), Some("sunday"));
+    let (full_bytes, incremental_bytes) = (full_status.bytes.unwrap(), incremental.bytes.unwrap());
+    assert_eq!(full_bytes, 64 << 20, "the full backup copies the whole 64 MiB disk");
+    assert!(incremental_bytes < 8 << 20, "only what changed is copied: {incremental_bytes} bytes");
+    assert!(incremental.file_bytes.unwrap() < full_status.file_bytes.unwrap());
+    let log = env.kubectl(&["logs", "job/monday-backup"]);
+    assert!(log.contains("only what changed since VirtualMachineBackup sunday"), "{log}");
+
+    // A VM restored from the increment has both: the chain is read whole.
+    let restore = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
+        "metadata": {"name": "monday-back", "namespace": env.ns},
+        "spec": {"source": {"backup": "monday"}, "target": {"virtualMachine": "web-monday"}}});
+    assert!(env.apply(&restore.to_string()).status.success());
+    env.wait_vm_phase("web-monday", "Running").await;
+    let restored_pod = env.pod_of("web-monday").await;
+    assert_eq!(read_marker(&env, &restored_pod).await, "in-the-increment");
+    let same_fill = "dd if=/dev/vda bs=1M skip=1 count=8 2>/dev/null | md5sum | cut -d' ' -f1";
+    let sum = |pod: String| {
+        let out = env.kubectl_output(&["exec", &pod, "--", "sh", "-c", same_fill]);
+        let sum = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(sum.len(), 32, "md5sum in {pod}: {sum:?} {}", String::from_utf8_lossy(&out.stderr));
+        sum
+    };
+    assert_eq!(sum(restored_pod.clone()), sum(pod.clone()), "the full backup's data came through the chain");
+}

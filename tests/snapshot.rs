@@ -153,7 +153,10 @@ async fn a_stopped_vm_goes_back_to_its_snapshot_and_to_its_backup_in_place() {
         }
     };
     let (grabbed, log) = grab("grab", "vmlet.io/snapshot", "before-upgrade").await;
-    assert!(grabbed.contains(&format!("namespace {attacker} has no VirtualMachineSnapshot before-upgrade")), "{grabbed}");
+    assert!(
+        grabbed.contains(&format!("namespace {attacker} has no VirtualMachineSnapshot before-upgrade")),
+        "{grabbed}"
+    );
     assert!(!log.contains(&backend_name), "the tenant's pod log shows the victim's snapshot: {log}");
     // Their own restore "in place" of a VM named like the victim's, run by a
     // Job pod on the VM's node: the VM is looked up in their namespace only.

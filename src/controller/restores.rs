@@ -18,8 +18,8 @@ use crate::v1alpha1::{
     OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineRestoreStatus,
     VirtualMachineSnapshot, VmPhase, RESTORE_ANNOTATION,
 };
-use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
@@ -257,8 +257,9 @@ async fn in_place(
         (None, Some(snapshot_name)) => {
             let snapshots: Api<VirtualMachineSnapshot> = Api::namespaced(ctx.client.clone(), &namespace);
             let Some(snapshot) = snapshots.get_opt(snapshot_name).await.map_err(err("read the snapshot"))? else {
-                let message =
-                    format!("spec.source.snapshot: namespace {namespace} has no VirtualMachineSnapshot {snapshot_name}");
+                let message = format!(
+                    "spec.source.snapshot: namespace {namespace} has no VirtualMachineSnapshot {snapshot_name}"
+                );
                 return fail(message).await.map_err(err("write status"));
             };
             let snapshot_status = snapshot.status.clone().unwrap_or_default();
@@ -347,7 +348,9 @@ async fn ensure_job(
     if let Some(job) = jobs.get_opt(&job_name).await? {
         let ours = job.owner_references().iter().any(|r| Some(&r.uid) == restore.meta().uid.as_ref());
         if !ours {
-            return Ok(Err(format!("Job {job_name} exists and is not this restore's; delete it or rename the restore")));
+            return Ok(Err(format!(
+                "Job {job_name} exists and is not this restore's; delete it or rename the restore"
+            )));
         }
         return Ok(job_failure(&job).map_or(Ok(()), Err));
     }
@@ -370,7 +373,8 @@ async fn ensure_job(
         Err(e) => return Err(e),
     }
     let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
-    let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name, "nodeName": node}});
+    let patch =
+        serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name, "nodeName": node}});
     restores.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(Ok(()))
 }

@@ -78,8 +78,12 @@ async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>) -> 
     if !has_finalizer {
         let mut finalizers = snapshot.finalizers().to_vec();
         finalizers.push(SNAPSHOT_FINALIZER.to_owned());
-        let patch = serde_json::json!({"metadata": {"resourceVersion": snapshot.resource_version(), "finalizers": finalizers}});
-        snapshots.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(err("add the finalizer"))?;
+        let patch =
+            serde_json::json!({"metadata": {"resourceVersion": snapshot.resource_version(), "finalizers": finalizers}});
+        snapshots
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(err("add the finalizer"))?;
         return Ok(Action::await_change());
     }
     let status = snapshot.status.clone().unwrap_or_default();
@@ -137,7 +141,10 @@ async fn delete(snapshot: &VirtualMachineSnapshot, ctx: &Context) -> Result<Acti
         let taking = jobs.get_opt(&format!("{name}-snapshot")).await?;
         let job_ended = |job: &Job| {
             let conditions = job.status.as_ref().and_then(|s| s.conditions.as_ref());
-            conditions.into_iter().flatten().any(|c| matches!(c.type_.as_str(), "Complete" | "Failed") && c.status == "True")
+            conditions
+                .into_iter()
+                .flatten()
+                .any(|c| matches!(c.type_.as_str(), "Complete" | "Failed") && c.status == "True")
         };
         if taking.is_some_and(|job| !job_ended(&job)) {
             return Ok(Action::requeue(Duration::from_secs(5)));
@@ -163,7 +170,8 @@ async fn delete(snapshot: &VirtualMachineSnapshot, ctx: &Context) -> Result<Acti
             );
             let patch = serde_json::json!({"status": {"readyToUse": false, "message": message}});
             snapshots.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-            let background = DeleteParams { propagation_policy: Some(PropagationPolicy::Background), ..DeleteParams::default() };
+            let background =
+                DeleteParams { propagation_policy: Some(PropagationPolicy::Background), ..DeleteParams::default() };
             jobs.delete(&job_name, &background).await?;
         }
         return Ok(Action::requeue(Duration::from_secs(60)));
@@ -186,7 +194,8 @@ async fn release(
     snapshot: &VirtualMachineSnapshot,
 ) -> Result<Action, kube::Error> {
     let finalizers: Vec<&String> = snapshot.finalizers().iter().filter(|f| *f != SNAPSHOT_FINALIZER).collect();
-    let patch = serde_json::json!({"metadata": {"resourceVersion": snapshot.resource_version(), "finalizers": finalizers}});
+    let patch =
+        serde_json::json!({"metadata": {"resourceVersion": snapshot.resource_version(), "finalizers": finalizers}});
     match snapshots.patch(&snapshot.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
         Ok(_) => Ok(Action::await_change()),
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(Action::requeue(Duration::from_secs(1))),

@@ -229,9 +229,8 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             Ok(Action::requeue(Duration::from_secs(5)))
         }
         Ok(Started::Restoring(restore)) => {
-            let message = format!(
-                "VirtualMachineRestore {restore} puts this VM's disk back; it starts once the restore ended"
-            );
+            let message =
+                format!("VirtualMachineRestore {restore} puts this VM's disk back; it starts once the restore ended");
             info!(vm.uid = %vm.spec.id, %restore, "restore in place runs; not starting the VM");
             write_status(pod, agent, |p| {
                 pod_status(p, &agent.host_ip, &Observed::Waiting { reason: RESTORING, message: &message }, false)

@@ -35,6 +35,7 @@ pub const RESTORE_ANNOTATION: &str = "vmlet.io/restore";
     doc = "A copy of a VirtualMachine's disk to a file on its host, taken by a Job pinned next to the VM.",
     printcolumn(name = "VM", type_ = "string", json_path = ".spec.virtualMachine"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode"),
     printcolumn(name = "Bytes", type_ = "integer", json_path = ".status.bytes"),
     printcolumn(name = "Consistency", type_ = "string", json_path = ".status.consistency"),
     printcolumn(name = "Node", type_ = "string", json_path = ".status.nodeName"),
@@ -58,11 +59,21 @@ pub struct VirtualMachineBackupSpec {
     /// `status.consistency` says so. Default true.
     #[serde(default = "default_true")]
     pub quiesce: bool,
-    /// `Full` copies the whole disk. `Incremental` (only what changed since
-    /// the last backup) is refused by back ends that cannot do it, with a
-    /// message in `status`.
+    /// `Full` copies the whole disk. `Incremental` copies only what changed
+    /// since the newest backup of this VM on its host that left a checkpoint
+    /// (`status.checkpoint`), into a file whose backing file is that backup's
+    /// (a restore reads the whole chain); back ends that cannot do it refuse
+    /// it with a message in `status`.
     #[serde(default)]
     pub mode: BackupMode,
+    /// Leave a checkpoint on the VM (libvirt: a persistent dirty bitmap in
+    /// its disk), so the next `Incremental` backup copies only what changed
+    /// since this one; it replaces the VM's previous checkpoint. Always done
+    /// for `Incremental`. Only a running VM can take one. While a VM carries a
+    /// checkpoint, libvirt refuses snapshots and reverts of it when stopped.
+    /// Default false.
+    #[serde(default)]
+    pub checkpoint: bool,
     /// Seconds the copy may take before it is aborted (the VM runs on) and the
     /// backup fails; also the Job's `activeDeadlineSeconds`. Default 3600.
     #[serde(default = "default_backup_deadline")]
@@ -172,6 +183,14 @@ pub struct VirtualMachineBackupStatus {
     /// What went wrong, or the last progress line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The checkpoint this backup left on the VM, which a later
+    /// `Incremental` backup builds on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
+    /// For an `Incremental` backup: the backup it builds on (its file is the
+    /// backing file of this one's; keep it while this one may be restored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_backup: Option<String>,
     /// The VirtualMachine's spec when the backup began: what a restore gives
     /// the new VM (its disk then comes from the backup).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -298,4 +317,10 @@ pub fn backup_file_name(namespace: &str, name: &str, uid: &str) -> String {
 /// `<namespace>_<vm>_restored_<uid>.qcow2`.
 pub fn restored_disk_name(namespace: &str, vm: &str, uid: &str) -> String {
     format!("{namespace}_{vm}_restored_{uid}.qcow2")
+}
+
+/// The name of the checkpoint backup `uid` leaves on its VM: `vmlet-<uid>`
+/// (libvirt checkpoint names: at most 128 of letters, digits, `-_.`).
+pub fn backup_checkpoint_name(uid: &str) -> String {
+    format!("vmlet-{uid}")
 }

@@ -71,4 +71,3 @@ pub fn domstate(env: &TestEnv, vm: &str) -> String {
     );
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
-

@@ -14,7 +14,8 @@ use crate::node::volumes::{claim_directory, ClaimError};
 use crate::node::Agent;
 use crate::storage::check_host_file;
 use crate::v1alpha1::{
-    backup_file_name, BackupMode, OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineBackupStatus,
+    backup_checkpoint_name, backup_file_name, BackupMode, OperationPhase, VirtualMachine, VirtualMachineBackup,
+    VirtualMachineBackupStatus,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -25,7 +26,7 @@ use kube::{Api, ResourceExt};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::{info, warn};
-use vmlet_provider::{BackupOutcome, BackupProgress, BackupRequest, Consistency, ErrorKind, VmId};
+use vmlet_provider::{BackupOutcome, BackupProgress, BackupRequest, Consistency, ErrorKind, IncrementalBase, VmId};
 
 /// How often a running backup's pod is looked at (its task writes the rest).
 const WHILE_RUNNING: Duration = Duration::from_secs(30);
@@ -73,16 +74,6 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     let resumed = claimed_by == Some(pod_uid.as_str());
     let refuse = |reason: &'static str, message: String| (reason, message);
     let plan = async {
-        if backup.spec.mode == BackupMode::Incremental {
-            return Err(refuse(
-                "IncrementalNotSupported",
-                format!(
-                    "spec.mode Incremental: host {}'s back end ({}) takes full backups only; use mode Full",
-                    agent.host.name,
-                    agent.provider.kind()
-                ),
-            ));
-        }
         let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
         let vm_name = &backup.spec.virtual_machine;
         let vm = match vms.get_opt(vm_name).await {
@@ -160,9 +151,17 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
                 ),
             ));
         }
-        Ok((vm, id, dir, path))
+        let base = match backup.spec.mode {
+            BackupMode::Full => None,
+            BackupMode::Incremental => match incremental_base(agent, &backups, &backup).await {
+                Ok(Ok(base)) => Some(base),
+                Ok(Err(message)) => return Err(refuse("NoIncrementalBase", message)),
+                Err(e) => return Err(refuse("", e.to_string())),
+            },
+        };
+        Ok((vm, id, dir, path, base))
     };
-    let (vm, id, dir, path) = match plan.await {
+    let (vm, id, dir, path, base) = match plan.await {
         Ok(plan) => plan,
         // Reading failed: retry with the pod's backoff.
         Err(("", message)) => {
@@ -186,6 +185,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
                 start_time: Some(now()),
                 message: Some(format!("backing up VirtualMachine {} to {path}", vm.name_any())),
                 virtual_machine_spec: Some(vm.spec.clone()),
+                base_backup: base.as_ref().map(|(name, _)| name.clone()),
                 ..status.clone()
             },
         });
@@ -210,8 +210,9 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         target: path.clone(),
         quiesce: backup.spec.quiesce,
         timeout: Duration::from_secs(backup.spec.active_deadline_seconds.max(10) as u64),
-        checkpoint: None,
-        incremental: None,
+        checkpoint: (backup.spec.checkpoint || base.is_some())
+            .then(|| backup_checkpoint_name(&backup.uid().unwrap_or_default())),
+        incremental: base.as_ref().map(|(_, base)| base.clone()),
     };
     // Running on the pod first: if that write fails, this pass fails and the
     // next one starts the copy (nothing is marked running before).
@@ -222,6 +223,13 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         &pod_uid,
         &format!("backing up VirtualMachine {} ({}) on host {} to {path}", vm.name_any(), id, agent.host.name),
     );
+    if let Some((base_name, base)) = &base {
+        let line = format!(
+            "incremental: only what changed since VirtualMachineBackup {base_name} (checkpoint {}, file {})",
+            base.checkpoint, base.backing_file
+        );
+        log_line(agent, &pod_uid, &line);
+    }
     tokio::spawn(run(Arc::clone(agent), pod.clone(), backups, name.to_owned(), id, request));
     Ok(Action::requeue(WHILE_RUNNING))
 }
@@ -306,6 +314,51 @@ async fn run(
     agent.task_ended(&pod_uid);
 }
 
+/// The backup an `Incremental` backup builds on: the newest Succeeded
+/// backup of the same VM on this host that left a checkpoint, whose file is
+/// vmlet's under this host's backup roots. `Ok(Err(why))` when there is none.
+async fn incremental_base(
+    agent: &Agent,
+    backups: &Api<VirtualMachineBackup>,
+    backup: &VirtualMachineBackup,
+) -> Result<Result<(String, IncrementalBase), String>, kube::Error> {
+    let namespace = backup.namespace().unwrap_or_default();
+    let vm_name = &backup.spec.virtual_machine;
+    let newest = backups
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|b| b.spec.virtual_machine == *vm_name && b.uid() != backup.uid())
+        .filter_map(|b| {
+            let status = b.status.clone()?;
+            let done = status.phase == Some(OperationPhase::Succeeded)
+                && status.node_name.as_deref() == Some(agent.host.name.as_str());
+            Some((status.completion_time.clone()?, status.checkpoint.clone()?, b)).filter(|_| done)
+        })
+        .max_by(|a, b| a.0.cmp(&b.0));
+    let Some((_, checkpoint, base)) = newest else {
+        return Ok(Err(format!(
+            "spec.mode Incremental: VirtualMachine {vm_name} has no earlier backup on host {} that left a checkpoint; \
+             take a Full backup with checkpoint: true first",
+            agent.host.name
+        )));
+    };
+    let base_name = base.name_any();
+    let expected = backup_file_name(&namespace, &base_name, &base.uid().unwrap_or_default());
+    let file = base.status.and_then(|s| s.location).unwrap_or_default();
+    let roots = agent.host.effective_backup_roots();
+    let named_right = std::path::Path::new(&file).file_name().and_then(|f| f.to_str()) == Some(expected.as_str());
+    if !named_right || check_host_file(&roots, agent.storage.resolves_links(), &file).await.is_err() {
+        return Ok(Err(format!(
+            "spec.mode Incremental: the base VirtualMachineBackup {base_name}'s status.location {file:?} is not its \
+             file ({expected} under host {}'s backupRoots); take a Full backup",
+            agent.host.name
+        )));
+    }
+    Ok(Ok((base_name, IncrementalBase { checkpoint, backing_file: file })))
+}
+
 /// The pod's and the backup's message for a finished backup.
 fn done_message(outcome: &BackupOutcome) -> String {
     let consistency = match &outcome.consistency {
@@ -333,6 +386,7 @@ fn finished(outcome: &BackupOutcome, message: &str) -> serde_json::Value {
     status["totalBytes"] = outcome.bytes.into();
     status["fileBytes"] = outcome.file_bytes.into();
     status["location"] = outcome.path.clone().into();
+    status["checkpoint"] = outcome.checkpoint.clone().into();
     status["consistency"] = consistency.into();
     status["consistencyReason"] = reason.into();
     status

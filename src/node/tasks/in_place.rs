@@ -84,7 +84,8 @@ pub(super) async fn sync(
         source,
     })?;
     let Some(vm) = vm else {
-        return refuse(format!("spec.target.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}")).await;
+        return refuse(format!("spec.target.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}"))
+            .await;
     };
     if vm.spec.replicas != 0 {
         return refuse(format!(
@@ -112,9 +113,10 @@ pub(super) async fn sync(
                 source,
             })?;
             let snapshot_status = snapshot.as_ref().and_then(|s| s.status.clone()).unwrap_or_default();
-            let usable = snapshot.as_ref().is_some_and(|s| {
-                s.spec.virtual_machine == *vm_name && s.metadata.deletion_timestamp.is_none()
-            }) && snapshot_status.phase == Some(OperationPhase::Succeeded)
+            let usable = snapshot
+                .as_ref()
+                .is_some_and(|s| s.spec.virtual_machine == *vm_name && s.metadata.deletion_timestamp.is_none())
+                && snapshot_status.phase == Some(OperationPhase::Succeeded)
                 && snapshot_status.ready_to_use
                 && snapshot_status.virtual_machine_uid.as_deref() == Some(id.0.as_str())
                 && snapshot_status.node_name.as_deref() == Some(agent.host.name.as_str());
@@ -182,7 +184,8 @@ pub(super) async fn sync(
     end(pod, agent, Outcome::Running).await?;
     agent.task_started(&pod_uid);
     log_line(agent, &pod_uid, &format!("putting VirtualMachine {vm_name} ({id}) back from {}", source_name(restore)));
-    let (agent, pod, restores, tag) = (Arc::clone(agent), pod.clone(), restores.clone(), restore.uid().unwrap_or_default());
+    let (agent, pod, restores, tag) =
+        (Arc::clone(agent), pod.clone(), restores.clone(), restore.uid().unwrap_or_default());
     tokio::spawn(async move {
         let result = match &source {
             Source::Backup { path } => {
@@ -279,7 +282,9 @@ async fn retire_snapshots(agent: &Agent, namespace: &str, id: &VmId, restore: &s
              previous disk {kept}"
         );
         let patch = serde_json::json!({"status": {"readyToUse": false, "message": message}});
-        if let Err(e) = snapshots.patch_status(&snapshot.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+        if let Err(e) =
+            snapshots.patch_status(&snapshot.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await
+        {
             warn!(snapshot = %snapshot.name_any(), error = %e, "could not mark a snapshot no longer usable");
         }
     }

@@ -144,9 +144,10 @@ async fn verify_job(pod: &Pod, agent: &Agent, kind: TaskKind, name: &str) -> Res
     };
     let job_owner = job.owner_references().iter().find(|r| r.controller == Some(true)).cloned();
     if let Some(job_owner) = job_owner {
-        let other_task =
-            matches!(job_owner.kind.as_str(), "VirtualMachineBackup" | "VirtualMachineRestore" | "VirtualMachineSnapshot")
-                && job_owner.api_version.starts_with("vmlet.io/");
+        let other_task = matches!(
+            job_owner.kind.as_str(),
+            "VirtualMachineBackup" | "VirtualMachineRestore" | "VirtualMachineSnapshot"
+        ) && job_owner.api_version.starts_with("vmlet.io/");
         if other_task && (job_owner.kind != kind.object_kind() || job_owner.name != name) {
             return Ok(Err(format!(
                 "pod {pod_name} names {} {name}, but its Job belongs to {} {}",

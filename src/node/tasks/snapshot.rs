@@ -79,8 +79,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     };
     let id = VmId(vm.uid().unwrap_or_default());
     if agent.provider.snapshots().is_none() {
-        let message =
-            format!("host {}'s back end ({}) cannot take snapshots", agent.host.name, agent.provider.kind());
+        let message = format!("host {}'s back end ({}) cannot take snapshots", agent.host.name, agent.provider.kind());
         return fail(pod, agent, Some((&snapshots, name)), "SnapshotNotSupported", &message).await;
     }
     if agent.provider.get(&id).await?.is_none() {
@@ -214,7 +213,8 @@ async fn delete(
     };
     log_line(agent, &pod_uid, &message);
     let finalizers: Vec<&String> = snapshot.finalizers().iter().filter(|f| *f != SNAPSHOT_FINALIZER).collect();
-    let patch = serde_json::json!({"metadata": {"resourceVersion": snapshot.resource_version(), "finalizers": finalizers}});
+    let patch =
+        serde_json::json!({"metadata": {"resourceVersion": snapshot.resource_version(), "finalizers": finalizers}});
     match snapshots.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.code == 404 => {}
