@@ -17,7 +17,7 @@ use kube::api::{Api, PostParams};
 use serde_json::json;
 use std::process::Command;
 use std::time::Duration;
-use vmlet::v1alpha1::{OperationPhase, VirtualMachineRestore};
+use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestore};
 
 fn apply_backup(env: &TestEnv, name: &str, spec: serde_json::Value) {
     let object = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineBackup",
@@ -297,4 +297,85 @@ async fn an_incremental_backup_copies_what_changed_and_a_restore_reads_its_chain
         sum
     };
     assert_eq!(sum(restored_pod.clone()), sum(pod.clone()), "the full backup's data came through the chain");
+}
+
+/// A ValidatingAdmissionPolicy (and its binding) named `name` that refuses
+/// what `expression` rejects; deleted on drop with kubectl under its deadline.
+struct AdmissionPolicy(String);
+
+impl AdmissionPolicy {
+    fn create(env: &TestEnv, name: &str, resource: &str, expression: &str) -> AdmissionPolicy {
+        let objects = json!({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+             "metadata": {"name": name},
+             "spec": {"failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{"apiGroups": ["vmlet.io"], "apiVersions": ["*"],
+                    "operations": ["UPDATE"], "resources": [resource]}]},
+                "validations": [{"expression": expression, "message": "refused by the test's admission policy"}]}},
+            {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+             "metadata": {"name": name},
+             "spec": {"policyName": name, "validationActions": ["Deny"],
+                "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": env.ns}}}}},
+        ]});
+        let out = env.apply(&objects.to_string());
+        assert!(out.status.success(), "admission policy: {}", String::from_utf8_lossy(&out.stderr));
+        AdmissionPolicy(name.to_owned())
+    }
+}
+
+impl Drop for AdmissionPolicy {
+    fn drop(&mut self) {
+        let cluster = common::cluster();
+        let mut kubectl = Command::new(cluster.bin.join("kubectl"));
+        kubectl.env("KUBECONFIG", &cluster.kubeconfig).args([
+            "delete",
+            &format!("validatingadmissionpolicybinding/{}", self.0),
+            &format!("validatingadmissionpolicy/{}", self.0),
+            "--ignore-not-found",
+            "--wait=false",
+        ]);
+        let _ = output_within(&mut kubectl, common::kubectl_deadline(&["delete"]));
+    }
+}
+
+#[tokio::test]
+async fn a_backup_whose_final_status_write_is_lost_ends_from_its_job() {
+    let mut env = TestEnv::new("lost").await;
+    let guest = guest_for(&env);
+    let backups_dir = storage_root(&env).join("backups");
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
+        .with("backupRoots", json!([backups_dir]))]);
+    env.apply_vm("web", guest_vm_spec(&guest));
+    env.wait_vm_phase("web", "Running").await;
+    // The agent's final write is the only one that sets fileBytes: refuse it,
+    // as an API server that does not answer for its ~10 s of retries would.
+    let _policy = AdmissionPolicy::create(
+        &env,
+        &format!("{}-lose-final", env.ns),
+        "virtualmachinebackups/status",
+        "!has(object.status) || !has(object.status.fileBytes)",
+    );
+    // The API server loads policies in the background: wait until a write
+    // like the agent's final one (on a backup of no VM) is refused.
+    apply_backup(&env, "probe", json!({"virtualMachine": "no-such-vm"}));
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(env.client.clone(), &env.ns);
+    env.wait_for("the admission policy to refuse a final status write", || {
+        let backups = backups.clone();
+        async move {
+            let patch = kube::api::Patch::Merge(json!({"status": {"fileBytes": 1}}));
+            let refused = backups.patch_status("probe", &Default::default(), &patch).await.is_err();
+            refused.then_some(())
+        }
+    })
+    .await;
+    apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
+    wait_job_condition(&env, "nightly-backup", "Complete").await;
+    let backup = wait_backup_ended(&env, "nightly").await;
+    let status = backup.status.unwrap();
+    assert_eq!(status.phase, Some(OperationPhase::Succeeded), "{:?}", status.message);
+    let message = status.message.unwrap_or_default();
+    assert!(message.contains("backup complete") && message.contains("final status was not written"), "{message}");
+    assert_eq!(status.file_bytes, None, "the refused write never landed");
+    let file = status.location.expect("the location claimed at the start");
+    assert!(std::path::Path::new(&file).is_file(), "{file}");
 }

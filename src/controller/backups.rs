@@ -5,9 +5,9 @@
 //! does not exist or never ran, a Job that failed without its pod ever
 //! reaching an agent (a deadline passed while it could not be scheduled).
 
-use super::task_jobs::{job_failure, run_job_owner, task_job, TaskJob, TaskPlacement};
+use super::task_jobs::{job_failure, job_outcome, run_job_owner, task_job, vm_task_placement, TaskJob, VmTask};
 use crate::conditions::new_condition;
-use crate::v1alpha1::{OperationPhase, VirtualMachine, VirtualMachineBackup, VmPhase, BACKUP_ANNOTATION};
+use crate::v1alpha1::{OperationPhase, VirtualMachine, VirtualMachineBackup, BACKUP_ANNOTATION};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -79,6 +79,26 @@ async fn reconcile(backup: Arc<VirtualMachineBackup>, ctx: Arc<Context>) -> Resu
             // The pod never reached an agent (the agent reports its own failures).
             return fail(&backups, &name, &message).await.map_err(err("write status"));
         }
+        if let Some((succeeded, message)) = job_outcome(&ctx.client, &job).await.map_err(err("read the Job's pod"))? {
+            // The agent ends the pod after it wrote the outcome; a backup
+            // still Running now lost that write (read again: not the cache).
+            let fresh = backups.get_status(&name).await.map_err(err("read"))?;
+            if fresh.status.and_then(|s| s.phase) == Some(OperationPhase::Running) {
+                warn!(backup = %name, succeeded, "the agent's final status was lost; taking the Job's outcome");
+                let message = format!("{message} (from Job {job_name}: the agent's final status was not written)");
+                if !succeeded {
+                    return fail(&backups, &name, &message).await.map_err(err("write status"));
+                }
+                let condition = new_condition("Complete", true, "BackupComplete", &message, None);
+                let patch = serde_json::json!({"status": {"phase": OperationPhase::Succeeded, "message": message,
+                    "completionTime": Timestamp::now().to_string(), "conditions": [condition]}});
+                backups
+                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(err("write status"))?;
+                return Ok(Action::await_change());
+            }
+        }
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
 
@@ -88,13 +108,19 @@ async fn reconcile(backup: Arc<VirtualMachineBackup>, ctx: Arc<Context>) -> Resu
         let message = format!("spec.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}");
         return fail(&backups, &name, &message).await.map_err(err("write status"));
     };
-    let vm_status = vm.status.clone().unwrap_or_default();
-    let running =
-        matches!(vm_status.phase, Some(VmPhase::Running | VmPhase::Migrating)) && vm_status.pod_name.is_some();
-    let placement = match crate::node::placement::recorded_node(&vm) {
-        _ if running => TaskPlacement::NextToVm(vm_name.clone()),
-        Some(node) => TaskPlacement::OnNode(node.to_owned()),
-        None => {
+    let placement = match vm_task_placement(&vm) {
+        VmTask::Run(placement) => placement,
+        VmTask::Migrating => {
+            // It waits: the pod would land on the host the VM leaves.
+            let message = format!("waiting for VirtualMachine {vm_name}'s migration to end");
+            let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "message": message}});
+            backups
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(err("write status"))?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+        VmTask::NeverDefined => {
             let message =
                 format!("VirtualMachine {vm_name} has never been defined on a host: there is no disk to back up yet");
             return fail(&backups, &name, &message).await.map_err(err("write status"));

@@ -9,10 +9,12 @@
 //! the VM it was taken of is gone (its domain went, and the snapshot with
 //! it).
 
-use super::task_jobs::{job_failure, run_job_owner, task_job, TaskJob, TaskPlacement};
+use super::task_jobs::{
+    job_failure, job_outcome, run_job_owner, task_job, vm_task_placement, TaskJob, TaskPlacement, VmTask,
+};
 use crate::conditions::new_condition;
 use crate::v1alpha1::{
-    OperationPhase, VirtualMachine, VirtualMachineSnapshot, VmPhase, SNAPSHOT_ANNOTATION, SNAPSHOT_FINALIZER,
+    OperationPhase, VirtualMachine, VirtualMachineSnapshot, SNAPSHOT_ANNOTATION, SNAPSHOT_FINALIZER,
 };
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, PropagationPolicy};
@@ -102,6 +104,26 @@ async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>) -> 
             // The pod never reached an agent (the agent reports its own failures).
             return fail(&snapshots, &name, &message).await.map_err(err("write status"));
         }
+        if let Some((succeeded, message)) = job_outcome(&ctx.client, &job).await.map_err(err("read the Job's pod"))? {
+            // The agent ends the pod after it wrote the outcome; a snapshot
+            // still Running now lost that write (read again: not the cache).
+            let fresh = snapshots.get_status(&name).await.map_err(err("read"))?;
+            if fresh.status.and_then(|s| s.phase) == Some(OperationPhase::Running) {
+                warn!(snapshot = %name, succeeded, "the agent's final status was lost; taking the Job's outcome");
+                let message = format!("{message} (from Job {job_name}: the agent's final status was not written)");
+                if !succeeded {
+                    return fail(&snapshots, &name, &message).await.map_err(err("write status"));
+                }
+                let condition = new_condition("Complete", true, "SnapshotTaken", &message, None);
+                let patch = serde_json::json!({"status": {"phase": OperationPhase::Succeeded, "readyToUse": true,
+                    "message": message, "conditions": [condition]}});
+                snapshots
+                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(err("write status"))?;
+                return Ok(Action::await_change());
+            }
+        }
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
@@ -110,10 +132,22 @@ async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>) -> 
         let message = format!("spec.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}");
         return fail(&snapshots, &name, &message).await.map_err(err("write status"));
     };
-    let Some(placement) = placement(&vm) else {
-        let message =
-            format!("VirtualMachine {vm_name} has never been defined on a host: there is nothing to snapshot yet");
-        return fail(&snapshots, &name, &message).await.map_err(err("write status"));
+    let placement = match vm_task_placement(&vm) {
+        VmTask::Run(placement) => placement,
+        VmTask::Migrating => {
+            let message = format!("waiting for VirtualMachine {vm_name}'s migration to end");
+            let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "message": message}});
+            snapshots
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(err("write status"))?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+        VmTask::NeverDefined => {
+            let message =
+                format!("VirtualMachine {vm_name} has never been defined on a host: there is nothing to snapshot yet");
+            return fail(&snapshots, &name, &message).await.map_err(err("write status"));
+        }
     };
     let job = snapshot_job(&snapshot, &vm, job_name.clone(), placement, &ctx.scope);
     match jobs.create(&PostParams::default(), &job).await {
@@ -155,7 +189,13 @@ async fn delete(snapshot: &VirtualMachineSnapshot, ctx: &Context) -> Result<Acti
         .get_opt(&snapshot.spec.virtual_machine)
         .await?
         .filter(|vm| vm.uid().is_some() && vm.uid() == status.virtual_machine_uid);
-    let placement = vm.as_ref().and_then(placement);
+    if vm.as_ref().is_some_and(|vm| vm_task_placement(vm) == VmTask::Migrating) {
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    let placement = vm.as_ref().and_then(|vm| match vm_task_placement(vm) {
+        VmTask::Run(placement) => Some(placement),
+        VmTask::Migrating | VmTask::NeverDefined => None,
+    });
     let (Some(vm), Some(placement), Some(_)) = (vm.as_ref(), placement, status.pod_uid.as_ref()) else {
         // Never taken, or its VM is gone (and the snapshot with its domain).
         return release(&snapshots, snapshot).await;
@@ -203,18 +243,6 @@ async fn release(
     }
 }
 
-/// Where a task about `vm`'s snapshot runs: next to its pod while it runs,
-/// else on its recorded host; `None` when it was never defined anywhere.
-fn placement(vm: &VirtualMachine) -> Option<TaskPlacement> {
-    let status = vm.status.clone().unwrap_or_default();
-    let running = matches!(status.phase, Some(VmPhase::Running | VmPhase::Migrating)) && status.pod_name.is_some();
-    match crate::node::placement::recorded_node(vm) {
-        _ if running => Some(TaskPlacement::NextToVm(vm.name_any())),
-        Some(node) => Some(TaskPlacement::OnNode(node.to_owned())),
-        None => None,
-    }
-}
-
 /// The Job `job_name` for `snapshot` of `vm`.
 fn snapshot_job(
     snapshot: &VirtualMachineSnapshot,
@@ -247,35 +275,4 @@ async fn fail(snapshots: &Api<VirtualMachineSnapshot>, name: &str, message: &str
     }});
     snapshots.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(Action::await_change())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::v1alpha1::{Placement, VirtualMachineStatus};
-
-    fn vm(phase: VmPhase, pod: Option<&str>, node: Option<&str>) -> VirtualMachine {
-        let mut vm: VirtualMachine = serde_json::from_value(serde_json::json!({
-            "apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",
-            "metadata": {"name": "web", "namespace": "team-a", "uid": "u-1"},
-            "spec": {"image": "/var/lib/vmlet/images/web.qcow2", "resources": {"cpu": 1, "memory": "1Gi"}},
-        }))
-        .unwrap();
-        vm.status = Some(VirtualMachineStatus {
-            phase: Some(phase),
-            pod_name: pod.map(str::to_owned),
-            placement: node.map(|n| Placement { node_name: n.to_owned(), backend_id: None }),
-            ..VirtualMachineStatus::default()
-        });
-        vm
-    }
-
-    #[test]
-    fn a_running_vms_snapshot_follows_its_pod_and_a_stopped_ones_goes_to_its_recorded_host() {
-        let running = vm(VmPhase::Running, Some("web-x"), Some("host-a"));
-        assert_eq!(placement(&running), Some(TaskPlacement::NextToVm("web".into())));
-        let stopped = vm(VmPhase::Stopped, None, Some("host-b"));
-        assert_eq!(placement(&stopped), Some(TaskPlacement::OnNode("host-b".into())));
-        assert_eq!(placement(&vm(VmPhase::Stopped, None, None)), None, "never defined: nothing to snapshot");
-    }
 }

@@ -2,16 +2,17 @@
 //! never retried (a failed copy is reported, not repeated behind the user's
 //! back), placed next to the VM or on the backup's host.
 
-use crate::v1alpha1::VM_LABEL;
+use crate::v1alpha1::{MigrationPhase, VirtualMachine, VmPhase, VM_LABEL};
 use crate::vmpod::{virtual_node_toleration, CONTAINER_IMAGE, VIRTUAL_NODE_LABEL};
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Affinity, Container, PersistentVolumeClaimVolumeSource, PodAffinity, PodAffinityTerm, PodSpec, PodTemplateSpec,
-    Toleration, Volume,
+    Affinity, Container, PersistentVolumeClaimVolumeSource, Pod, PodAffinity, PodAffinityTerm, PodSpec,
+    PodTemplateSpec, Toleration, Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::NamespaceResourceScope;
+use kube::api::ListParams;
 use kube::runtime::controller::Action;
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, Resource};
@@ -31,6 +32,35 @@ pub enum TaskPlacement {
     NextToVm(String),
     /// On this node (a stopped VM's recorded host, a backup's host).
     OnNode(String),
+}
+
+/// Where a task about a VM (its backup, its snapshot) may run now
+/// ([`vm_task_placement`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmTask {
+    /// Here.
+    Run(TaskPlacement),
+    /// Not while the VM moves to another host (its migration's phase is
+    /// Running): the pod would land on the host it leaves. Wait.
+    Migrating,
+    /// The VM was never defined on a host: there is no disk yet.
+    NeverDefined,
+}
+
+/// Where a task about `vm` runs: next to its pod while it runs, else on its
+/// recorded host; never while the move of a migration runs (a migration that
+/// waits for a target host leaves the VM where it is: the task runs there).
+pub fn vm_task_placement(vm: &VirtualMachine) -> VmTask {
+    let status = vm.status.clone().unwrap_or_default();
+    if status.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Running) {
+        return VmTask::Migrating;
+    }
+    let running = matches!(status.phase, Some(VmPhase::Running | VmPhase::Migrating)) && status.pod_name.is_some();
+    match crate::node::placement::recorded_node(vm) {
+        _ if running => VmTask::Run(TaskPlacement::NextToVm(vm.metadata.name.clone().unwrap_or_default())),
+        Some(node) => VmTask::Run(TaskPlacement::OnNode(node.to_owned())),
+        None => VmTask::NeverDefined,
+    }
 }
 
 /// What a task Job is for.
@@ -181,6 +211,27 @@ pub async fn run_job_owner<K, Ctx, E, Fut>(
         .await;
 }
 
+/// How a task Job ended, once it did: `Some((true, message))` when it
+/// completed, `Some((false, message))` when it failed; the message is its
+/// pod's (what the agent wrote when it ended the pod), else the Job's.
+/// `None` while it runs. Errors: reading the Job's pods failed.
+pub async fn job_outcome(client: &Client, job: &Job) -> Result<Option<(bool, String)>, kube::Error> {
+    let conditions = job.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+    let ended = |type_: &str| conditions.iter().find(|c| c.type_ == type_ && c.status == "True");
+    let (succeeded, condition) = match (ended("Complete"), ended("Failed")) {
+        (Some(c), _) => (true, c),
+        (None, Some(c)) => (false, c),
+        (None, None) => return Ok(None),
+    };
+    let namespace = job.metadata.namespace.as_deref().unwrap_or_default();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let selector = format!("job-name={}", job.metadata.name.as_deref().unwrap_or_default());
+    let listed = pods.list(&ListParams::default().labels(&selector)).await?;
+    let pod_message = listed.items.iter().find_map(|p| p.status.as_ref()?.message.clone());
+    let message = pod_message.or_else(|| condition.message.clone()).unwrap_or_default();
+    Ok(Some((succeeded, message)))
+}
+
 /// The message of a Job's `Failed` condition, when it failed (a deadline
 /// passed, its pod could not run).
 pub fn job_failure(job: &Job) -> Option<String> {
@@ -197,6 +248,7 @@ pub fn job_failure(job: &Job) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::v1alpha1::{Migration, Placement, VirtualMachineStatus};
 
     fn task(placement: TaskPlacement) -> Job {
         task_job(&TaskJob {
@@ -246,6 +298,40 @@ mod tests {
         assert_eq!(job.metadata.owner_references.unwrap()[0].kind, "VirtualMachineBackup");
         let volume = &pod.volumes.unwrap()[0];
         assert_eq!(volume.persistent_volume_claim.as_ref().unwrap().claim_name, "backups", "the target claim");
+    }
+
+    fn vm(phase: VmPhase, pod: Option<&str>, node: Option<&str>, migration: Option<MigrationPhase>) -> VirtualMachine {
+        let mut vm: VirtualMachine = serde_json::from_value(serde_json::json!({
+            "apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",
+            "metadata": {"name": "web", "namespace": "team-a", "uid": "u-1"},
+            "spec": {"image": "/var/lib/vmlet/images/web.qcow2", "resources": {"cpu": 1, "memory": "1Gi"}},
+        }))
+        .unwrap();
+        vm.status = Some(VirtualMachineStatus {
+            phase: Some(phase),
+            pod_name: pod.map(str::to_owned),
+            placement: node.map(|n| Placement { node_name: n.to_owned(), backend_id: None }),
+            migration: migration.map(|phase| Migration { phase, ..Migration::default() }),
+            ..VirtualMachineStatus::default()
+        });
+        vm
+    }
+
+    #[test]
+    fn a_task_follows_a_running_vms_pod_goes_to_a_stopped_ones_host_and_waits_out_a_move() {
+        let running = vm(VmPhase::Running, Some("web-x"), Some("host-a"), None);
+        assert_eq!(vm_task_placement(&running), VmTask::Run(TaskPlacement::NextToVm("web".into())));
+        let stopped = vm(VmPhase::Stopped, None, Some("host-b"), None);
+        assert_eq!(vm_task_placement(&stopped), VmTask::Run(TaskPlacement::OnNode("host-b".into())));
+        assert_eq!(vm_task_placement(&vm(VmPhase::Stopped, None, None, None)), VmTask::NeverDefined);
+        let moving = vm(VmPhase::Migrating, Some("web-x"), Some("host-a"), Some(MigrationPhase::Running));
+        assert_eq!(vm_task_placement(&moving), VmTask::Migrating);
+        let waiting = vm(VmPhase::Migrating, Some("web-x"), Some("host-a"), Some(MigrationPhase::Pending));
+        assert_eq!(
+            vm_task_placement(&waiting),
+            VmTask::Run(TaskPlacement::NextToVm("web".into())),
+            "a migration waiting for a host leaves the VM where it is"
+        );
     }
 
     #[test]
