@@ -9,7 +9,7 @@
 mod common;
 
 use common::deadline::{output_within, VIRSH};
-use common::disk::{domstate, read_marker, wait_backup_ended, wait_job_condition, write_marker};
+use common::disk::{domstate, fill_random, read_marker, wait_backup_ended, wait_job_condition, write_marker};
 use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -62,12 +62,7 @@ async fn a_backup_job_runs_next_to_the_vm_and_a_restore_boots_what_it_held() {
     let pod = env.pod_of("web").await;
     // 4 MiB of data that does not compress to nothing, past the marker's
     // sector: too much for the 1 MiB target below.
-    let fill = "dd if=/dev/urandom of=/dev/vda bs=1M seek=1 count=4 conv=fsync 2>/dev/null";
-    env.wait_for("the guest to fill part of its disk", || {
-        let out = env.kubectl_output(&["exec", &pod, "--", "sh", "-c", fill]);
-        async move { out.status.success().then_some(()) }
-    })
-    .await;
+    fill_random(&env, &pod, 4).await;
     let mark = format!("before-{}", env.ns);
     write_marker(&env, &pod, &mark).await;
 
@@ -255,12 +250,7 @@ async fn an_incremental_backup_copies_what_changed_and_a_restore_reads_its_chain
     assert_eq!(refused.phase, Some(OperationPhase::Failed));
     assert!(refused.message.clone().unwrap_or_default().contains("take a Full backup"), "{:?}", refused.message);
 
-    let fill = "dd if=/dev/urandom of=/dev/vda bs=1M seek=1 count=8 conv=fsync 2>/dev/null";
-    env.wait_for("the guest to fill part of its disk", || {
-        let out = env.kubectl_output(&["exec", &pod, "--", "sh", "-c", fill]);
-        async move { out.status.success().then_some(()) }
-    })
-    .await;
+    fill_random(&env, &pod, 8).await;
     write_marker(&env, &pod, "in-the-full-one").await;
     apply_backup(&env, "sunday", json!({"virtualMachine": "web", "checkpoint": true}));
     let full = wait_backup_ended(&env, "sunday").await;

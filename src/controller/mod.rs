@@ -26,6 +26,7 @@ pub mod restores;
 pub mod snapshots;
 pub mod status;
 pub mod task_jobs;
+pub mod vm_tasks;
 mod written;
 
 use crate::conditions::{new_condition, same_conditions, set_condition};

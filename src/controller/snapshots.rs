@@ -1,6 +1,6 @@
 //! The VirtualMachineSnapshot controller: one Job takes the snapshot on the
 //! VM's host, another deletes it there when the object is deleted
-//! ([`task_jobs`]); the agent of that host writes the snapshot's status and
+//! ([`super::vm_tasks`]); the agent of that host writes the snapshot's status and
 //! releases its finalizer ([`crate::node::tasks`]).
 //!
 //! A live snapshot carries the finalizer [`SNAPSHOT_FINALIZER`], so the back
@@ -9,25 +9,19 @@
 //! the VM it was taken of is gone (its domain went, and the snapshot with
 //! it).
 
-use super::task_jobs::{
-    job_failure, job_outcome, run_job_owner, task_job, vm_task_placement, TaskJob, TaskPlacement, VmTask,
-};
-use crate::conditions::new_condition;
+use super::task_jobs::{job_failure, run_job_owner, vm_task_placement, VmTask};
+use super::vm_tasks::{run_task, vm_task_job, VmTaskObject};
 use crate::v1alpha1::{
     OperationPhase, VirtualMachine, VirtualMachineSnapshot, SNAPSHOT_ANNOTATION, SNAPSHOT_FINALIZER,
 };
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, PropagationPolicy};
 use kube::runtime::controller::Action;
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
-
-/// Seconds a snapshot's Job gets beyond the snapshot's own deadline, so that
-/// the agent's message arrives before the Job's.
-const JOB_SLACK_SECONDS: i64 = 120;
 
 /// Why a pass failed; it is retried.
 #[derive(Debug, thiserror::Error)]
@@ -88,76 +82,41 @@ async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>) -> 
             .map_err(err("add the finalizer"))?;
         return Ok(Action::await_change());
     }
-    let status = snapshot.status.clone().unwrap_or_default();
-    if matches!(status.phase, Some(OperationPhase::Succeeded | OperationPhase::Failed)) {
+    if matches!(snapshot.phase(), Some(OperationPhase::Succeeded | OperationPhase::Failed)) {
         return Ok(Action::await_change());
     }
-    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &namespace);
-    let job_name = format!("{name}-snapshot");
-    if let Some(job) = jobs.get_opt(&job_name).await.map_err(err("read the Job"))? {
-        let ours = job.owner_references().iter().any(|r| Some(&r.uid) == snapshot.meta().uid.as_ref());
-        if !ours {
-            let message = format!("Job {job_name} exists and is not this snapshot's; delete it or rename the snapshot");
-            return fail(&snapshots, &name, &message).await.map_err(err("write status"));
-        }
-        if let (Some(message), None) = (job_failure(&job), status.pod_uid.as_ref()) {
-            // The pod never reached an agent (the agent reports its own failures).
-            return fail(&snapshots, &name, &message).await.map_err(err("write status"));
-        }
-        if let Some((succeeded, message)) = job_outcome(&ctx.client, &job).await.map_err(err("read the Job's pod"))? {
-            // The agent ends the pod after it wrote the outcome; a snapshot
-            // still Running now lost that write (read again: not the cache).
-            let fresh = snapshots.get_status(&name).await.map_err(err("read"))?;
-            if fresh.status.and_then(|s| s.phase) == Some(OperationPhase::Running) {
-                warn!(snapshot = %name, succeeded, "the agent's final status was lost; taking the Job's outcome");
-                let message = format!("{message} (from Job {job_name}: the agent's final status was not written)");
-                if !succeeded {
-                    return fail(&snapshots, &name, &message).await.map_err(err("write status"));
-                }
-                let condition = new_condition("Complete", true, "SnapshotTaken", &message, None);
-                let patch = serde_json::json!({"status": {"phase": OperationPhase::Succeeded, "readyToUse": true,
-                    "message": message, "conditions": [condition]}});
-                snapshots
-                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                    .map_err(err("write status"))?;
-                return Ok(Action::await_change());
-            }
-        }
-        return Ok(Action::requeue(Duration::from_secs(60)));
+    run_task(snapshot.as_ref(), &ctx.client, &ctx.scope).await.map_err(err("run the Job"))
+}
+
+impl VmTaskObject for VirtualMachineSnapshot {
+    const WORD: &'static str = "snapshot";
+    const ANNOTATION: &'static str = SNAPSHOT_ANNOTATION;
+    const COMPLETE_REASON: &'static str = "SnapshotTaken";
+    const FAILED_REASON: &'static str = "SnapshotFailed";
+
+    fn vm_name(&self) -> &str {
+        &self.spec.virtual_machine
     }
-    let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
-    let vm_name = &snapshot.spec.virtual_machine;
-    let Some(vm) = vms.get_opt(vm_name).await.map_err(err("read the VirtualMachine"))? else {
-        let message = format!("spec.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}");
-        return fail(&snapshots, &name, &message).await.map_err(err("write status"));
-    };
-    let placement = match vm_task_placement(&vm) {
-        VmTask::Run(placement) => placement,
-        VmTask::Migrating => {
-            let message = format!("waiting for VirtualMachine {vm_name}'s migration to end");
-            let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "message": message}});
-            snapshots
-                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map_err(err("write status"))?;
-            return Ok(Action::requeue(Duration::from_secs(5)));
-        }
-        VmTask::NeverDefined => {
-            let message =
-                format!("VirtualMachine {vm_name} has never been defined on a host: there is nothing to snapshot yet");
-            return fail(&snapshots, &name, &message).await.map_err(err("write status"));
-        }
-    };
-    let job = snapshot_job(&snapshot, &vm, job_name.clone(), placement, &ctx.scope);
-    match jobs.create(&PostParams::default(), &job).await {
-        Ok(_) => info!(job = %job_name, "snapshot Job created"),
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => return Err(err("create the Job")(e)),
+
+    fn phase(&self) -> Option<OperationPhase> {
+        self.status.as_ref()?.phase
     }
-    let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name}});
-    snapshots.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(err("write status"))?;
-    Ok(Action::requeue(Duration::from_secs(60)))
+
+    fn pod_uid(&self) -> Option<&str> {
+        self.status.as_ref()?.pod_uid.as_deref()
+    }
+
+    fn deadline_seconds(&self) -> i64 {
+        self.spec.active_deadline_seconds
+    }
+
+    fn nothing_yet(&self) -> &'static str {
+        "there is nothing to snapshot yet"
+    }
+
+    fn ended_fields(&self, succeeded: bool) -> serde_json::Value {
+        serde_json::json!({"readyToUse": succeeded})
+    }
 }
 
 /// A deleted snapshot: release it at once when nothing can be on a host,
@@ -216,7 +175,7 @@ async fn delete(snapshot: &VirtualMachineSnapshot, ctx: &Context) -> Result<Acti
         }
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
-    let job = snapshot_job(snapshot, vm, job_name.clone(), placement, &ctx.scope);
+    let job = vm_task_job(snapshot, vm, job_name.clone(), placement, &ctx.scope);
     match jobs.create(&PostParams::default(), &job).await {
         Ok(_) => info!(job = %job_name, "snapshot deletion Job created"),
         Err(kube::Error::Api(s)) if s.code == 409 => {}
@@ -241,38 +200,4 @@ async fn release(
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(Action::requeue(Duration::from_secs(1))),
         Err(e) => Err(e),
     }
-}
-
-/// The Job `job_name` for `snapshot` of `vm`.
-fn snapshot_job(
-    snapshot: &VirtualMachineSnapshot,
-    vm: &VirtualMachine,
-    job_name: String,
-    placement: TaskPlacement,
-    scope: &str,
-) -> Job {
-    let name = snapshot.name_any();
-    task_job(&TaskJob {
-        name: job_name,
-        namespace: &snapshot.namespace().unwrap_or_default(),
-        owner: snapshot.controller_owner_ref(&()).expect("a stored object has a name and UID"),
-        annotation: (SNAPSHOT_ANNOTATION, &name),
-        container: "snapshot",
-        placement,
-        deadline_seconds: snapshot.spec.active_deadline_seconds + JOB_SLACK_SECONDS,
-        scope,
-        tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
-        claim: None,
-    })
-}
-
-/// Mark the snapshot Failed with `message` (condition `Failed`).
-async fn fail(snapshots: &Api<VirtualMachineSnapshot>, name: &str, message: &str) -> Result<Action, kube::Error> {
-    warn!(snapshot = name, message, "snapshot failed");
-    let condition = new_condition("Failed", true, "SnapshotFailed", message, None);
-    let patch = serde_json::json!({"status": {
-        "phase": OperationPhase::Failed, "readyToUse": false, "message": message, "conditions": [condition],
-    }});
-    snapshots.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-    Ok(Action::await_change())
 }

@@ -19,6 +19,17 @@ pub async fn write_marker(env: &TestEnv, pod: &str, marker: &str) {
     .await;
 }
 
+/// Write `mib` MiB of random data to the guest's disk of `pod` from its
+/// second MiB on (past the marker's sector), flushed.
+pub async fn fill_random(env: &TestEnv, pod: &str, mib: u32) {
+    let fill = format!("dd if=/dev/urandom of=/dev/vda bs=1M seek=1 count={mib} conv=fsync 2>/dev/null");
+    env.wait_for(&format!("the guest of {pod} to fill {mib} MiB of its disk"), || {
+        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", &fill]);
+        async move { out.status.success().then_some(()) }
+    })
+    .await;
+}
+
 /// The first sector of the guest's disk of `pod`, as text.
 pub async fn read_marker(env: &TestEnv, pod: &str) -> String {
     env.wait_for(&format!("the guest of {pod} to read its disk"), || {

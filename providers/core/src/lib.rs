@@ -21,9 +21,7 @@ mod error;
 mod migration;
 mod resize;
 mod snapshot;
-pub use backup::{
-    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, InPlaceRestore, IncrementalBase,
-};
+pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, InPlaceRestore, IncrementalBase};
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
