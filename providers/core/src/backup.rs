@@ -25,8 +25,11 @@ use crate::{Result, VmId};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackupRequest {
     /// Absolute path on the VM's host of the qcow2 file to write. The caller
-    /// checked it lies under the host's backup roots and that no file of this
-    /// name exists; its directory exists. The provider never writes elsewhere.
+    /// checked it lies under the host's backup roots, and its directory
+    /// exists. The name is the caller's alone (unique per backup): a file of
+    /// this name is an earlier attempt of this same backup, which the
+    /// provider adopts or replaces ([`Backup::backup`]). The provider never
+    /// writes elsewhere.
     pub target: String,
     /// Freeze the guest's filesystems (through its guest agent) for the moment
     /// the backup begins, so the copy is what the guest had written out. When
@@ -139,10 +142,31 @@ pub trait Backup: Send + Sync {
     /// VM: an inactive one is refused `InvalidInput` (take a full backup),
     /// and so is a request whose new checkpoint has the base's name.
     ///
-    /// Idempotent in the sense the core needs: a second call while one runs
-    /// for the same VM fails `Conflict` and does not disturb the first.
+    /// Idempotent across restarts of the caller: a call for a target that an
+    /// earlier call (of an earlier process) began writing picks up where that
+    /// one is:
+    /// - the VM's backup job writes exactly `request.target`: the call follows
+    ///   it to its end instead of starting another (progress, outcome and
+    ///   errors as for a fresh one; [`BackupOutcome::checkpoint`] is the
+    ///   checkpoint that job creates, `request.checkpoint` when it does);
+    /// - no job runs, but the back end's record of the VM's last completed job
+    ///   is a backup that completed into `request.target` (and created
+    ///   `request.checkpoint`, when one is named), and the file exists: the
+    ///   call returns that backup's outcome;
+    /// - the file exists and nothing writes or completed into it: it is the
+    ///   leftover of an interrupted attempt (the name is the caller's alone),
+    ///   which the provider removes before it starts afresh.
+    ///
+    /// How consistent an adopted backup is may not be known: unless the back
+    /// end can tell, a followed job reports [`Consistency::CrashConsistent`]
+    /// with the reason "followed after a restart of vmlet: whether the
+    /// guest's filesystems were frozen is not known".
+    ///
+    /// A second call while one runs in this process for the same VM fails
+    /// `Conflict` and does not disturb the first.
     /// Errors: `NotFound` when this host has no such VM; `Conflict` when the
-    /// VM has another job running (a migration, a backup); `Permanent` with
+    /// VM has another job running (a migration, a backup to another target);
+    /// `Permanent` with
     /// the back end's message when the copy failed (e.g. no room left on the
     /// target: the message says so), in which case the partial file is
     /// removed and the VM runs on; `Transient` after `request.timeout`.
@@ -152,6 +176,19 @@ pub trait Backup: Send + Sync {
         request: &BackupRequest,
         progress: &(dyn Fn(BackupProgress) + Send + Sync),
     ) -> Result<BackupOutcome>;
+
+    /// Abort VM `id`'s backup to `target`, if one runs: the back end's job
+    /// that writes exactly `target` is cancelled, the call waits (within a
+    /// deadline of its own) until the job ended, removes the partial file and
+    /// returns true; the VM runs on. A [`Backup::backup`] call following that
+    /// job fails `Transient` ("cancelled"). Returns false when no backup to
+    /// `target` runs (none at all, one to another target, or another job such
+    /// as a migration, which are all left alone; or this host has no such
+    /// VM), so a repeated call is harmless.
+    /// Errors: `Transient` when the
+    /// back end does not answer, or the job has not ended, in time (the call
+    /// can be repeated).
+    async fn abort_backup(&self, id: &VmId, target: &str) -> Result<bool>;
 
     /// Write a new, independent qcow2 disk at `target` holding what the backup
     /// file `source` holds, read through its backing chain for an incremental

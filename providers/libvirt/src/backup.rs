@@ -31,9 +31,16 @@
 //!   for running VMs), and an incremental backup of it is refused.
 //!
 //! Each VM has one backup at a time: a second call while one runs (in this
-//! process, or a job libvirt reports: another backup, a migration, a block
-//! copy), or while this process restores the VM's disk or works on its
-//! snapshots, fails `Conflict` at once and leaves the first alone.
+//! process, or a job libvirt reports: a backup to another target, a
+//! migration, a block copy), or while this process restores the VM's disk or
+//! works on its snapshots, fails `Conflict` at once and leaves the first
+//! alone.
+//!
+//! A backup outlives the vmlet that began it (libvirt's job runs in libvirtd
+//! and QEMU): a call for the target that a running job writes follows that
+//! job, and one for a target a completed job wrote answers from libvirt's
+//! record of it (see `backup/adopt.rs`). `abort_backup` cancels the job that
+//! writes a given target and nothing else (`backup/abort.rs`).
 //!
 //! Where a copy fails, times out or is cancelled, its partial file is removed
 //! (by libvirt itself for a running VM's backup, and by vmlet as well where
@@ -44,6 +51,9 @@
 //! not propagate (no shared mount propagation), a file system mounted after
 //! the VM started is invisible to QEMU, and a backup onto it fails ("Could not
 //! open …"; the message says so).
+
+mod abort;
+mod adopt;
 
 use std::time::{Duration, Instant};
 
@@ -788,6 +798,9 @@ impl Backup for LibvirtProvider {
                 ),
             ));
         };
+        if let Some(outcome) = self.resume_earlier(id, request, progress).await? {
+            return Ok(outcome);
+        }
         let plan = self.plan_checkpoints(id, request).await?;
         let deadline = Instant::now() + request.timeout;
         // The freeze is a guest-agent call: it waits its turn with the others.
@@ -825,6 +838,15 @@ impl Backup for LibvirtProvider {
                 ended
             }
         }
+    }
+
+    /// Only a job whose backup XML names `target` as a disk's push target is
+    /// aborted; libvirt removes the partial file of a full backup itself,
+    /// and vmlet removes it too where it is on this machine (a local
+    /// connection).
+    #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id, backup.target = %target))]
+    async fn abort_backup(&self, id: &VmId, target: &str) -> Result<bool> {
+        self.abort_backup_job(id, target).await
     }
 
     /// `qemu-img convert -f qcow2 -O qcow2` on this machine (a local

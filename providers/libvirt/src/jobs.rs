@@ -9,8 +9,15 @@ use std::ffi::{CStr, CString};
 use std::os::raw::{c_char, c_int, c_ulonglong};
 
 use virt::domain::Domain;
-use virt::error::Error as VirtError;
+use virt::error::{Error as VirtError, ErrorNumber};
 use virt::sys;
+
+use crate::xml::{attributes, start_of};
+
+extern "C" {
+    /// libc's `free`, for the XML string libvirt hands over.
+    fn free(ptr: *mut std::ffi::c_void);
+}
 
 /// What `virDomainGetJobStats` reported about one job (current or completed).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -119,6 +126,53 @@ pub(crate) fn abort_job(domain: &Domain) -> Result<(), VirtError> {
     Ok(())
 }
 
+/// The files `domain`'s running backup job writes (each backed-up disk's
+/// `<target file>` in `virDomainBackupGetXMLDesc`); `None` when no backup
+/// job runs (`VIR_ERR_NO_DOMAIN_BACKUP`, or the domain is not running).
+pub(crate) fn backup_targets(domain: &Domain) -> Result<Option<Vec<String>>, VirtError> {
+    // SAFETY: `domain` holds a valid virDomainPtr for the call; the string
+    // returned is the caller's, freed once right after it is copied.
+    let xml = unsafe { sys::virDomainBackupGetXMLDesc(domain.as_ptr(), 0) };
+    if xml.is_null() {
+        let err = VirtError::last_error();
+        if err.code().is_any(vec![ErrorNumber::NoDomainBackup, ErrorNumber::OperationInvalid]) {
+            return Ok(None);
+        }
+        return Err(err);
+    }
+    // SAFETY: non-null and NUL-terminated; freed once, after the copy.
+    let text = unsafe { CStr::from_ptr(xml) }.to_string_lossy().into_owned();
+    unsafe { free(xml.cast()) };
+    Ok(Some(push_targets(&text)))
+}
+
+/// The `<target file='…'>` of each disk a `<domainbackup>` XML backs up
+/// (disks with `backup='no'` are left out), in document order.
+pub(crate) fn push_targets(xml: &str) -> Vec<String> {
+    let mut targets = Vec::new();
+    let mut rest = xml;
+    while let Some(start) = start_of(rest, "disk") {
+        let element = &rest[start..];
+        let head_end = element.find('>').map_or(element.len(), |end| end + 1);
+        let end = if element[..head_end].ends_with("/>") {
+            head_end
+        } else {
+            element.find("</disk>").map_or(element.len(), |end| end + "</disk>".len())
+        };
+        let (disk, after) = element.split_at(end);
+        rest = after;
+        let attrs = attributes(disk).unwrap_or_default();
+        if attrs.iter().any(|(key, value)| key == "backup" && value == "no") {
+            continue;
+        }
+        let file = start_of(disk, "target")
+            .and_then(|at| attributes(&disk[at..]))
+            .and_then(|attrs| attrs.into_iter().find(|(key, _)| key == "file").map(|(_, file)| file));
+        targets.extend(file);
+    }
+    targets
+}
+
 /// A domain job's operation (`virDomainJobOperation`) in words, for messages.
 pub(crate) fn operation_name(operation: Option<u32>) -> &'static str {
     use sys::*;
@@ -146,5 +200,21 @@ pub(crate) fn block_job_name(job_type: u32) -> &'static str {
         VIR_DOMAIN_BLOCK_JOB_TYPE_COMMIT | VIR_DOMAIN_BLOCK_JOB_TYPE_ACTIVE_COMMIT => "a block commit",
         VIR_DOMAIN_BLOCK_JOB_TYPE_BACKUP => "a backup",
         _ => "a block job",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_running_backups_targets_are_read_from_its_xml() {
+        let xml = "<domainbackup mode='push'>\n  <disks>\n    <disk name='vda' backup='yes' type='file' \
+                   backupmode='full' exportname='vda'>\n      <driver type='qcow2'/>\n      <target \
+                   file='/b/it&apos;s.qcow2'/>\n    </disk>\n    <disk name='vdb' backup='no'/>\n    <disk \
+                   name='vdc' backup='yes' type='file'><target file='/b/c.qcow2'/></disk>\n  </disks>\n\
+                   </domainbackup>";
+        assert_eq!(push_targets(xml), ["/b/it's.qcow2", "/b/c.qcow2"]);
+        assert!(push_targets("<domainbackup mode='pull'><disks/></domainbackup>").is_empty());
     }
 }

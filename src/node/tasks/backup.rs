@@ -200,12 +200,10 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
             let message = format!("{dir:?}: cannot create the backup directory on the host: {e}");
             return fail(pod, agent, Some((&backups, name)), "TargetNotWritable", &message).await;
         }
-        if resumed {
-            // Our own file from a copy a vmlet restart interrupted.
-            let _ = tokio::fs::remove_file(&path).await;
-        }
     }
 
+    // A resumed backup passes the same target: the provider follows, answers
+    // from or replaces what the interrupted attempt left (`Backup::backup`).
     let request = BackupRequest {
         target: path.clone(),
         quiesce: backup.spec.quiesce,
@@ -357,6 +355,38 @@ async fn incremental_base(
         )));
     }
     Ok(Ok((base_name, IncrementalBase { checkpoint, backing_file: file })))
+}
+
+/// Stop the copy that pod `pod` runs for backup `name` (its pod is being
+/// deleted): the back end aborts that job only (the VM runs on) and removes
+/// the partial file; the copy's task then ends the backup Failed. Best
+/// effort: what cannot be read or aborted is logged, and the copy ends by its
+/// own deadline.
+pub(super) async fn abort(pod: &Pod, agent: &Agent, name: &str) {
+    let namespace = pod.namespace().unwrap_or_default();
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(agent.client.clone(), &namespace);
+    let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
+    let backup = match backups.get_opt(name).await {
+        Ok(Some(backup)) => backup,
+        Ok(None) => return,
+        Err(e) => return warn!(backup = %name, error = %e, "cannot read the backup to abort its copy"),
+    };
+    let status = backup.status.clone().unwrap_or_default();
+    let (Some(target), true) = (status.location, status.pod_uid == pod.uid()) else { return };
+    let vm = match vms.get_opt(&backup.spec.virtual_machine).await {
+        Ok(Some(vm)) => vm,
+        Ok(None) => return,
+        Err(e) => return warn!(backup = %name, error = %e, "cannot read the VM to abort its backup"),
+    };
+    let Some(capability) = agent.provider.backup() else { return };
+    let id = VmId(vm.uid().unwrap_or_default());
+    match capability.abort_backup(&id, &target).await {
+        Ok(aborted) => {
+            info!(backup = %name, vm.uid = %id, aborted, "backup pod deleted; its copy was stopped");
+            log_line(agent, &pod.uid().unwrap_or_default(), "the pod was deleted: the copy was stopped");
+        }
+        Err(e) => warn!(backup = %name, vm.uid = %id, error = %e, "could not abort the backup; it ends by its deadline"),
+    }
 }
 
 /// The pod's and the backup's message for a finished backup.
