@@ -309,3 +309,204 @@ async fn real_guest_backs_up_quiesced_refuses_full_targets_and_busy_vms_and_rest
     drop(full);
     drop(run_dir);
 }
+
+/// Namespace of the restart test's VM (apart from the test above, whose
+/// leftover removal would take it for its own).
+const RESUME_NAMESPACE: &str = "vmlet-backup-resume-it";
+/// The restart test's disk: random data, so that a backup job takes long
+/// enough to be paused (through QMP) before it completed.
+const RANDOM_DISK_BYTES: u64 = 1 << 30;
+
+/// A qcow2 at `path` holding `bytes` of random data, made on the host (the
+/// guest boots from its initrd and leaves its disk alone).
+fn random_disk(path: &str, bytes: u64) {
+    let raw = format!("{path}.raw");
+    let out = output_within(
+        Command::new("dd").args(["if=/dev/urandom", &format!("of={raw}"), "bs=1M", &format!("count={}", bytes >> 20)]),
+        COMMAND,
+    );
+    assert!(out.status.success(), "dd: {}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        output_within(Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "qcow2", &raw, path]), COMMAND);
+    assert!(out.status.success(), "qemu-img convert: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_file(&raw).expect("remove the raw image");
+}
+
+/// `qemu-img compare -U`: the backup holds what the (running VM's) disk does.
+fn assert_same_image(disk: &str, backup: &str) {
+    let out = output_within(Command::new("qemu-img").args(["compare", "-U", disk, backup]), COMMAND);
+    assert!(
+        out.status.success(),
+        "{backup} differs from {disk}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A QMP command to the VM's QEMU (`virsh qemu-monitor-command`); its answer.
+fn qmp(uri: &str, domain: &str, command: &serde_json::Value) -> serde_json::Value {
+    let answer = virsh(uri, &["qemu-monitor-command", domain, &command.to_string()]);
+    serde_json::from_str(&answer).unwrap_or_else(|e| panic!("QMP answer {answer:?}: {e}"))
+}
+
+/// Begin a push-mode backup of the VM's disk into `target` behind the
+/// provider's back, as a vmlet that was restarted since would have.
+fn begin_backup_with_virsh(uri: &str, domain: &str, target: &str, dir: &str) {
+    let xml = format!(
+        "<domainbackup mode='push'><disks><disk name='vda' backup='yes' type='file'><driver type='qcow2'/>\
+         <target file='{target}'/></disk></disks></domainbackup>"
+    );
+    let file = format!("{dir}/backup-begin.xml");
+    std::fs::write(&file, xml).expect("write the backup XML");
+    virsh(uri, &["backup-begin", domain, "--backupxml", &file]);
+}
+
+/// Pause the VM's backup job in QEMU (`job-pause`), so that it is still
+/// running (to libvirt) for as long as the test needs; its QEMU job id.
+/// Panics when the job had completed already (the disk copied too fast).
+fn pause_backup_job(uri: &str, domain: &str) -> String {
+    let jobs = qmp(uri, domain, &serde_json::json!({"execute": "query-jobs"}));
+    let job = jobs["return"]
+        .as_array()
+        .and_then(|jobs| jobs.iter().find(|job| job["type"] == "backup"))
+        .unwrap_or_else(|| panic!("no backup job in QEMU: {jobs}"));
+    let job_id = job["id"].as_str().expect("the job's id").to_owned();
+    let paused = qmp(uri, domain, &serde_json::json!({"execute": "job-pause", "arguments": {"id": job_id}}));
+    assert!(
+        paused.get("error").is_none(),
+        "pausing backup job {job_id} ({job}): {paused}; the copy of {RANDOM_DISK_BYTES} bytes ended too soon"
+    );
+    job_id
+}
+
+/// Whether libvirt reports a job on the VM (`virsh domjobinfo`).
+fn libvirt_job_runs(uri: &str, domain: &str) -> bool {
+    let info = virsh(uri, &["domjobinfo", domain]);
+    !info.lines().any(|line| line.starts_with("Job type:") && line.contains("None"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_guest_backup_is_adopted_after_a_restart_and_aborted_by_target() {
+    let uri = qemu_uri();
+    let guest = guest_dir();
+    let provider = LibvirtProvider::connect_with(&uri, guest_accelerator(&guest)).await.expect("connect");
+    let backup = provider.backup().expect("QEMU has the backup capability");
+    remove_leftovers(&provider, RESUME_NAMESPACE).await;
+
+    let mut spec = common::unique_spec(RESUME_NAMESPACE, "resume");
+    let run_dir = RunDir::new(&guest, &spec.name, &["vmlinuz", "initrd.img"]);
+    let disk = run_dir.path("disk.qcow2");
+    random_disk(&disk, RANDOM_DISK_BYTES);
+    spec.image = Some(disk.clone());
+    spec.kernel_boot = Some(run_dir.kernel_boot(&guest));
+    let id = spec.id.clone();
+    let backups = run_dir.path("backups");
+    std::fs::create_dir_all(&backups).expect("backups directory");
+    provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&id).await.expect("start");
+    let domain = provider.get(&id).await.expect("get").expect("the VM").backend_name;
+
+    // 1. A backup job a vmlet began before it restarted, still running
+    //    (paused in QEMU until the provider follows it).
+    let adopted = format!("{backups}/adopted.qcow2");
+    begin_backup_with_virsh(&uri, &domain, &adopted, &backups);
+    let job = pause_backup_job(&uri, &domain);
+    assert!(libvirt_job_runs(&uri, &domain), "libvirt reports the paused backup as running");
+
+    //    A backup to another target meanwhile: refused naming the busy one;
+    //    an abort of that other target: nothing to abort, the job untouched.
+    let other = format!("{backups}/other.qcow2");
+    let busy = backup.backup(&id, &request(&other, false), &|_| {}).await.expect_err("a backup to another target");
+    println!("backup to another target during a job: {busy}");
+    assert_eq!(busy.kind, ErrorKind::Conflict, "{busy}");
+    assert!(busy.message.contains(&adopted), "{busy}");
+    assert!(!Path::new(&other).exists());
+    assert!(!backup.abort_backup(&id, &other).await.expect("abort another target"), "no backup to {other}");
+    assert!(libvirt_job_runs(&uri, &domain), "the job runs on");
+
+    //    The same target: followed to its end, not begun again. The first
+    //    progress report (while the job is still paused) lets it go on.
+    let (reported_tx, reported_rx) = tokio::sync::oneshot::channel();
+    let reported = Mutex::new(Some(reported_tx));
+    let reports = Reports::default();
+    let follower = {
+        let (provider, id, adopted, reports) = (provider.clone(), id.clone(), adopted.clone(), reports.clone());
+        tokio::spawn(async move {
+            let progress = move |p: BackupProgress| {
+                reports.push(p);
+                if let Some(reported) = reported.lock().unwrap().take() {
+                    let _ = reported.send(());
+                }
+            };
+            provider.backup().unwrap().backup(&id, &request(&adopted, true), &progress).await
+        })
+    };
+    tokio::time::timeout(PROMPT, reported_rx).await.expect("the follower reports progress").expect("reported");
+    assert!(libvirt_job_runs(&uri, &domain), "followed while running");
+    let resumed = qmp(&uri, &domain, &serde_json::json!({"execute": "job-resume", "arguments": {"id": job}}));
+    assert!(resumed.get("error").is_none(), "job-resume: {resumed}");
+    let outcome = tokio::time::timeout(COPY_TIMEOUT, follower)
+        .await
+        .expect("the followed backup ends")
+        .expect("task")
+        .expect("the followed backup completes");
+    println!("followed backup: {outcome:?}; progress {:?}", reports.all());
+    assert_eq!((outcome.path.as_str(), outcome.bytes), (adopted.as_str(), RANDOM_DISK_BYTES), "{outcome:?}");
+    let reason = "followed after a restart of vmlet: whether the guest's filesystems were frozen is not known";
+    assert_eq!(outcome.consistency, Consistency::CrashConsistent { reason: reason.to_owned() });
+    assert_eq!(outcome.checkpoint, None);
+    assert_eq!(outcome.file_bytes, std::fs::metadata(&adopted).expect("the backup file").len());
+    assert_eq!(reports.all().last().map(|p| p.processed_bytes), Some(RANDOM_DISK_BYTES));
+    assert_same_image(&disk, &adopted);
+
+    // 2. A backup job that completed while no vmlet ran: its outcome, from
+    //    libvirt's record, and the file left as it is.
+    let completed = format!("{backups}/completed.qcow2");
+    begin_backup_with_virsh(&uri, &domain, &completed, &backups);
+    wait_for("the backup begun with virsh to end", COPY_TIMEOUT, || {
+        let runs = libvirt_job_runs(&uri, &domain);
+        async move {
+            if runs {
+                Err("a job runs".to_owned())
+            } else {
+                Ok(())
+            }
+        }
+    })
+    .await;
+    let written = std::fs::metadata(&completed).expect("the completed backup").modified().ok();
+    let outcome = backup.backup(&id, &request(&completed, false), &|_| {}).await.expect("the completed backup");
+    println!("completed backup: {outcome:?}");
+    assert_eq!((outcome.path.as_str(), outcome.bytes), (completed.as_str(), RANDOM_DISK_BYTES), "{outcome:?}");
+    let reason = "quiesce was not asked".to_owned();
+    assert_eq!(outcome.consistency, Consistency::CrashConsistent { reason });
+    assert_eq!(std::fs::metadata(&completed).expect("still there").modified().ok(), written, "not written again");
+    assert_same_image(&disk, &completed);
+
+    // 3. A file of that name but no job that wrote it: the leftover of an
+    //    interrupted attempt, replaced by a fresh backup.
+    let leftover = format!("{backups}/leftover.qcow2");
+    std::fs::write(&leftover, b"what an interrupted attempt left").expect("write a leftover");
+    let outcome = backup.backup(&id, &request(&leftover, false), &|_| {}).await.expect("a fresh backup");
+    println!("backup over a leftover: {outcome:?}");
+    assert_eq!(outcome.bytes, RANDOM_DISK_BYTES, "{outcome:?}");
+    assert_eq!(image_info(&leftover), ("qcow2".to_owned(), RANDOM_DISK_BYTES));
+    assert_same_image(&disk, &leftover);
+
+    // 4. Aborting a running backup by its target: the job ends, the partial
+    //    file goes, the VM runs on; again, there is nothing to abort.
+    let aborted = format!("{backups}/aborted.qcow2");
+    begin_backup_with_virsh(&uri, &domain, &aborted, &backups);
+    pause_backup_job(&uri, &domain);
+    assert!(Path::new(&aborted).exists(), "libvirt created the target");
+    assert!(backup.abort_backup(&id, &aborted).await.expect("abort"), "a backup to {aborted} ran");
+    assert!(!libvirt_job_runs(&uri, &domain), "the job ended");
+    assert!(!Path::new(&aborted).exists(), "the partial file is removed");
+    let status = provider.get(&id).await.expect("get").expect("the VM is still there");
+    assert_eq!(status.power, PowerState::Running, "{status:?}");
+    assert!(!backup.abort_backup(&id, &aborted).await.expect("abort again"), "nothing runs any more");
+
+    provider.destroy(&id).await.expect("destroy");
+    provider.undefine(&id).await.expect("undefine");
+    drop(run_dir);
+}
