@@ -369,3 +369,75 @@ async fn a_backup_whose_final_status_write_is_lost_ends_from_its_job() {
     let file = status.location.expect("the location claimed at the start");
     assert!(std::path::Path::new(&file).is_file(), "{file}");
 }
+
+/// A QMP command to VM `vm`'s QEMU (`virsh qemu-monitor-command`); its answer.
+fn qmp(env: &TestEnv, vm: &str, command: serde_json::Value) -> serde_json::Value {
+    let domain = format!("{}_{vm}", env.ns);
+    let out = output_within(
+        Command::new("virsh").arg("-c").arg(qemu_uri()).args(["qemu-monitor-command", &domain, &command.to_string()]),
+        VIRSH,
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
+}
+
+#[tokio::test]
+async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
+    let mut env = TestEnv::new("abort").await;
+    let guest = guest_for(&env);
+    let backups_dir = storage_root(&env).join("backups");
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
+        .with("backupRoots", json!([backups_dir]))]);
+    // A 1 GiB disk of random data (the guest boots from its initrd), so the
+    // copy lasts long enough to be paused in QEMU (`job-pause`) and stays a
+    // running job for as long as the test needs.
+    let disk = guest.join("big.qcow2");
+    let raw = guest.join("big.raw");
+    let mut dd = Command::new("dd");
+    dd.arg("if=/dev/urandom").arg(format!("of={}", raw.display())).args(["bs=1M", "count=1024"]);
+    assert!(output_within(&mut dd, Duration::from_secs(300)).status.success());
+    let mut convert = Command::new("qemu-img");
+    convert.args(["convert", "-f", "raw", "-O", "qcow2"]).arg(&raw).arg(&disk);
+    assert!(output_within(&mut convert, Duration::from_secs(300)).status.success());
+    std::fs::remove_file(&raw).unwrap();
+    let mut spec = guest_vm_spec(&guest);
+    spec["image"] = json!(disk);
+    env.apply_vm("web", spec);
+    env.wait_vm_phase("web", "Running").await;
+
+    apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    let job_id = loop {
+        let jobs = qmp(&env, "web", json!({"execute": "query-jobs"}));
+        let backup = jobs["return"].as_array().and_then(|jobs| jobs.iter().find(|j| j["type"] == "backup")).cloned();
+        if let Some(job) = backup {
+            break job["id"].as_str().unwrap().to_owned();
+        }
+        assert!(std::time::Instant::now() < deadline, "no backup job in QEMU within 180 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let paused = qmp(&env, "web", json!({"execute": "job-pause", "arguments": {"id": job_id}}));
+    assert!(paused.get("error").is_none(), "pausing the copy ({paused}): it ended too soon");
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(env.client.clone(), &env.ns);
+    let target = env
+        .wait_for("the backup to be claimed", || {
+            let backups = backups.clone();
+            async move { backups.get_opt("nightly").await.ok()??.status?.location }
+        })
+        .await;
+
+    // Deleting the Job deletes its pod; the agent stops the copy.
+    env.kubectl(&["delete", "job/nightly-backup", "--wait=false"]);
+    let ended = wait_backup_ended(&env, "nightly").await.status.unwrap();
+    assert_eq!(ended.phase, Some(OperationPhase::Failed));
+    assert!(ended.message.clone().unwrap_or_default().contains("cancel"), "{:?}", ended.message);
+    env.wait_for("QEMU's backup job to be gone", || {
+        let jobs = qmp(&env, "web", json!({"execute": "query-jobs"}));
+        let gone = jobs["return"].as_array().is_some_and(|jobs| jobs.iter().all(|j| j["type"] != "backup"));
+        async move { gone.then_some(()) }
+    })
+    .await;
+    assert!(!std::path::Path::new(&target).exists(), "the partial file {target} was removed");
+    assert_eq!(domstate(&env, "web"), "running");
+    // The running VM keeps its open disk; the gigabyte goes with it.
+    std::fs::remove_file(&disk).unwrap();
+}

@@ -385,7 +385,9 @@ pub(super) async fn abort(pod: &Pod, agent: &Agent, name: &str) {
             info!(backup = %name, vm.uid = %id, aborted, "backup pod deleted; its copy was stopped");
             log_line(agent, &pod.uid().unwrap_or_default(), "the pod was deleted: the copy was stopped");
         }
-        Err(e) => warn!(backup = %name, vm.uid = %id, error = %e, "could not abort the backup; it ends by its deadline"),
+        Err(e) => {
+            warn!(backup = %name, vm.uid = %id, error = %e, "could not abort the backup; it ends by its deadline")
+        }
     }
 }
 

@@ -95,7 +95,11 @@ pub(super) async fn sync(
     name: &str,
 ) -> Result<Action, Error> {
     if pod.metadata.deletion_timestamp.is_some() {
-        // A copy under way ends by its own deadline; the pod goes now.
+        if kind == TaskKind::Backup && agent.task_running(&pod.uid().unwrap_or_default()) {
+            // Deleting a backup's pod (or its Job) stops the copy; the VM runs on.
+            backup::abort(pod, agent, name).await;
+        }
+        // Other work is short, or only ever run once; the pod goes now.
         return finish_deletion(pod, agent).await;
     }
     if matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")) {
