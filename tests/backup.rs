@@ -380,16 +380,9 @@ fn qmp(env: &TestEnv, vm: &str, command: serde_json::Value) -> serde_json::Value
     serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
 }
 
-#[tokio::test]
-async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
-    let mut env = TestEnv::new("abort").await;
-    let guest = guest_for(&env);
-    let backups_dir = storage_root(&env).join("backups");
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
-        .with("backupRoots", json!([backups_dir]))]);
-    // A 1 GiB disk of random data (the guest boots from its initrd), so the
-    // copy lasts long enough to be paused in QEMU (`job-pause`) and stays a
-    // running job for as long as the test needs.
+/// Start VM `web` on a 1 GiB disk of random data (the guest boots from its
+/// initrd), so that a backup lasts long enough to be paused in QEMU; the disk.
+async fn start_big_vm(env: &TestEnv, guest: &std::path::Path) -> std::path::PathBuf {
     let disk = guest.join("big.qcow2");
     let raw = guest.join("big.raw");
     let mut dd = Command::new("dd");
@@ -399,15 +392,19 @@ async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
     convert.args(["convert", "-f", "raw", "-O", "qcow2"]).arg(&raw).arg(&disk);
     assert!(output_within(&mut convert, Duration::from_secs(300)).status.success());
     std::fs::remove_file(&raw).unwrap();
-    let mut spec = guest_vm_spec(&guest);
+    let mut spec = guest_vm_spec(guest);
     spec["image"] = json!(disk);
     env.apply_vm("web", spec);
     env.wait_vm_phase("web", "Running").await;
+    disk
+}
 
-    apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
+/// Pause VM `web`'s backup job in QEMU (`job-pause`) as soon as it exists,
+/// so that it stays a running job for as long as the test needs; its id.
+async fn pause_backup_job(env: &TestEnv) -> String {
     let deadline = std::time::Instant::now() + Duration::from_secs(180);
     let job_id = loop {
-        let jobs = qmp(&env, "web", json!({"execute": "query-jobs"}));
+        let jobs = qmp(env, "web", json!({"execute": "query-jobs"}));
         let backup = jobs["return"].as_array().and_then(|jobs| jobs.iter().find(|j| j["type"] == "backup")).cloned();
         if let Some(job) = backup {
             break job["id"].as_str().unwrap().to_owned();
@@ -415,8 +412,21 @@ async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
         assert!(std::time::Instant::now() < deadline, "no backup job in QEMU within 180 s");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let paused = qmp(&env, "web", json!({"execute": "job-pause", "arguments": {"id": job_id}}));
+    let paused = qmp(env, "web", json!({"execute": "job-pause", "arguments": {"id": job_id}}));
     assert!(paused.get("error").is_none(), "pausing the copy ({paused}): it ended too soon");
+    job_id
+}
+
+#[tokio::test]
+async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
+    let mut env = TestEnv::new("abort").await;
+    let guest = guest_for(&env);
+    let backups_dir = storage_root(&env).join("backups");
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
+        .with("backupRoots", json!([backups_dir]))]);
+    let disk = start_big_vm(&env, &guest).await;
+    apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
+    pause_backup_job(&env).await;
     let backups: Api<VirtualMachineBackup> = Api::namespaced(env.client.clone(), &env.ns);
     let target = env
         .wait_for("the backup to be claimed", || {
@@ -440,4 +450,40 @@ async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
     assert_eq!(domstate(&env, "web"), "running");
     // The running VM keeps its open disk; the gigabyte goes with it.
     std::fs::remove_file(&disk).unwrap();
+}
+
+#[tokio::test]
+async fn a_vmlet_restarted_mid_backup_follows_the_copy_to_its_end() {
+    let mut env = TestEnv::new("adopt").await;
+    let guest = guest_for(&env);
+    let backups_dir = storage_root(&env).join("backups");
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
+        .with("backupRoots", json!([backups_dir]))]);
+    let disk = start_big_vm(&env, &guest).await;
+    apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
+    let job_id = pause_backup_job(&env).await;
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(env.client.clone(), &env.ns);
+    env.wait_for("the backup to be claimed", || {
+        let backups = backups.clone();
+        async move { backups.get_opt("nightly").await.ok()??.status?.location }
+    })
+    .await;
+
+    env.kill_vmlet();
+    env.restart_vmlet();
+    let resumed = qmp(&env, "web", json!({"execute": "job-resume", "arguments": {"id": job_id}}));
+    assert!(resumed.get("error").is_none(), "resuming the copy: {resumed}");
+    let ended = wait_backup_ended(&env, "nightly").await.status.unwrap();
+    assert_eq!(ended.phase, Some(OperationPhase::Succeeded), "{:?}", ended.message);
+    assert_eq!(ended.bytes, Some(1 << 30));
+    assert_eq!(ended.consistency.as_deref(), Some("CrashConsistent"));
+    assert!(ended.consistency_reason.unwrap_or_default().contains("restart of vmlet"));
+    let file = ended.location.unwrap();
+    let mut compare = Command::new("qemu-img");
+    compare.args(["compare", "-U"]).arg(&disk).arg(&file);
+    let same = output_within(&mut compare, Duration::from_secs(300));
+    assert!(same.status.success(), "the backup differs from the disk: {}", String::from_utf8_lossy(&same.stdout));
+    assert_eq!(domstate(&env, "web"), "running");
+    std::fs::remove_file(&disk).unwrap();
+    std::fs::remove_file(&file).unwrap();
 }
