@@ -169,7 +169,22 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
         spec,
         status: None,
     };
-    let created = vms.create(&PostParams::default(), &vm).await.map_err(err("create the VirtualMachine"))?;
+    let created = match vms.create(&PostParams::default(), &vm).await {
+        Ok(created) => created,
+        // The recorded spec is no longer valid (the CRD's rules changed since
+        // the backup): retrying will not help. The disk stays for a VM made
+        // by hand.
+        Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
+            return fail(format!(
+                "the API server refused VirtualMachine {vm_name} with the backed-up spec: {}; the restored disk \
+                 {disk} is kept on host {node}: create a VirtualMachine with it as spec.image",
+                s.message
+            ))
+            .await
+            .map_err(err("write status"));
+        }
+        Err(e) => return Err(err("create the VirtualMachine")(e)),
+    };
     info!(vm = %vm_name, disk = %disk, node = %node, "VirtualMachine restored");
     let message = format!("VirtualMachine {vm_name} created on host {node} with disk {disk}");
     end(&restores, &name, OperationPhase::Succeeded, &message, created.uid()).await.map_err(err("write status"))
