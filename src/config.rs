@@ -88,8 +88,10 @@ pub struct Config {
     /// Whether this process also runs the VirtualMachine controller. Default true.
     #[serde(default = "default_true")]
     pub controller: bool,
-    /// Only VirtualMachines in this namespace are handled (controller and VM
-    /// cleanup); default: all namespaces. Pods are selected by node either way.
+    /// Only VirtualMachines in this namespace are handled (controller, VM
+    /// cleanup, and the agents: a pod of another namespace bound to one of
+    /// this vmlet's nodes is marked Failed, `NotAVirtualMachine`); default:
+    /// all namespaces.
     #[serde(default)]
     pub namespace: Option<String>,
     /// Lease duration in seconds (kube-node-lease). Default 40, as the kubelet's.
@@ -329,6 +331,12 @@ impl Config {
 }
 
 impl HostConfig {
+    /// `<kind> at <uri>` for messages, e.g. `libvirt at test:///srv/host-a.xml`:
+    /// which back end and connection a host has.
+    pub fn describe(&self, kind: &str) -> String {
+        format!("{kind} at {}", self.uri)
+    }
+
     /// Check this host's own fields: `(field, message)` of the first that
     /// cannot be used, the field relative to the host (`labels["x"]`).
     pub fn validate_one(&self) -> Result<(), (String, String)> {

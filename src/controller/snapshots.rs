@@ -82,7 +82,10 @@ async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>) -> 
             .map_err(err("add the finalizer"))?;
         return Ok(Action::await_change());
     }
-    if matches!(snapshot.phase(), Some(OperationPhase::Succeeded | OperationPhase::Failed)) {
+    if snapshot.phase() == Some(OperationPhase::Succeeded) {
+        return follow_vm(&snapshot, &snapshots, &ctx.client).await.map_err(err("follow its VM"));
+    }
+    if snapshot.phase() == Some(OperationPhase::Failed) {
         return Ok(Action::await_change());
     }
     run_task(snapshot.as_ref(), &ctx.client, &ctx.scope).await.map_err(err("run the Job"))
@@ -117,6 +120,34 @@ impl VmTaskObject for VirtualMachineSnapshot {
     fn ended_fields(&self, succeeded: bool) -> serde_json::Value {
         serde_json::json!({"readyToUse": succeeded})
     }
+}
+
+/// A taken snapshot stays ready to use while the VM it was taken of (by UID)
+/// exists; once that VM is deleted it says so (libvirt's record went with the
+/// domain; the data stays inside the disk file). Looked at every few minutes.
+async fn follow_vm(
+    snapshot: &VirtualMachineSnapshot,
+    snapshots: &Api<VirtualMachineSnapshot>,
+    client: &Client,
+) -> Result<Action, kube::Error> {
+    let status = snapshot.status.clone().unwrap_or_default();
+    if !status.ready_to_use {
+        return Ok(Action::await_change());
+    }
+    let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), &snapshot.namespace().unwrap_or_default());
+    let vm = vms.get_opt(&snapshot.spec.virtual_machine).await?;
+    if vm.is_some_and(|vm| vm.uid().is_some() && vm.uid() == status.virtual_machine_uid) {
+        return Ok(Action::requeue(Duration::from_secs(180)));
+    }
+    let message = format!(
+        "no longer usable: VirtualMachine {} (UID {}) it was taken of was deleted; its data stays inside that VM's \
+         disk file",
+        snapshot.spec.virtual_machine,
+        status.virtual_machine_uid.as_deref().unwrap_or("?")
+    );
+    let patch = serde_json::json!({"status": {"readyToUse": false, "message": message}});
+    snapshots.patch_status(&snapshot.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(Action::await_change())
 }
 
 /// A deleted snapshot: release it at once when nothing can be on a host,

@@ -10,6 +10,7 @@ use super::task_jobs::{job_failure, job_outcome, task_job, vm_task_placement, Ta
 use crate::conditions::new_condition;
 use crate::v1alpha1::{OperationPhase, VirtualMachine};
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use k8s_openapi::NamespaceResourceScope;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
@@ -109,6 +110,18 @@ pub async fn run_task<K: VmTaskObject>(object: &K, client: &Client, scope: &str)
             return end(&objects, object, false, &message).await;
         }
     };
+    if let Some(claim) = object.claim() {
+        // The pod would wait for it until the Job's deadline, saying so only in an Event.
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &namespace);
+        if claims.get_opt(&claim).await?.is_none() {
+            let message = format!(
+                "spec.target.persistentVolumeClaim.claimName: namespace {namespace} has no PersistentVolumeClaim \
+                 {claim}; create it (or name another), then a new {}",
+                K::WORD
+            );
+            return end(&objects, object, false, &message).await;
+        }
+    }
     let job = vm_task_job(object, &vm, job_name.clone(), placement, scope);
     match jobs.create(&PostParams::default(), &job).await {
         Ok(_) => info!(job = %job_name, "{} Job created", K::WORD),

@@ -65,6 +65,9 @@ pub struct Agent {
     backoff: crate::failure::Backoff,
     /// vmlet's state directory (console histories, task pods' logs).
     state_dir: PathBuf,
+    /// The only namespace whose pods this agent acts on, when vmlet's
+    /// config names one.
+    namespace: Option<String>,
     /// Task pods (by UID) whose work runs now ([`tasks`]).
     tasks: Mutex<HashSet<String>>,
     /// VMs (by UID) a restore in place writes under now, and the restore's
@@ -188,6 +191,7 @@ pub async fn run(
         held: Mutex::default(),
         backoff: Default::default(),
         state_dir: config.state_dir.clone(),
+        namespace: config.namespace.clone(),
         tasks: Mutex::default(),
         restoring: Arc::default(),
     });

@@ -80,6 +80,15 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
 }
 
 async fn sync(pod: &Pod, agent: &Arc<Agent>) -> Result<Action, Error> {
+    let pod_namespace = pod.namespace().unwrap_or_default();
+    if let Some(served) = agent.namespace.as_deref().filter(|served| **served != pod_namespace) {
+        // Its VirtualMachine is not this vmlet's to run (nor to clean up).
+        let why = format!(
+            "pod {pod_namespace}/{} is in namespace {pod_namespace}, and this vmlet serves namespace {served} only",
+            pod.name_any()
+        );
+        return refuse_plain_pod(pod, agent, &why).await;
+    }
     if let Some((kind, name)) = super::tasks::claimed_task(pod).filter(|_| crate::identity::vm_owner(pod).is_none()) {
         // A backup's or restore's pod: see crate::node::tasks.
         return super::tasks::sync(pod, agent, kind, &name).await;

@@ -48,7 +48,7 @@ pub const RESTORE_ANNOTATION: &str = "vmlet.io/restore";
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineBackupSpec {
     /// Name of the VirtualMachine to back up, in this namespace.
-    #[schemars(length(min = 1, max = 63))]
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     pub virtual_machine: String,
     /// Where the copy goes. Default: the VM host's first backup root.
     #[serde(default)]

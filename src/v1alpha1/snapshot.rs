@@ -46,7 +46,7 @@ pub const SNAPSHOT_FINALIZER: &str = "snapshots.vmlet.io";
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineSnapshotSpec {
     /// Name of the VirtualMachine, in this namespace.
-    #[schemars(length(min = 1, max = 63))]
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     pub virtual_machine: String,
     /// Whether the snapshot holds the VM's memory, so that a revert could
     /// resume the guest where it was. Unset: what the back end does for the

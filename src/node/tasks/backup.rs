@@ -72,6 +72,8 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         _ => {}
     }
     let resumed = claimed_by == Some(pod_uid.as_str());
+    // Only the backup's own Job (or the pod that claimed it) ends it.
+    let mine = super::job_is_objects(job, super::TaskKind::Backup, name) || resumed;
     let refuse = |reason: &'static str, message: String| (reason, message);
     let plan = async {
         let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
@@ -90,7 +92,11 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         if agent.provider.backup().is_none() {
             return Err(refuse(
                 "BackupNotSupported",
-                format!("host {}'s back end ({}) cannot back up VMs", agent.host.name, agent.provider.kind()),
+                format!(
+                    "host {} ({}) has no backup capability; back up VMs of hosts whose back end has one",
+                    agent.host.name,
+                    agent.host.describe(agent.provider.kind())
+                ),
             ));
         }
         match agent.provider.get(&id).await {
@@ -167,7 +173,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         Err(("", message)) => {
             return Err(Error::Provider(vmlet_provider::Error::new("prepare backup", ErrorKind::Transient, message)))
         }
-        Err((reason, message)) => return fail(pod, agent, Some((&backups, name)), reason, &message).await,
+        Err((reason, message)) => return fail(pod, agent, mine.then_some((&backups, name)), reason, &message).await,
     };
 
     // Claim the backup for this pod (guarded by its resourceVersion), so no
@@ -198,7 +204,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     if agent.storage.resolves_links() {
         if let Err(e) = tokio::fs::create_dir_all(&dir).await {
             let message = format!("{dir:?}: cannot create the backup directory on the host: {e}");
-            return fail(pod, agent, Some((&backups, name)), "TargetNotWritable", &message).await;
+            return fail(pod, agent, mine.then_some((&backups, name)), "TargetNotWritable", &message).await;
         }
     }
 

@@ -75,7 +75,10 @@ pub(super) async fn sync(
     }
     let namespace = pod.namespace().unwrap_or_default();
     let name_ref = name.as_str();
-    let refuse = |message: String| async move { fail(pod, agent, Some((restores, name_ref)), &message).await };
+    // Only the restore's own Job (or the pod that claimed it) ends it.
+    let mine = super::job_is_objects(job, super::TaskKind::Restore, &name) || status.pod_uid == Some(pod_uid.clone());
+    let refuse =
+        |message: String| async move { fail(pod, agent, mine.then_some((restores, name_ref)), &message).await };
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
     let vm_name = &restore.spec.target.virtual_machine;
     let vm = vms.get_opt(vm_name).await.map_err(|source| Error::Kube {
@@ -100,8 +103,12 @@ pub(super) async fn sync(
         (Some(backup_name), _) => match backup_file(agent, &namespace, backup_name).await? {
             Ok(path) if agent.provider.backup().is_some() => Source::Backup { path },
             Ok(_) => {
-                let kind = agent.provider.kind();
-                return refuse(format!("host {}'s back end ({kind}) cannot restore disks", agent.host.name)).await;
+                let backend = agent.host.describe(agent.provider.kind());
+                return refuse(format!(
+                    "host {} ({backend}) has no backup capability to restore disks with",
+                    agent.host.name
+                ))
+                .await;
             }
             Err(message) => return refuse(message).await,
         },

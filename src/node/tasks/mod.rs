@@ -164,6 +164,19 @@ async fn verify_job(pod: &Pod, agent: &Agent, kind: TaskKind, name: &str) -> Res
     Ok(Ok(job))
 }
 
+/// Whether `job` is the own Job of `kind` object `name` (its controlling
+/// owner). Only such a Job's pod, or the pod that claimed the object, may
+/// write a failure into the object; any other pod naming it (a user's Job)
+/// fails on its own, so it cannot end someone else's operation.
+pub(super) fn job_is_objects(job: &Job, kind: TaskKind, name: &str) -> bool {
+    job.owner_references().iter().any(|r| {
+        r.controller == Some(true)
+            && r.kind == kind.object_kind()
+            && r.name == name
+            && r.api_version.starts_with("vmlet.io/")
+    })
+}
+
 /// How a task pod ends, or that it runs.
 pub(super) enum Outcome<'a> {
     /// The work runs.

@@ -46,6 +46,8 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         return super::in_place::sync(pod, agent, &restores, &restore, job).await;
     }
     let status = restore.status.clone().unwrap_or_default();
+    // Only the restore's own Job ends it.
+    let mine = super::job_is_objects(job, super::TaskKind::Restore, name);
     if let Some(disk) = &status.disk {
         // Made already (this vmlet restarted before it ended the pod).
         let message = format!("disk {disk} made from {}", source_name(&restore));
@@ -58,11 +60,11 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     }
     let Some(backup_name) = restore.spec.source.backup.clone() else {
         let message = "spec.source: a new VM is made from a backup only; name spec.source.backup";
-        return fail(pod, agent, Some((&restores, name)), message).await;
+        return fail(pod, agent, mine.then_some((&restores, name)), message).await;
     };
     let source = match backup_file(agent, &namespace, &backup_name).await? {
         Ok(source) => source,
-        Err(message) => return fail(pod, agent, Some((&restores, name)), &message).await,
+        Err(message) => return fail(pod, agent, mine.then_some((&restores, name)), &message).await,
     };
     let vm_name = &restore.spec.target.virtual_machine;
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
@@ -71,15 +73,19 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
             "spec.target.virtualMachine: VirtualMachine {vm_name} exists; a restore makes a new VM and never writes \
              over one: name a VM that does not exist"
         );
-        return fail(pod, agent, Some((&restores, name)), &message).await;
+        return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
     }
     if agent.provider.backup().is_none() {
-        let message = format!("host {}'s back end ({}) cannot restore disks", agent.host.name, agent.provider.kind());
-        return fail(pod, agent, Some((&restores, name)), &message).await;
+        let message = format!(
+            "host {} ({}) has no backup capability to restore disks with",
+            agent.host.name,
+            agent.host.describe(agent.provider.kind())
+        );
+        return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
     }
     let Some(root) = agent.storage.roots().first().cloned() else {
         let message = format!("host {} has no storage roots to put the restored disk in", agent.host.name);
-        return fail(pod, agent, Some((&restores, name)), &message).await;
+        return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
     };
     let target = format!(
         "{}/{}",
@@ -88,7 +94,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     );
     if let Err(why) = check_host_file(agent.storage.roots(), agent.storage.resolves_links(), &target).await {
         let message = format!("the restored disk {target:?} {why}; check host {}'s storageRoots", agent.host.name);
-        return fail(pod, agent, Some((&restores, name)), &message).await;
+        return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
     }
     let claim = serde_json::json!({"status": {
         "phase": OperationPhase::Running,

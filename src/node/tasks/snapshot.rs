@@ -71,16 +71,22 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         _ => {}
     }
 
+    // Only the snapshot's own Job (or the pod that claimed it) ends it.
+    let mine = super::job_is_objects(job, super::TaskKind::Snapshot, name) || status.pod_uid == Some(pod_uid.clone());
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &namespace);
     let vm_name = &snapshot.spec.virtual_machine;
     let Some(vm) = vms.get_opt(vm_name).await.map_err(kube("read the VirtualMachine of"))? else {
         let message = format!("spec.virtualMachine: namespace {namespace} has no VirtualMachine {vm_name}");
-        return fail(pod, agent, Some((&snapshots, name)), "VirtualMachineNotFound", &message).await;
+        return fail(pod, agent, mine.then_some((&snapshots, name)), "VirtualMachineNotFound", &message).await;
     };
     let id = VmId(vm.uid().unwrap_or_default());
     if agent.provider.snapshots().is_none() {
-        let message = format!("host {}'s back end ({}) cannot take snapshots", agent.host.name, agent.provider.kind());
-        return fail(pod, agent, Some((&snapshots, name)), "SnapshotNotSupported", &message).await;
+        let message = format!(
+            "host {} ({}) has no snapshot capability",
+            agent.host.name,
+            agent.host.describe(agent.provider.kind())
+        );
+        return fail(pod, agent, mine.then_some((&snapshots, name)), "SnapshotNotSupported", &message).await;
     }
     if agent.provider.get(&id).await?.is_none() {
         let recorded = crate::node::placement::recorded_node(&vm).unwrap_or("no host");
@@ -89,7 +95,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
              must run on the VM's node",
             agent.host.name
         );
-        return fail(pod, agent, Some((&snapshots, name)), "VirtualMachineNotOnThisHost", &message).await;
+        return fail(pod, agent, mine.then_some((&snapshots, name)), "VirtualMachineNotOnThisHost", &message).await;
     }
     let backend_name = snapshot_backend_name(&namespace, name, &snapshot.uid().unwrap_or_default());
     if status.pod_uid.is_none() {
@@ -124,7 +130,20 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     let (agent, pod, name) = (Arc::clone(agent), pod.clone(), name.to_owned());
     tokio::spawn(async move {
         let capability = agent.provider.snapshots().expect("checked before the task started");
-        let (patch, message, failed) = match capability.create_snapshot(&id, &request).await {
+        // The VM busy with another job (a backup, another snapshot) is
+        // waited out, up to the snapshot's deadline: the object cannot be
+        // retried once it failed.
+        let deadline = std::time::Instant::now() + request.timeout;
+        let result = loop {
+            match capability.create_snapshot(&id, &request).await {
+                Err(e) if e.kind == ErrorKind::Conflict && std::time::Instant::now() < deadline => {
+                    log_line(&agent, &pod.uid().unwrap_or_default(), &format!("{e}; waiting"));
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+                result => break result,
+            }
+        };
+        let (patch, message, failed) = match result {
             Ok(info) => {
                 info!(snapshot = %name, backend.name = %info.name, memory = info.memory, "snapshot taken");
                 let message = taken_message(&info);
