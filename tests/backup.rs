@@ -234,13 +234,20 @@ async fn a_backup_job_runs_next_to_the_vm_and_a_restore_boots_what_it_held() {
     assert_eq!(domstate(&env, "web"), "running");
 }
 
-#[tokio::test]
-async fn an_incremental_backup_copies_what_changed_and_a_restore_reads_its_chain() {
-    let mut env = TestEnv::new("incr").await;
+/// A test namespace `prefix-…` with the test guest and a vmlet serving one
+/// QEMU host whose backup root is `<storage root>/backups`.
+async fn vmlet_with_backups(prefix: &str) -> (TestEnv, std::path::PathBuf) {
+    let mut env = TestEnv::new(prefix).await;
     let guest = guest_for(&env);
     let backups_dir = storage_root(&env).join("backups");
     env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
         .with("backupRoots", json!([backups_dir]))]);
+    (env, guest)
+}
+
+#[tokio::test]
+async fn an_incremental_backup_copies_what_changed_and_a_restore_reads_its_chain() {
+    let (env, guest) = vmlet_with_backups("incr").await;
     env.apply_vm("web", guest_vm_spec(&guest));
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
@@ -331,11 +338,7 @@ impl Drop for AdmissionPolicy {
 
 #[tokio::test]
 async fn a_backup_whose_final_status_write_is_lost_ends_from_its_job() {
-    let mut env = TestEnv::new("lost").await;
-    let guest = guest_for(&env);
-    let backups_dir = storage_root(&env).join("backups");
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
-        .with("backupRoots", json!([backups_dir]))]);
+    let (env, guest) = vmlet_with_backups("lost").await;
     env.apply_vm("web", guest_vm_spec(&guest));
     env.wait_vm_phase("web", "Running").await;
     // The agent's final write is the only one that sets fileBytes: refuse it,
@@ -403,16 +406,20 @@ async fn start_big_vm(env: &TestEnv, guest: &std::path::Path) -> std::path::Path
 /// Pause VM `web`'s backup job in QEMU (`job-pause`) as soon as it exists,
 /// so that it stays a running job for as long as the test needs; its id.
 async fn pause_backup_job(env: &TestEnv) -> String {
-    let deadline = std::time::Instant::now() + Duration::from_secs(180);
-    let job_id = loop {
-        let jobs = qmp(env, "web", json!({"execute": "query-jobs"}));
-        let backup = jobs["return"].as_array().and_then(|jobs| jobs.iter().find(|j| j["type"] == "backup")).cloned();
-        if let Some(job) = backup {
-            break job["id"].as_str().unwrap().to_owned();
+    // Polled every 20 ms (not the harness's 250 ms): the copy may end soon.
+    let find_job = async {
+        loop {
+            let jobs = qmp(env, "web", json!({"execute": "query-jobs"}));
+            let found = jobs["return"].as_array().and_then(|jobs| jobs.iter().find(|j| j["type"] == "backup")).cloned();
+            if let Some(job) = found {
+                return job["id"].as_str().unwrap().to_owned();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert!(std::time::Instant::now() < deadline, "no backup job in QEMU within 180 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    let job_id = tokio::time::timeout(common::DEADLINE, find_job)
+        .await
+        .unwrap_or_else(|_| panic!("no backup job in QEMU before the deadline\n{}", env.diagnostics()));
     let paused = qmp(env, "web", json!({"execute": "job-pause", "arguments": {"id": job_id}}));
     assert!(paused.get("error").is_none(), "pausing the copy ({paused}): it ended too soon");
     job_id
@@ -420,11 +427,7 @@ async fn pause_backup_job(env: &TestEnv) -> String {
 
 #[tokio::test]
 async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
-    let mut env = TestEnv::new("abort").await;
-    let guest = guest_for(&env);
-    let backups_dir = storage_root(&env).join("backups");
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
-        .with("backupRoots", json!([backups_dir]))]);
+    let (env, guest) = vmlet_with_backups("abort").await;
     let disk = start_big_vm(&env, &guest).await;
     apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
     pause_backup_job(&env).await;
@@ -455,11 +458,7 @@ async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
 
 #[tokio::test]
 async fn a_vmlet_restarted_mid_backup_follows_the_copy_to_its_end() {
-    let mut env = TestEnv::new("adopt").await;
-    let guest = guest_for(&env);
-    let backups_dir = storage_root(&env).join("backups");
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }
-        .with("backupRoots", json!([backups_dir]))]);
+    let (mut env, guest) = vmlet_with_backups("adopt").await;
     let disk = start_big_vm(&env, &guest).await;
     apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
     let job_id = pause_backup_job(&env).await;
