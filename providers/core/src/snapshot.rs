@@ -87,4 +87,22 @@ pub trait Snapshots: Send + Sync {
     /// Errors: `NotFound` when the VM or the snapshot does not exist;
     /// `Conflict` while the VM is active or has a job running.
     async fn revert_to_snapshot(&self, id: &VmId, name: &str) -> Result<RevertOutcome>;
+
+    /// Make a new, independent qcow2 image at the absolute path `target`
+    /// holding what VM `id`'s boot disk held at snapshot `name`, for a new VM
+    /// (a clone). Only the disk is copied: a VM started from it boots as
+    /// after a power cut at the moment the snapshot was taken. VM `id` may be
+    /// running or stopped and is not touched; the snapshot is kept.
+    /// Idempotent: a `target` that exists is taken as made by an earlier
+    /// call (the copy is written beside it and renamed into place only once
+    /// complete) and its size returned. Returns the image's virtual size, in
+    /// bytes.
+    ///
+    /// Errors: `NotFound` when the VM or the snapshot does not exist;
+    /// `InvalidInput` for a relative `target`; `Conflict` while the VM has
+    /// another operation running that could change its snapshots;
+    /// `Unsupported` where the back end cannot read a snapshot's disk;
+    /// `Transient` after `timeout` (the partial copy removed); `Permanent`
+    /// when the copy failed (no room left: the message says so).
+    async fn export_snapshot_disk(&self, id: &VmId, name: &str, target: &str, timeout: Duration) -> Result<u64>;
 }

@@ -106,6 +106,40 @@ pub(crate) async fn convert(
     }
 }
 
+/// `qemu-img convert -U -p -t writeback -f qcow2 -l snapshot.name=<snapshot>
+/// -O qcow2 <source> <target>`: a new, independent qcow2 image at `target`
+/// with what the qcow2 image `source` held at its internal snapshot
+/// `snapshot` (a name [`crate::snapshot`] checked: no `,` or `=`). `-U`
+/// reads an image a running VM has open: the clusters an internal snapshot
+/// references are never written while it exists (QEMU copies a shared
+/// cluster before writing it), so the copy is consistent as long as nobody
+/// deletes the snapshot meanwhile (the caller holds the VM's job claim and
+/// checks the snapshot table before and after). `target` must not exist
+/// yet; it is removed again when the copy fails.
+///
+/// Errors (for `operation`): as [`convert`]'s.
+pub(crate) async fn convert_snapshot(
+    operation: &'static str,
+    source: &str,
+    snapshot: &str,
+    target: &str,
+    deadline: Duration,
+) -> Result<()> {
+    let mut command = Command::new(QEMU_IMG);
+    let selected = format!("snapshot.name={snapshot}");
+    command.args(["convert", "-U", "-p", "-t", "writeback", "-f", "qcow2", "-l", &selected, "-O", "qcow2"]);
+    command.args([source, target]);
+    match run(operation, command, deadline, &mut |_| {}).await {
+        Ok(_) => Ok(()),
+        Err(mut err) => {
+            if remove_partial(target) {
+                err.message.push_str("; the partial copy was removed");
+            }
+            Err(err)
+        }
+    }
+}
+
 /// `qemu-img create -f qcow2 -b <backing> -F qcow2 <target>`: a new, empty
 /// qcow2 image at `target` (which must not exist: checked, `InvalidInput`)
 /// that reads through to the qcow2 image `backing` (an absolute path, kept

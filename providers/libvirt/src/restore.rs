@@ -58,7 +58,7 @@ const TAG_MAX_BYTES: usize = 128;
 
 /// Refuse (`Unsupported`) a connection to another machine, whose files vmlet
 /// cannot reach.
-fn require_local(operation: &'static str, uri: &str) -> Result<()> {
+pub(crate) fn require_local(operation: &'static str, uri: &str) -> Result<()> {
     if is_local_uri(uri) {
         return Ok(());
     }
@@ -132,7 +132,7 @@ fn stage_of(disk: bool, kept: bool, partial: bool) -> Stage {
 
 /// Whether `path` exists (as any kind of file, a dangling link too).
 /// Errors: `Permanent` when that cannot be told.
-async fn exists(operation: &'static str, path: &str) -> Result<bool> {
+pub(crate) async fn exists(operation: &'static str, path: &str) -> Result<bool> {
     match tokio::fs::symlink_metadata(path).await {
         Ok(_) => Ok(true),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(false),
@@ -183,7 +183,7 @@ async fn copy_into_partial(
 }
 
 /// `fsync` the file or directory at `path`. Errors: `Permanent`.
-async fn sync(operation: &'static str, path: &str) -> Result<()> {
+pub(crate) async fn sync(operation: &'static str, path: &str) -> Result<()> {
     let owned = path.to_owned();
     let synced = tokio::task::spawn_blocking(move || std::fs::File::open(&owned)?.sync_all()).await;
     match synced {
@@ -197,7 +197,7 @@ async fn sync(operation: &'static str, path: &str) -> Result<()> {
 
 /// Rename `from` to `to`. Errors: `Permanent`, with `then` appended (what
 /// state that leaves).
-async fn rename(operation: &'static str, from: &str, to: &str, then: &str) -> Result<()> {
+pub(crate) async fn rename(operation: &'static str, from: &str, to: &str, then: &str) -> Result<()> {
     tokio::fs::rename(from, to).await.map_err(|err| {
         Error::new(operation, ErrorKind::Permanent, format!("cannot rename {from} to {to}: {err}; {then}"))
     })

@@ -151,8 +151,29 @@ async fn a_seeded_guest_is_snapshotted_running_and_stopped_and_reverted_while_st
     assert_eq!(power(&provider, &id).await, PowerState::Running, "the VM is untouched");
     assert_eq!(marker_in_guest(&provider, &id, PROMPT).await, before, "the disk is untouched");
 
-    // 2. Written after the snapshot: gone after stop, revert and start.
+    // 2. Written after the snapshot: not in a new disk made from it while
+    //    the guest runs on, and gone after stop, revert and start.
     write_marker(&provider, &id, &after, PROMPT).await;
+    let clone = run.path("clone.qcow2");
+    let bytes = snapshots.export_snapshot_disk(&id, "s-run", &clone, JOB_TIMEOUT).await.expect("disk from a snapshot");
+    assert_eq!(bytes, DISK_BYTES);
+    assert_eq!(image_info(&clone), ("qcow2".to_owned(), DISK_BYTES), "a qcow2 image of the disk's size");
+    assert_eq!(marker_on_disk(&clone), before, "the new disk is the snapshot's, without {after}");
+    assert!(snapshot_names(&clone).is_empty(), "an independent image, with no snapshots of its own");
+    assert!(!Path::new(&format!("{clone}.partial")).exists(), "no partial copy left");
+    assert_eq!(power(&provider, &id).await, PowerState::Running, "the VM ran on during the copy");
+    assert_eq!(marker_in_guest(&provider, &id, PROMPT).await, after, "its disk is untouched");
+    assert_eq!(snapshot_names(&disk), ["s-run"], "the snapshot is kept");
+    let made = std::fs::metadata(&clone).expect("the new disk").modified().expect("mtime");
+    let again = snapshots.export_snapshot_disk(&id, "s-run", &clone, JOB_TIMEOUT).await.expect("the same call again");
+    assert_eq!(again, DISK_BYTES);
+    assert_eq!(std::fs::metadata(&clone).expect("the new disk").modified().expect("mtime"), made, "left alone");
+    let missing = run.path("missing.qcow2");
+    let err = snapshots.export_snapshot_disk(&id, "no-such", &missing, JOB_TIMEOUT).await.expect_err("no snapshot");
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+    assert!(!Path::new(&missing).exists(), "nothing written for a missing snapshot");
+    let err = snapshots.export_snapshot_disk(&id, "s-run", "clone.qcow2", JOB_TIMEOUT).await.expect_err("relative");
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
     stop(&provider, &id).await;
     assert_eq!(marker_on_disk(&disk), after);
     let err = snapshots.create_snapshot(&id, &request("memory", Some(true))).await.expect_err("memory of a stopped VM");
