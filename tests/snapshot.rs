@@ -198,8 +198,7 @@ async fn a_stopped_vm_goes_back_to_its_snapshot_and_to_its_backup_in_place() {
     assert_eq!(domstate(&env, "web"), "running");
     assert_eq!(read_marker(&env, &pod).await, "after-both");
 
-    // A snapshot names its VM: it cannot revert another one, and the API
-    // server refuses a snapshot restored anywhere but in place.
+    // A snapshot names its VM: it cannot revert another one.
     let mut other = guest_vm_spec(&guest);
     other["replicas"] = json!(0);
     env.apply_vm("other", other);
@@ -212,12 +211,34 @@ async fn a_stopped_vm_goes_back_to_its_snapshot_and_to_its_backup_in_place() {
     let wrong = wait_restore_ended(&env, "wrong-vm").await.status.unwrap();
     assert_eq!(wrong.phase, Some(OperationPhase::Failed));
     assert!(wrong.message.clone().unwrap_or_default().contains("not a snapshot of this"), "{:?}", wrong.message);
-    let object = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
-        "metadata": {"name": "new-from-snapshot", "namespace": env.ns},
-        "spec": {"source": {"snapshot": "before-upgrade"}, "target": {"virtualMachine": "copy"}}});
-    let out = env.apply(&object.to_string());
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("spec.target.inPlace must be true"), "{out:?}");
+
+    // A new VM from the snapshot while the VM runs on: its disk is the
+    // snapshot's, on the same host; the original is untouched.
+    apply(
+        &env,
+        "VirtualMachineRestore",
+        "clone",
+        json!({"source": {"snapshot": "before-upgrade"}, "target": {"virtualMachine": "copy"}}),
+    );
+    wait_job_condition(&env, "clone-restore", "Complete").await;
+    let cloned = wait_restore_ended(&env, "clone").await;
+    let status = cloned.status.clone().unwrap();
+    assert_eq!(status.phase, Some(OperationPhase::Succeeded), "{:?}", status.message);
+    let disk = status.disk.clone().expect("the new disk is recorded");
+    let expected = format!("{}_copy_restored_{}.qcow2", env.ns, cloned.metadata.uid.clone().unwrap());
+    assert!(disk.ends_with(&format!("/{expected}")), "{disk}");
+    assert!(std::path::Path::new(&disk).is_file(), "{disk} on the host");
+    let copy = env.wait_vm_phase("copy", "Running").await;
+    assert_eq!(copy.status.as_ref().and_then(|s| s.node_name.clone()), Some(node.clone()));
+    assert_eq!(copy.labels().get("vmlet.io/restored-from-snapshot").map(String::as_str), Some("before-upgrade"));
+    assert_eq!(copy.spec.image.as_deref(), Some(disk.as_str()));
+    assert_eq!(status.virtual_machine_uid, copy.metadata.uid);
+    let copy_pod = env.pod_of("copy").await;
+    assert_eq!(read_marker(&env, &copy_pod).await, "at-snapshot", "the new VM's disk is the snapshot's");
+    assert_eq!(read_marker(&env, &pod).await, "after-both", "the original VM runs on with its own disk");
+    assert_eq!(domstate(&env, "web"), "running");
+    assert_eq!(libvirt_snapshots(&env, "web"), vec![backend_name.clone()], "the snapshot is kept");
+    env.kubectl(&["delete", "virtualmachine/copy", "--wait=false"]);
 
     // Revert the stopped VM to the snapshot.
     stop(&env, "web").await;

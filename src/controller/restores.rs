@@ -3,20 +3,23 @@
 //! snapshot ([`in_place`]).
 //!
 //! A new VM:
-//! 1. The backup must have succeeded and the target VM must not exist (a
-//!    restore never writes over a VM).
-//! 2. A Job on the backup's host makes the new disk ([`crate::node::tasks`]);
+//! 1. The backup must have succeeded (or the snapshot be ready to use, of a
+//!    VM without data disks) and the target VM must not exist (a restore
+//!    never writes over a VM).
+//! 2. A Job on the source's host makes the new disk ([`crate::node::tasks`]);
 //!    the agent writes `status.disk`.
-//! 3. This controller creates the VirtualMachine: the backed-up VM's spec
-//!    (`status.virtualMachineSpec` of the backup), its `image` the new disk,
+//! 3. This controller creates the VirtualMachine: the spec the source
+//!    recorded (`status.virtualMachineSpec`), its `image` the new disk,
 //!    pinned to the host by `nodeSelector`, labelled
-//!    `vmlet.io/restored-from=<backup>`; then the restore is `Succeeded`.
+//!    `vmlet.io/restored-from=<backup>` or
+//!    `vmlet.io/restored-from-snapshot=<snapshot>`; then the restore is
+//!    `Succeeded`.
 
 use super::task_jobs::{job_failure, run_job_owner, task_job, TaskJob, TaskPlacement};
 use crate::conditions::new_condition;
 use crate::v1alpha1::{
     OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineRestoreStatus,
-    VirtualMachineSnapshot, VmPhase, RESTORE_ANNOTATION,
+    VirtualMachineSnapshot, VirtualMachineSpec, VmPhase, RESTORE_ANNOTATION,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Toleration;
@@ -32,6 +35,10 @@ use tracing::{info, instrument};
 
 /// Label on a VirtualMachine a restore created, naming the backup.
 pub const RESTORED_FROM_LABEL: &str = "vmlet.io/restored-from";
+
+/// Label on a VirtualMachine a restore created from a snapshot, naming the
+/// VirtualMachineSnapshot.
+pub const RESTORED_FROM_SNAPSHOT_LABEL: &str = "vmlet.io/restored-from-snapshot";
 
 /// Annotation on a VirtualMachine a restore created: the restore's UID.
 pub const RESTORED_BY_ANNOTATION: &str = "vmlet.io/restored-by";
@@ -83,7 +90,6 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
         return Ok(Action::await_change());
     }
     let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
-    let backups: Api<VirtualMachineBackup> = Api::namespaced(ctx.client.clone(), &namespace);
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
     let fail = |message: String| {
         let (restores, name) = (restores.clone(), name.clone());
@@ -93,45 +99,25 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
     if restore.spec.target.in_place {
         return in_place(&restore, &ctx, &status).await;
     }
-    let Some(backup_name) = restore.spec.source.backup.as_ref() else {
-        let message = "spec.source: a new VM is made from a backup only; name spec.source.backup, or set \
-                       spec.target.inPlace to revert a stopped VM to a snapshot";
-        return fail(message.to_owned()).await.map_err(err("write status"));
-    };
-    let Some(backup) = backups.get_opt(backup_name).await.map_err(err("read the backup"))? else {
-        return fail(format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}"))
-            .await
-            .map_err(err("write status"));
-    };
-    let backup_status = backup.status.clone().unwrap_or_default();
-    match backup_status.phase {
-        Some(OperationPhase::Succeeded) => {}
-        Some(OperationPhase::Failed) => {
-            return fail(format!("spec.source.backup: VirtualMachineBackup {backup_name} failed; restore from another"))
-                .await
-                .map_err(err("write status"))
-        }
-        _ => {
-            let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending,
-                "message": format!("waiting for VirtualMachineBackup {backup_name} to succeed")}});
+    let source = match new_vm_source(&restore, &ctx.client).await.map_err(err("read the source"))? {
+        Verdict::Go(source) => source,
+        Verdict::Fail(message) => return fail(message).await.map_err(err("write status")),
+        Verdict::Wait(message) => {
+            let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "message": message}});
             restores
                 .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .map_err(err("write status"))?;
             return Ok(Action::requeue(Duration::from_secs(10)));
         }
-    }
-    let (Some(node), Some(spec)) = (backup_status.node_name.clone(), backup_status.virtual_machine_spec.clone()) else {
-        return fail(format!("VirtualMachineBackup {backup_name} records no host or VM spec; it cannot be restored"))
-            .await
-            .map_err(err("write status"));
     };
+    let NewVmSource { node, spec, label, what } = source;
     let vm_name = &restore.spec.target.virtual_machine;
     if let Some(existing) = vms.get_opt(vm_name).await.map_err(err("read the target VM"))? {
         let made_by_this_restore = existing.annotations().get(RESTORED_BY_ANNOTATION) == restore.uid().as_ref();
         if made_by_this_restore {
             // Created by an earlier pass whose status write did not land.
-            let message = format!("VirtualMachine {vm_name} created from VirtualMachineBackup {backup_name}");
+            let message = format!("VirtualMachine {vm_name} created from {what}");
             return end(&restores, &name, OperationPhase::Succeeded, &message, existing.uid())
                 .await
                 .map_err(err("write status"));
@@ -145,7 +131,7 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
     }
 
     let Some(disk) = status.disk.clone() else {
-        // Step 2: the Job that makes the disk on the backup's host.
+        // Step 2: the Job that makes the disk on the source's host.
         let tolerations = spec.tolerations.clone().unwrap_or_default();
         if let Err(message) = ensure_job(&restore, &ctx, &node, tolerations).await.map_err(err("run the Job"))? {
             return fail(message).await.map_err(err("write status"));
@@ -162,7 +148,7 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
         metadata: ObjectMeta {
             name: Some(vm_name.clone()),
             namespace: Some(namespace.clone()),
-            labels: Some(BTreeMap::from([(RESTORED_FROM_LABEL.to_owned(), backup_name.clone())])),
+            labels: Some(BTreeMap::from([label])),
             annotations: Some(BTreeMap::from([(RESTORED_BY_ANNOTATION.to_owned(), restore.uid().unwrap_or_default())])),
             ..ObjectMeta::default()
         },
@@ -176,8 +162,8 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
         // by hand.
         Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
             return fail(format!(
-                "the API server refused VirtualMachine {vm_name} with the backed-up spec: {}; the restored disk \
-                 {disk} is kept on host {node}: create a VirtualMachine with it as spec.image",
+                "the API server refused VirtualMachine {vm_name} with the spec {what} recorded: {}; the restored \
+                 disk {disk} is kept on host {node}: create a VirtualMachine with it as spec.image",
                 s.message
             ))
             .await
@@ -188,6 +174,100 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
     info!(vm = %vm_name, disk = %disk, node = %node, "VirtualMachine restored");
     let message = format!("VirtualMachine {vm_name} created on host {node} with disk {disk}");
     end(&restores, &name, OperationPhase::Succeeded, &message, created.uid()).await.map_err(err("write status"))
+}
+
+/// What a new VM is made from ([`new_vm_source`]).
+struct NewVmSource {
+    /// The host that holds the source, where the new disk is made.
+    node: String,
+    /// The VM's spec the source recorded.
+    spec: VirtualMachineSpec,
+    /// The label the new VM carries, naming the source.
+    label: (String, String),
+    /// The source, for messages: `VirtualMachineBackup <name>`.
+    what: String,
+}
+
+/// Whether a restore to a new VM can go on from its source.
+enum Verdict {
+    /// It can, from this.
+    Go(NewVmSource),
+    /// Not yet: the source is still being made.
+    Wait(String),
+    /// Never: the message says why, naming the field.
+    Fail(String),
+}
+
+/// The source of a restore to a new VM: a Succeeded backup, or a snapshot
+/// ready to use whose VM had no data disks (the new VM gets the boot disk
+/// only, and would otherwise share the data disks' claims or files).
+async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Result<Verdict, kube::Error> {
+    let namespace = restore.namespace().unwrap_or_default();
+    let (recorded, what, label) = match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
+        (Some(backup_name), _) => {
+            let backups: Api<VirtualMachineBackup> = Api::namespaced(client.clone(), &namespace);
+            let Some(backup) = backups.get_opt(backup_name).await? else {
+                let message =
+                    format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}");
+                return Ok(Verdict::Fail(message));
+            };
+            let status = backup.status.unwrap_or_default();
+            match status.phase {
+                Some(OperationPhase::Succeeded) => {}
+                Some(OperationPhase::Failed) => {
+                    let message =
+                        format!("spec.source.backup: VirtualMachineBackup {backup_name} failed; restore from another");
+                    return Ok(Verdict::Fail(message));
+                }
+                _ => return Ok(Verdict::Wait(format!("waiting for VirtualMachineBackup {backup_name} to succeed"))),
+            }
+            let label = (RESTORED_FROM_LABEL.to_owned(), backup_name.clone());
+            ((status.node_name, status.virtual_machine_spec), format!("VirtualMachineBackup {backup_name}"), label)
+        }
+        (None, Some(snapshot_name)) => {
+            let snapshots: Api<VirtualMachineSnapshot> = Api::namespaced(client.clone(), &namespace);
+            let Some(snapshot) = snapshots.get_opt(snapshot_name).await? else {
+                let message = format!(
+                    "spec.source.snapshot: namespace {namespace} has no VirtualMachineSnapshot {snapshot_name}"
+                );
+                return Ok(Verdict::Fail(message));
+            };
+            let deleting = snapshot.metadata.deletion_timestamp.is_some();
+            let status = snapshot.status.unwrap_or_default();
+            match status.phase {
+                Some(OperationPhase::Succeeded) if status.ready_to_use && !deleting => {}
+                Some(OperationPhase::Succeeded) => {
+                    return Ok(Verdict::Fail(format!(
+                        "spec.source.snapshot: VirtualMachineSnapshot {snapshot_name} is not ready to use ({})",
+                        status.message.as_deref().unwrap_or("being deleted")
+                    )));
+                }
+                Some(OperationPhase::Failed) => {
+                    let message = format!("spec.source.snapshot: VirtualMachineSnapshot {snapshot_name} failed");
+                    return Ok(Verdict::Fail(message));
+                }
+                _ => {
+                    return Ok(Verdict::Wait(format!(
+                        "waiting for VirtualMachineSnapshot {snapshot_name} to be taken"
+                    )));
+                }
+            }
+            if status.virtual_machine_spec.as_ref().is_some_and(|spec| !spec.disks.is_empty()) {
+                return Ok(Verdict::Fail(format!(
+                    "spec.source.snapshot: VirtualMachineSnapshot {snapshot_name} is of a VM with data disks \
+                     (spec.disks); a new VM gets the snapshot's boot disk only and would share the data disks with \
+                     the original: restore it in place instead (spec.target.inPlace)"
+                )));
+            }
+            let label = (RESTORED_FROM_SNAPSHOT_LABEL.to_owned(), snapshot_name.clone());
+            ((status.node_name, status.virtual_machine_spec), format!("VirtualMachineSnapshot {snapshot_name}"), label)
+        }
+        (None, None) => return Ok(Verdict::Fail("spec.source: name a backup or a snapshot".to_owned())),
+    };
+    match recorded {
+        (Some(node), Some(spec)) => Ok(Verdict::Go(NewVmSource { node, spec, label, what })),
+        _ => Ok(Verdict::Fail(format!("{what} records no host or VM spec; it cannot be restored to a new VM"))),
+    }
 }
 
 /// A restore in place (`spec.target.inPlace`): the VM must exist, be the
@@ -310,7 +390,7 @@ async fn in_place(
             }
         }
         (None, None) => {
-            return fail("spec.source: name a backup or a snapshot".to_owned()).await.map_err(err("write status"))
+            return fail("spec.source: name a backup or a snapshot".to_owned()).await.map_err(err("write status"));
         }
     };
     if vm.spec.replicas != 0 {

@@ -211,7 +211,7 @@ pub struct VirtualMachineBackupStatus {
     status = "VirtualMachineRestoreStatus",
     shortname = "vmrestore",
     category = "all",
-    doc = "A new VirtualMachine whose disk is made from a VirtualMachineBackup on the backup's host, or a stopped VirtualMachine put back in place from a backup or a VirtualMachineSnapshot.",
+    doc = "A new VirtualMachine whose disk is made from a VirtualMachineBackup or a VirtualMachineSnapshot on its host, or a stopped VirtualMachine put back in place from a backup or a snapshot.",
     printcolumn(name = "Backup", type_ = "string", json_path = ".spec.source.backup"),
     printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.source.snapshot"),
     printcolumn(name = "VM", type_ = "string", json_path = ".spec.target.virtualMachine"),
@@ -222,8 +222,6 @@ pub struct VirtualMachineBackupStatus {
         .message("metadata.name must be at most 52 characters: the restore's Job is named <name>-restore and its pod adds a suffix; choose a shorter name"),
     validation = Rule::new("self.spec == oldSelf.spec")
         .message("spec is immutable: create a new VirtualMachineRestore instead"),
-    validation = Rule::new("!has(self.spec.source.snapshot) || self.spec.target.inPlace")
-        .message("spec.target.inPlace must be true with spec.source.snapshot: a snapshot lives inside its VM's disk and reverts that VM; to make a new VM, restore from a VirtualMachineBackup"),
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineRestoreSpec {
@@ -243,8 +241,10 @@ pub struct RestoreSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub backup: Option<String>,
-    /// Name of a ready VirtualMachineSnapshot in this namespace (of the
-    /// target VM; only with `target.inPlace`).
+    /// Name of a ready VirtualMachineSnapshot in this namespace: with
+    /// `target.inPlace`, one of the target VM; without, the new VM's disk is
+    /// the snapshot's boot disk (its memory is not used: the new VM boots as
+    /// after a power cut when the snapshot was taken).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub snapshot: Option<String>,
@@ -256,8 +256,8 @@ pub struct RestoreSource {
 pub struct RestoreTarget {
     /// Name of the VirtualMachine in this namespace. Without `inPlace` it
     /// must not exist (a restore never writes over a VM): it is made with the
-    /// backed-up VM's spec, its disk made from the backup, pinned to the
-    /// backup's host. With `inPlace` it must exist and be stopped.
+    /// spec the source recorded, its disk made from the source, pinned to the
+    /// source's host. With `inPlace` it must exist and be stopped.
     #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     pub virtual_machine: String,
     /// Put this existing, stopped VM (`spec.replicas: 0`) back as the source

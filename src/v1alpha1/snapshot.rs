@@ -5,7 +5,8 @@
 //! runs). Taking one and deleting one are Jobs like backups: the pod lands on
 //! the VM's node and that node's agent asks the back end. Going back to a
 //! snapshot is a `VirtualMachineRestore` with `source.snapshot` and
-//! `target.inPlace: true`, for a stopped VM.
+//! `target.inPlace: true`, for a stopped VM; the same restore without
+//! `inPlace` makes a new VM whose disk is the snapshot's (a clone).
 
 use super::OperationPhase;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -100,6 +101,10 @@ pub struct VirtualMachineSnapshotStatus {
     /// Whether the VM was running when it was taken.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub virtual_machine_was_running: Option<bool>,
+    /// The VM's spec when it was taken: what a restore to a new VM is made
+    /// with (its `image` then the new disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_spec: Option<super::VirtualMachineSpec>,
     /// When the back end took it (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub creation_time: Option<String>,

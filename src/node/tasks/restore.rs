@@ -1,12 +1,16 @@
 //! A restore Job's pod: make the new VM's disk from a backup file on this
-//! host (an independent copy, [`vmlet_provider::Backup::restore_disk`]), and
-//! say where it is in the VirtualMachineRestore's status; the controller then
-//! creates the VirtualMachine.
+//! host (an independent copy, [`vmlet_provider::Backup::restore_disk`]) or
+//! from a snapshot's boot disk
+//! ([`vmlet_provider::Snapshots::export_snapshot_disk`]), and say where it is
+//! in the VirtualMachineRestore's status; the controller then creates the
+//! VirtualMachine.
 //!
 //! The backup file is found from the VirtualMachineBackup of the pod's own
 //! namespace, and only when its recorded location is exactly the name vmlet
 //! gives that backup (namespace, name, UID) under the host's backup roots: an
-//! edited status cannot point a restore at another namespace's backup. The
+//! edited status cannot point a restore at another namespace's backup. A
+//! snapshot likewise: its back-end name is the one vmlet gives it, and its VM
+//! the one of the pod's namespace it names, by UID. The
 //! new disk goes under the host's first storage root, named after the
 //! namespace, the new VM and the restore's UID.
 
@@ -15,7 +19,8 @@ use crate::node::pods::Error;
 use crate::node::Agent;
 use crate::storage::check_host_file;
 use crate::v1alpha1::{
-    backup_file_name, restored_disk_name, OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore,
+    backup_file_name, restored_disk_name, snapshot_backend_name, OperationPhase, VirtualMachine, VirtualMachineBackup,
+    VirtualMachineRestore, VirtualMachineSnapshot,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -25,6 +30,7 @@ use kube::{Api, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
+use vmlet_provider::VmId;
 
 /// How long making a disk may take.
 const RESTORE_DEADLINE: Duration = Duration::from_secs(3600);
@@ -58,11 +64,12 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         let message = format!("VirtualMachineRestore {name} has ended already");
         return fail(pod, agent, None, &message).await;
     }
-    let Some(backup_name) = restore.spec.source.backup.clone() else {
-        let message = "spec.source: a new VM is made from a backup only; name spec.source.backup";
-        return fail(pod, agent, mine.then_some((&restores, name)), message).await;
+    let source = match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
+        (Some(backup_name), _) => backup_file(agent, &namespace, backup_name).await?.map(DiskSource::Backup),
+        (None, Some(snapshot_name)) => snapshot_disk(agent, &namespace, snapshot_name).await?,
+        (None, None) => Err("spec.source: name a backup or a snapshot".to_owned()),
     };
-    let source = match backup_file(agent, &namespace, &backup_name).await? {
+    let source = match source {
         Ok(source) => source,
         Err(message) => return fail(pod, agent, mine.then_some((&restores, name)), &message).await,
     };
@@ -75,11 +82,16 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         );
         return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
     }
-    if agent.provider.backup().is_none() {
+    let capable = match source {
+        DiskSource::Backup(_) => agent.provider.backup().is_some(),
+        DiskSource::Snapshot { .. } => agent.provider.snapshots().is_some(),
+    };
+    if !capable {
         let message = format!(
-            "host {} ({}) has no backup capability to restore disks with",
+            "host {} ({}) cannot make disks from {}",
             agent.host.name,
-            agent.host.describe(agent.provider.kind())
+            agent.host.describe(agent.provider.kind()),
+            source_name(&restore)
         );
         return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
     }
@@ -100,7 +112,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         "phase": OperationPhase::Running,
         "jobName": job.name_any(),
         "nodeName": agent.host.name,
-        "message": format!("making disk {target} from {source}"),
+        "message": format!("making disk {target} from {}", source_name(&restore)),
     }});
     restores
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&claim))
@@ -108,13 +120,21 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         .map_err(kube("write the VirtualMachineRestore status of"))?;
     end(pod, agent, Outcome::Running).await?;
     agent.task_started(&pod_uid);
-    log_line(agent, &pod_uid, &format!("restoring VirtualMachineBackup {backup_name} ({source}) to disk {target}"));
+    log_line(agent, &pod_uid, &format!("restoring {} ({source}) to disk {target}", source_name(&restore)));
     let agent = Arc::clone(agent);
     let pod = pod.clone();
     let name = name.to_owned();
     tokio::spawn(async move {
-        let capability = agent.provider.backup().expect("checked before the task started");
-        let result = capability.restore_disk(&source, &target, RESTORE_DEADLINE).await;
+        let result = match &source {
+            DiskSource::Backup(file) => {
+                let capability = agent.provider.backup().expect("checked before the task started");
+                capability.restore_disk(file, &target, RESTORE_DEADLINE).await
+            }
+            DiskSource::Snapshot { vm, name } => {
+                let capability = agent.provider.snapshots().expect("checked before the task started");
+                capability.export_snapshot_disk(vm, name, &target, RESTORE_DEADLINE).await
+            }
+        };
         let (patch, message, ok) = match result {
             Ok(bytes) => {
                 info!(restore = %name, disk = %target, bytes, "restored disk made");
@@ -148,6 +168,77 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         agent.task_ended(&pod.uid().unwrap_or_default());
     });
     Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// What a new disk is made from on this host.
+#[derive(Clone, Debug)]
+enum DiskSource {
+    /// A backup file ([`backup_file`]).
+    Backup(String),
+    /// An internal snapshot `name` (the back end's) of VM `vm`
+    /// ([`snapshot_disk`]).
+    Snapshot { vm: VmId, name: String },
+}
+
+impl std::fmt::Display for DiskSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DiskSource::Backup(file) => write!(f, "{file}"),
+            DiskSource::Snapshot { vm, name } => write!(f, "snapshot {name} of VM {vm}"),
+        }
+    }
+}
+
+/// The snapshot VirtualMachineSnapshot `snapshot_name` of `namespace` holds
+/// on this host: `Ok(Err(why))` unless it is ready to use here, its back-end
+/// name is the one vmlet gives it (namespace, name, UID), and its VM is the
+/// VirtualMachine of that namespace it names, by UID (an edited status cannot
+/// point a restore at another namespace's VM or snapshot).
+async fn snapshot_disk(
+    agent: &Agent,
+    namespace: &str,
+    snapshot_name: &str,
+) -> Result<Result<DiskSource, String>, Error> {
+    let kube = |action| move |source| Error::Kube { action, pod: snapshot_name.to_owned(), source };
+    let snapshots: Api<VirtualMachineSnapshot> = Api::namespaced(agent.client.clone(), namespace);
+    let Some(snapshot) = snapshots.get_opt(snapshot_name).await.map_err(kube("read the snapshot of restore"))? else {
+        return Ok(Err(format!(
+            "spec.source.snapshot: namespace {namespace} has no VirtualMachineSnapshot {snapshot_name}"
+        )));
+    };
+    let status = snapshot.status.clone().unwrap_or_default();
+    let ready = status.phase == Some(OperationPhase::Succeeded)
+        && status.ready_to_use
+        && snapshot.metadata.deletion_timestamp.is_none();
+    if !ready {
+        return Ok(Err(format!("spec.source.snapshot: VirtualMachineSnapshot {snapshot_name} is not ready to use")));
+    }
+    if status.node_name.as_deref() != Some(agent.host.name.as_str()) {
+        return Ok(Err(format!(
+            "VirtualMachineSnapshot {snapshot_name} is on host {}, not {}: the restore's pod must run there",
+            status.node_name.as_deref().unwrap_or("(none)"),
+            agent.host.name
+        )));
+    }
+    let expected = snapshot_backend_name(namespace, snapshot_name, &snapshot.uid().unwrap_or_default());
+    if status.snapshot_name.as_deref() != Some(expected.as_str()) {
+        return Ok(Err(format!(
+            "VirtualMachineSnapshot {snapshot_name}'s status.snapshotName is not its own ({expected}); refusing to \
+             read it"
+        )));
+    }
+    let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), namespace);
+    let vm_name = &snapshot.spec.virtual_machine;
+    let vm = vms.get_opt(vm_name).await.map_err(kube("read the VirtualMachine of the snapshot of restore"))?;
+    match vm.and_then(|vm| vm.uid()) {
+        Some(uid) if Some(&uid) == status.virtual_machine_uid.as_ref() => {
+            Ok(Ok(DiskSource::Snapshot { vm: VmId(uid), name: expected }))
+        }
+        _ => Ok(Err(format!(
+            "VirtualMachineSnapshot {snapshot_name}'s VirtualMachine {vm_name} is not the VM it was taken of; \
+             refusing to read it"
+        ))),
+    }
 }
 
 /// What a restore reads, for messages: `VirtualMachineBackup <name>` or

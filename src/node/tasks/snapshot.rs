@@ -108,6 +108,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
                 node_name: Some(agent.host.name.clone()),
                 virtual_machine_uid: Some(id.0.clone()),
                 snapshot_name: Some(backend_name.clone()),
+                virtual_machine_spec: Some(vm.spec.clone()),
                 message: Some(format!("taking snapshot {backend_name} of VirtualMachine {vm_name}")),
                 ..status.clone()
             },
