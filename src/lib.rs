@@ -20,6 +20,7 @@ pub mod streams;
 pub mod v1alpha1;
 pub mod vmpod;
 pub mod watches;
+pub mod written;
 
 #[cfg(test)]
 mod testing;

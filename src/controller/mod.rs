@@ -27,7 +27,6 @@ pub mod snapshots;
 pub mod status;
 pub mod task_jobs;
 pub mod vm_tasks;
-mod written;
 
 use crate::conditions::{new_condition, same_conditions, set_condition};
 use crate::events::{EventSink, Reason};
@@ -36,6 +35,7 @@ use crate::vmpod::{
     migration_target_pod, new_pod_name, pod_for_vm, resize_annotations, vm_amounts, ResizeNeeded, CONTAINER_NAME,
 };
 use crate::watches::{no_objects, Triggers, Watches};
+use crate::written::Written;
 use decide::Step;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -46,7 +46,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
-use written::Written;
 
 /// Field manager of the controller's writes.
 pub const FIELD_MANAGER: &str = "vmlet-controller";
@@ -76,8 +75,8 @@ struct Context {
     events: EventSink,
     /// The scope label value VM pods select (see `Config::scope`).
     scope: String,
-    /// The controller's last write per VM ([`written`]).
-    written: written::Written,
+    /// The controller's last write per VM ([`crate::written`]).
+    written: Written,
 }
 
 /// Run the controller until `shutdown` is cancelled, over the VirtualMachines of
@@ -127,7 +126,7 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
     let kube_err = |action, source| Error::Kube { action, object: format!("{namespace}/{name}"), source };
 
-    if ctx.written.behind(&vm) {
+    if ctx.written.behind(&*vm) {
         // Our own last write is on its way through the watch, which runs
         // this pass again; deciding from the older version would only redo it.
         return Ok(Action::requeue(Duration::from_millis(500)));
@@ -566,10 +565,26 @@ async fn write_derived(
     if same_status(&old, &new) {
         return Ok(true);
     }
+    let kube_err = |e| Error::Kube { action: "write status", object: vm.name_any(), source: e };
+    if mirrors_only(&old, &new) {
+        // Only what the controller alone writes changed: a merge patch of
+        // those fields needs no resourceVersion guard, so it never loses a
+        // race with an agent's placement record (a conflict, a fresh read
+        // and a second write, per VM, under load).
+        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+        let patch = serde_json::json!({"status": mirror_patch(&new)});
+        return match vms.patch_status(&vm.name_any(), &params, &Patch::Merge(&patch)).await {
+            Ok(updated) => {
+                written.record(&updated);
+                Ok(true)
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(true),
+            Err(e) => Err(kube_err(e)),
+        };
+    }
     let mut updated = vm.clone();
     updated.status = Some(new);
     let params = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..PostParams::default() };
-    let kube_err = |e| Error::Kube { action: "write status", object: vm.name_any(), source: e };
     match vms.replace_status(&vm.name_any(), &params, &updated).await {
         Ok(updated) => {
             written.record(&updated);
@@ -613,7 +628,108 @@ async fn write_derived(
     }
 }
 
+/// The status fields only the controller writes, mirrored from the VM's
+/// pod and spec. The others are claims and records that hold only against
+/// the version they were decided from: `podName` (the controller's claim),
+/// `migration` (the controller's and the agents'), `placement` (the agents').
+const MIRRORED_FIELDS: [&str; 10] = [
+    "observedGeneration",
+    "replicas",
+    "readyReplicas",
+    "selector",
+    "phase",
+    "nodeName",
+    "providerId",
+    "addresses",
+    "currentResources",
+    "conditions",
+];
+
+/// Whether `new` differs from `old` in [`MIRRORED_FIELDS`] only.
+fn mirrors_only(old: &VirtualMachineStatus, new: &VirtualMachineStatus) -> bool {
+    old.pod_name == new.pod_name && old.migration == new.migration && old.placement == new.placement
+}
+
+/// A JSON merge patch body for `status` that sets [`MIRRORED_FIELDS`] to
+/// what `new` has, with `null` for those it lacks (so that, e.g., addresses
+/// that went away are removed), and nothing else.
+fn mirror_patch(new: &VirtualMachineStatus) -> serde_json::Value {
+    let full = serde_json::to_value(new).expect("a status serializes");
+    MIRRORED_FIELDS
+        .iter()
+        .map(|field| ((*field).to_owned(), full.get(*field).cloned().unwrap_or(serde_json::Value::Null)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
 fn same_status(a: &VirtualMachineStatus, b: &VirtualMachineStatus) -> bool {
     let strip = |s: &VirtualMachineStatus| VirtualMachineStatus { conditions: vec![], ..s.clone() };
     strip(a) == strip(b) && same_conditions(&a.conditions, &b.conditions)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::v1alpha1::{CurrentResources, Placement, VmPhase};
+
+    fn full_status() -> VirtualMachineStatus {
+        VirtualMachineStatus {
+            observed_generation: Some(3),
+            replicas: 1,
+            ready_replicas: 1,
+            selector: Some("vmlet.io/vm=web".into()),
+            phase: Some(VmPhase::Running),
+            node_name: Some("host-a".into()),
+            placement: Some(Placement { node_name: "host-a".into(), backend_id: Some("7".into()) }),
+            pod_name: Some("web-x7k2p".into()),
+            provider_id: Some("libvirt:///host-a/7".into()),
+            addresses: vec!["10.0.0.5".into()],
+            migration: Some(Migration::default()),
+            current_resources: Some(CurrentResources { cpu: 2, memory: "1Gi".into() }),
+            conditions: vec![new_condition("Ready", true, "Running", "it runs", Some(3))],
+        }
+    }
+
+    #[test]
+    fn every_status_field_is_either_mirrored_or_a_guarded_claim() {
+        let serialized = serde_json::to_value(full_status()).unwrap();
+        let claims = ["podName", "migration", "placement"];
+        for field in serialized.as_object().unwrap().keys() {
+            let mirrored = MIRRORED_FIELDS.contains(&field.as_str());
+            assert!(
+                mirrored != claims.contains(&field.as_str()),
+                "status.{field} must be in exactly one of MIRRORED_FIELDS and the claims"
+            );
+        }
+    }
+
+    #[test]
+    fn a_mirror_patch_sets_the_mirrored_fields_clears_missing_ones_and_leaves_claims_alone() {
+        let mut new = full_status();
+        new.addresses.clear();
+        new.provider_id = None;
+        let patch = mirror_patch(&new);
+        let patch = patch.as_object().unwrap();
+        assert_eq!(patch.len(), MIRRORED_FIELDS.len());
+        assert_eq!(patch["phase"], "Running");
+        assert_eq!(patch["readyReplicas"], 1);
+        assert_eq!(patch["addresses"], serde_json::Value::Null, "addresses that went away are removed");
+        assert_eq!(patch["providerId"], serde_json::Value::Null);
+        for claim in ["podName", "migration", "placement"] {
+            assert!(!patch.contains_key(claim), "{claim} is never in a mirror patch");
+        }
+    }
+
+    #[test]
+    fn a_change_to_a_claim_is_not_a_mirror_only_change() {
+        let old = full_status();
+        let mut new = old.clone();
+        new.phase = Some(VmPhase::Stopped);
+        assert!(mirrors_only(&old, &new));
+        new.pod_name = None;
+        assert!(!mirrors_only(&old, &new));
+        let mut moved = old.clone();
+        moved.placement = None;
+        assert!(!mirrors_only(&old, &moved));
+    }
 }

@@ -1,24 +1,25 @@
-//! The controller's own last write per VirtualMachine, so that a pass whose
-//! watch cache has not caught up with it is skipped instead of redoing work
-//! from a stale view (which only ends in a 409 Conflict and a retry). The
-//! same idea as client-go's controller "expectations", for one object.
+//! A loop's own last write per object (a VirtualMachine, a pod), so that a
+//! pass whose watch cache has not caught up with it is skipped instead of
+//! redoing work from a stale view (which only ends in a 409 Conflict, a
+//! fresh read and a retry). The same idea as client-go's controller
+//! "expectations", for one object. Keyed by UID, so one map serves objects of
+//! several kinds.
 //!
 //! Compares resourceVersions as numbers: the API server documents them as
 //! opaque, but etcd-backed ones are its revision; a version that does not
 //! parse is never "behind", so the worst case is the old behaviour.
 
-use crate::v1alpha1::VirtualMachine;
-use kube::ResourceExt;
+use kube::{Resource, ResourceExt};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-/// VirtualMachine UID → resourceVersion of the controller's last write.
+/// Object UID → resourceVersion of the loop's last write of it.
 #[derive(Default)]
 pub struct Written(Mutex<HashMap<String, u64>>);
 
 impl Written {
     /// Remember `written`, the object a write returned.
-    pub fn record(&self, written: &VirtualMachine) {
+    pub fn record(&self, written: &impl Resource) {
         if let (Some(uid), Some(version)) = (written.uid(), revision(written)) {
             let mut map = self.0.lock().expect("written poisoned");
             let entry = map.entry(uid).or_insert(version);
@@ -26,9 +27,9 @@ impl Written {
         }
     }
 
-    /// Whether `cached` is older than the controller's last write of it;
-    /// forgets the write once the cache has caught up.
-    pub fn behind(&self, cached: &VirtualMachine) -> bool {
+    /// Whether `cached` is older than the loop's last write of it; forgets
+    /// the write once the cache has caught up.
+    pub fn behind(&self, cached: &impl Resource) -> bool {
         let (Some(uid), Some(version)) = (cached.uid(), revision(cached)) else { return false };
         let mut map = self.0.lock().expect("written poisoned");
         match map.get(&uid) {
@@ -42,8 +43,8 @@ impl Written {
     }
 }
 
-fn revision(vm: &VirtualMachine) -> Option<u64> {
-    vm.resource_version()?.parse().ok()
+fn revision(object: &impl Resource) -> Option<u64> {
+    object.resource_version()?.parse().ok()
 }
 
 #[cfg(test)]
