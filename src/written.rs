@@ -51,6 +51,7 @@ fn revision(object: &impl Resource) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::testing::VmBuilder;
+    use crate::v1alpha1::VirtualMachine;
 
     fn at(version: &str) -> VirtualMachine {
         let mut vm = VmBuilder::new("web").build();

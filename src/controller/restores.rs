@@ -100,7 +100,7 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
         return in_place(&restore, &ctx, &status).await;
     }
     let source = match new_vm_source(&restore, &ctx.client).await.map_err(err("read the source"))? {
-        Verdict::Go(source) => source,
+        Verdict::Go(source) => *source,
         Verdict::Fail(message) => return fail(message).await.map_err(err("write status")),
         Verdict::Wait(message) => {
             let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "message": message}});
@@ -191,7 +191,7 @@ struct NewVmSource {
 /// Whether a restore to a new VM can go on from its source.
 enum Verdict {
     /// It can, from this.
-    Go(NewVmSource),
+    Go(Box<NewVmSource>),
     /// Not yet: the source is still being made.
     Wait(String),
     /// Never: the message says why, naming the field.
@@ -265,7 +265,7 @@ async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Resu
         (None, None) => return Ok(Verdict::Fail("spec.source: name a backup or a snapshot".to_owned())),
     };
     match recorded {
-        (Some(node), Some(spec)) => Ok(Verdict::Go(NewVmSource { node, spec, label, what })),
+        (Some(node), Some(spec)) => Ok(Verdict::Go(Box::new(NewVmSource { node, spec, label, what }))),
         _ => Ok(Verdict::Fail(format!("{what} records no host or VM spec; it cannot be restored to a new VM"))),
     }
 }
