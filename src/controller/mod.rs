@@ -22,6 +22,7 @@
 
 pub mod backups;
 pub mod decide;
+mod expected;
 pub mod restores;
 pub mod snapshots;
 pub mod status;
@@ -77,6 +78,8 @@ struct Context {
     scope: String,
     /// The controller's last write per VM ([`crate::written`]).
     written: Written,
+    /// Pods it created that the watch has not shown yet ([`expected`]).
+    expected: expected::Expected,
 }
 
 /// Run the controller until `shutdown` is cancelled, over the VirtualMachines of
@@ -96,6 +99,7 @@ pub async fn run(
         watches: watches.clone(),
         scope,
         written: Written::default(),
+        expected: expected::Expected::default(),
     });
     info!("VirtualMachine controller starting");
     Controller::for_stream(no_objects(), watches.vms.clone())
@@ -168,6 +172,15 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         return Ok(Action::requeue(CONFLICT_RETRY));
     }
     let owned = ctx.watches.pods_of_vm(&namespace, &name, &vm.uid().unwrap_or_default());
+    if let Some(designated) = vm.status.as_ref().and_then(|s| s.pod_name.as_deref()) {
+        if owned.iter().any(|p| p.name_any() == designated) {
+            ctx.expected.seen(&namespace, designated);
+        } else if ctx.expected.pending(&namespace, designated) {
+            // Created by this controller a moment ago: its watch event runs
+            // this pass again; reading it now would only cost a request.
+            return Ok(Action::requeue(Duration::from_millis(500)));
+        }
+    }
     let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
 
     let active = vm.status.as_ref().and_then(|s| s.migration.clone()).filter(|m| m.is_active());
@@ -364,6 +377,7 @@ async fn create_pod(
     }
     match pods.create(&PostParams::default(), &new_pod).await {
         Ok(_) => {
+            ctx.expected.created(&vm.namespace().unwrap_or_default(), &name);
             info!(pod.name = %name, vm.home = home, "created pod");
             ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name}"));
         }
