@@ -63,6 +63,10 @@ pub struct Agent {
     held: Mutex<HashSet<String>>,
     /// Per-pod backoff of failed passes.
     backoff: crate::failure::Backoff,
+    /// This agent's last write per pod and per VirtualMachine
+    /// ([`crate::written`]): a pass over a pod the watch shows older than
+    /// that waits for it, and the placement record is not written again.
+    written: crate::written::Written,
     /// vmlet's state directory (console histories, task pods' logs).
     state_dir: PathBuf,
     /// The only namespace whose pods this agent acts on, when vmlet's
@@ -190,6 +194,7 @@ pub async fn run(
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
         backoff: Default::default(),
+        written: Default::default(),
         state_dir: config.state_dir.clone(),
         namespace: config.namespace.clone(),
         tasks: Mutex::default(),

@@ -178,10 +178,11 @@ pub async fn record(
     placement: Placement,
     refuse: impl Fn(&VirtualMachine) -> Option<&'static str>,
 ) -> Result<Recorded, kube::Error> {
-    record_from(vms, name, uid, None, expected, placement, refuse).await
+    Ok(record_from(vms, name, uid, None, expected, placement, refuse).await?.0)
 }
 
-/// [`record`], deciding first from `cached` ([`update_status_from`]).
+/// [`record`], deciding first from `cached` ([`update_status_from`]); also
+/// the VirtualMachine as written, when it was.
 pub async fn record_from(
     vms: &Api<VirtualMachine>,
     name: &str,
@@ -190,8 +191,8 @@ pub async fn record_from(
     expected: Option<&str>,
     placement: Placement,
     refuse: impl Fn(&VirtualMachine) -> Option<&'static str>,
-) -> Result<Recorded, kube::Error> {
-    let updated = update_status_from(vms, name, uid, cached, |vm| {
+) -> Result<(Recorded, Option<VirtualMachine>), kube::Error> {
+    let (updated, written) = update_status_from(vms, name, uid, cached, |vm| {
         if let Some(why) = refuse(vm) {
             return Change::Refuse(why);
         }
@@ -209,11 +210,12 @@ pub async fn record_from(
         Change::Write(Box::new(status))
     })
     .await?;
-    Ok(match updated {
+    let recorded = match updated {
         Updated::Written | Updated::Unchanged => Recorded::Done,
         Updated::Refused(RECORD_CHANGED) | Updated::Gone => Recorded::Changed,
         Updated::Refused(why) => Recorded::Refused(why),
-    })
+    };
+    Ok((recorded, written))
 }
 
 /// What [`update_status`]'s `change` makes of the VirtualMachine read fresh.
@@ -250,44 +252,45 @@ pub async fn update_status(
     uid: &str,
     change: impl Fn(&VirtualMachine) -> Change,
 ) -> Result<Updated, kube::Error> {
-    update_status_from(vms, name, uid, None, change).await
+    Ok(update_status_from(vms, name, uid, None, change).await?.0)
 }
 
 /// [`update_status`], deciding first from `cached` (a watch cache's copy)
 /// instead of a fresh read: its resourceVersion guards the write all the
-/// same, so a stale copy only costs a conflict, then a fresh read.
+/// same, so a stale copy only costs a conflict, then a fresh read. Also
+/// returns the VirtualMachine as written, when it was.
 pub async fn update_status_from(
     vms: &Api<VirtualMachine>,
     name: &str,
     uid: &str,
     cached: Option<VirtualMachine>,
     change: impl Fn(&VirtualMachine) -> Change,
-) -> Result<Updated, kube::Error> {
+) -> Result<(Updated, Option<VirtualMachine>), kube::Error> {
     let mut cached = cached;
     for _ in 0..5 {
         let current = match cached.take() {
             Some(vm) => Some(vm),
             None => vms.get_opt(name).await?,
         };
-        let Some(mut vm) = current else { return Ok(Updated::Gone) };
+        let Some(mut vm) = current else { return Ok((Updated::Gone, None)) };
         if vm.uid().as_deref() != Some(uid) {
-            return Ok(Updated::Gone);
+            return Ok((Updated::Gone, None));
         }
         let status = match change(&vm) {
             Change::Write(status) => *status,
-            Change::Unchanged => return Ok(Updated::Unchanged),
-            Change::Refuse(why) => return Ok(Updated::Refused(why)),
+            Change::Unchanged => return Ok((Updated::Unchanged, None)),
+            Change::Refuse(why) => return Ok((Updated::Refused(why), None)),
         };
         vm.status = Some(status);
         let params = PostParams { field_manager: Some("vmlet-agent".into()), ..PostParams::default() };
         match vms.replace_status(name, &params, &vm).await {
-            Ok(_) => return Ok(Updated::Written),
+            Ok(written) => return Ok((Updated::Written, Some(written))),
             Err(kube::Error::Api(s)) if s.code == 409 => continue,
-            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Updated::Gone),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok((Updated::Gone, None)),
             Err(e) => return Err(e),
         }
     }
-    Ok(Updated::Refused("the VirtualMachine kept changing (5 conflicts in a row)"))
+    Ok((Updated::Refused("the VirtualMachine kept changing (5 conflicts in a row)"), None))
 }
 
 #[cfg(test)]

@@ -74,6 +74,12 @@ pub fn error_policy(pod: Arc<Pod>, error: &Error, agent: Arc<Agent>) -> Action {
 /// One pass over one pod; a success resets the pod's backoff.
 #[instrument(skip_all, fields(node.name = %agent.host.name, pod.namespace = pod.namespace().unwrap_or_default(), pod.name = %pod.name_any()))]
 pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error> {
+    if agent.written.behind(&*pod) {
+        // This agent's own status write is on its way through the watch,
+        // which runs this pass again; deciding from the older pod would
+        // only write again, lose the race (409) and read the pod fresh.
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
     let action = sync(&pod, &agent).await?;
     agent.backoff.succeeded(&pod.uid().unwrap_or_default());
     Ok(action)
@@ -318,9 +324,11 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
     let cached = agent.watches.vms.get(&ObjectRef::new(&vm.spec.name).within(&vm.spec.namespace));
     if let Some(status) = on_host.as_ref().filter(|s| s.power.is_active()) {
         // Steady state: it runs here. The record follows it (from the cache;
-        // a write reads fresh).
+        // a write reads fresh), unless the cache is only behind this agent's
+        // own record.
         let recorded = cached.as_deref().and_then(placement::recorded_node).map(str::to_owned);
-        if recorded.as_deref() != Some(here_name) {
+        let lagging = cached.as_deref().is_some_and(|c| agent.written.behind(c));
+        if recorded.as_deref() != Some(here_name) && !lagging {
             record_here(pod, vm, agent, cached.as_deref(), recorded.as_deref(), status).await?;
         }
         return Ok(Started::Synced { status: status.clone(), restarted: false });
@@ -589,11 +597,16 @@ async fn record_here(
     let placement = Placement { node_name: agent.host.name.clone(), backend_id: Some(status.backend_id.clone()) };
     let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);
     let (name, uid) = (&vm.spec.name, &vm.spec.id.0);
-    let done = placement::record_from(&vms, name, uid, cached.cloned(), expected, placement, |fresh| {
-        unwanted(pod, &vm.spec.id.0, fresh)
-    })
-    .await
-    .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
+    let refuse = |fresh: &VirtualMachine| unwanted(pod, &vm.spec.id.0, fresh);
+    let done = placement::record_from(&vms, name, uid, cached.cloned(), expected, placement, refuse)
+        .await
+        .map(|(done, written)| {
+            if let Some(written) = written {
+                agent.written.record(&written);
+            }
+            done
+        })
+        .map_err(|source| Error::Kube { action: "record the placement of", pod: vm.spec.name.clone(), source })?;
     if done == Recorded::Done {
         info!(vm.uid = %vm.spec.id, node.name = %agent.host.name, "placement recorded");
     }
@@ -760,7 +773,10 @@ pub(super) async fn write_status(pod: &Pod, agent: &Agent, derive: impl Fn(&Pod)
         }
         current.status = Some(new);
         match pods.replace_status(&current.name_any(), &PostParams::default(), &current).await {
-            Ok(_) => return Ok(()),
+            Ok(written) => {
+                agent.written.record(&written);
+                return Ok(());
+            }
             Err(kube::Error::Api(s)) if s.code == 409 && attempt < 4 => {
                 current = match pods.get_opt(&pod.name_any()).await.map_err(kube_err)? {
                     Some(p) if p.uid() == pod.uid() => p,
