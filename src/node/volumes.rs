@@ -12,7 +12,7 @@
 use crate::storage::check_host_file;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::{Api, Client, ResourceExt};
-use vmlet_provider::DataDisk;
+use vmlet_provider::{DataDisk, DiskFormat};
 
 /// The image file in a volume's directory (as KubeVirt names it).
 pub const DISK_IMAGE: &str = "disk.img";
@@ -94,7 +94,7 @@ pub async fn data_disks(
                 ),
             });
         }
-        disks.push(DataDisk { name: disk, path, create_bytes: found.capacity_bytes });
+        disks.push(DataDisk { name: disk, path, format: DiskFormat::Raw, create_bytes: found.capacity_bytes });
     }
     Ok(disks)
 }

@@ -18,12 +18,14 @@ use std::net::IpAddr;
 mod backup;
 mod capabilities;
 mod error;
+mod host_image;
 mod migration;
 mod resize;
 mod snapshot;
 pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, InPlaceRestore, IncrementalBase};
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
+pub use host_image::{DiskFormat, HostImages, ImageFacts};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
 pub use resize::{Resize, ResizeScope, Resources};
 pub use snapshot::{RevertOutcome, SnapshotInfo, SnapshotRequest, Snapshots};
@@ -79,19 +81,24 @@ pub struct VmSpec {
     pub cloud_init: Option<CloudInit>,
     /// Data disks after the boot disk, in order (libvirt: virtio `vdb`,
     /// `vdc`, ...). vmlet's node agent passes only paths under the host's
-    /// storage roots. Back ends without host-file disks refuse a VM with
-    /// disks (`Unsupported`).
+    /// storage roots (for a qcow2 image, its backing files too). Back ends
+    /// without host-file disks refuse a VM with disks (`Unsupported`).
     pub disks: Vec<DataDisk>,
 }
 
-/// A data disk: an image file on the VM's host.
+/// A data disk: an image file on the VM's host (a PersistentVolumeClaim's
+/// `disk.img`, or a host image the VirtualMachine names).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DataDisk {
     /// Its name in the VirtualMachine (`spec.disks[].name`); the guest sees
     /// it as the disk's serial (`/dev/disk/by-id/virtio-<name>`).
     pub name: String,
-    /// Absolute path of the image on the host (raw).
+    /// Absolute path of the image on the host.
     pub path: String,
+    /// How the hypervisor reads the image: `Raw` for a claim's image (vmlet
+    /// makes it raw); for a host image, what [`HostImages::inspect`] read
+    /// from the file, never what a VirtualMachine says.
+    pub format: DiskFormat,
     /// When the image does not exist yet, make it: a sparse raw image of
     /// this many bytes (a new volume's first use). `None`: it must exist.
     pub create_bytes: Option<u64>,
@@ -279,8 +286,9 @@ pub struct HostInfo {
     /// The backend's default storage roots: absolute directories on the host
     /// where its disk images conventionally live (libvirt: the target path of
     /// the storage pool named `default`, else `/var/lib/libvirt/images`). vmlet
-    /// allows a VM's image, kernel and initrd only under the host's storage
-    /// roots; these apply when the host's config names none. Empty when the
+    /// allows a VM's image, kernel, initrd and host-image data disks only
+    /// under the host's storage roots; these apply when the host's config
+    /// names none. Empty when the
     /// backend has no such place (then only VMs without files can be defined).
     pub storage_roots: Vec<String>,
 }
@@ -395,6 +403,13 @@ pub trait Provider: Send + Sync + 'static {
     /// The capability to take, delete and revert to snapshots of a VM, if
     /// this backend (and host) has one.
     fn snapshots(&self) -> Option<&dyn Snapshots> {
+        None
+    }
+
+    /// The capability to read host image files (a data disk's format and
+    /// backing file, see [`HostImages`]), if this backend has one. Without
+    /// it, the core refuses VMs whose disks name host images.
+    fn host_images(&self) -> Option<&dyn HostImages> {
         None
     }
 

@@ -260,19 +260,27 @@ fn replace_stale_checkpoint(domain: &Domain, id: &VmId, name: &str) -> Result<()
 }
 
 /// The one disk of VM `id` (for `operation`). Errors: `InvalidInput`
-/// naming the count when it has none or several.
+/// naming the count when it has none or several, and the data disks
+/// (`spec.disks[<name>]`, from their serials) that are too many.
 pub(crate) fn single_disk(operation: &'static str, id: &VmId, found: Vec<Disk>) -> Result<Disk> {
     match <[Disk; 1]>::try_from(found) {
         Ok([disk]) => Ok(disk),
-        Err(found) => Err(Error::new(
-            operation,
-            ErrorKind::InvalidInput,
-            format!(
-                "VM {id} has {} disks; vmlet backs up and restores VMs with exactly one disk (the one spec.image \
-                 names, and no spec.disks)",
-                found.len()
-            ),
-        )),
+        Err(found) => {
+            let data: Vec<String> = found
+                .iter()
+                .filter_map(|disk| Some(format!("{} spec.disks[{}]", disk.target, disk.serial.as_deref()?)))
+                .collect();
+            let named = if data.is_empty() { String::new() } else { format!(" (data disks: {})", data.join(", ")) };
+            Err(Error::new(
+                operation,
+                ErrorKind::InvalidInput,
+                format!(
+                    "VM {id} has {} disks{named}; vmlet backs up and restores VMs with exactly one disk (the one \
+                     spec.image names, and no spec.disks)",
+                    found.len()
+                ),
+            ))
+        }
     }
 }
 
@@ -924,7 +932,7 @@ mod tests {
     }
 
     #[test]
-    fn a_vm_without_exactly_one_disk_is_refused_naming_the_count() {
+    fn a_vm_without_exactly_one_disk_is_refused_naming_the_count_and_its_data_disks() {
         assert_eq!(single_disk(OP, &id(), vec![disk("vda")]).expect("one disk").target, "vda");
         for found in [vec![], vec![disk("vda"), disk("vdb")]] {
             let count = found.len();
@@ -932,6 +940,9 @@ mod tests {
             assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
             assert!(err.message.contains(&format!("has {count} disks")), "{err}");
         }
+        let data = |target: &str, name: &str| Disk { serial: Some(name.into()), ..disk(target) };
+        let err = single_disk(OP, &id(), vec![disk("vda"), data("vdb", "data"), data("vdc", "logs")]).unwrap_err();
+        assert!(err.message.contains("has 3 disks (data disks: vdb spec.disks[data], vdc spec.disks[logs])"), "{err}");
     }
 
     #[test]

@@ -62,6 +62,7 @@ mod domains;
 mod error;
 mod event_loop;
 mod exec;
+mod host_images;
 mod in_flight;
 mod jobs;
 mod migration;

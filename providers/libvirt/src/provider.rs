@@ -9,8 +9,8 @@ use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
-    Backup, CloudInit, Console, Error, ErrorKind, GuestExec, HostInfo, Location, Migration, Provider, Resize, Result,
-    Snapshots, Stats, VmId, VmSpec, VmStatus,
+    Backup, CloudInit, Console, Error, ErrorKind, GuestExec, HostImages, HostInfo, Location, Migration, Provider,
+    Resize, Result, Snapshots, Stats, VmId, VmSpec, VmStatus,
 };
 
 use crate::cloud_init::{remove_seed, require_local_host, seed_path, write_seed, BUILD_DEADLINE, DEFAULT_SEED_DIR};
@@ -786,7 +786,9 @@ impl Provider for LibvirtProvider {
     /// Defines a persistent domain named [`VmSpec::backend_name`]: `<domain
     /// type='test'>` on the test driver, `<domain type='kvm'>` or `<domain
     /// type='qemu'>` (see [`AcceleratorSetting`]; machine `pc`, ACPI, direct kernel boot from
-    /// `spec.kernel_boot`, a virtio disk from `spec.image`, a serial console
+    /// `spec.kernel_boot`, a virtio disk from `spec.image` and one per
+    /// `spec.disks` in the format it gives (a claim's missing image made
+    /// first: raw, sparse), a serial console
     /// recorded by virtlogd, a qemu-guest-agent channel, user-mode networking,
     /// and `spec.cloud_init` as a NoCloud seed image written into the seed
     /// directory and attached as a read-only IDE CD-ROM) on QEMU. The test
@@ -903,6 +905,13 @@ impl Provider for LibvirtProvider {
     /// the test driver in libvirt's memory, where a revert only makes the
     /// snapshot the current one (it has no disks).
     fn snapshots(&self) -> Option<&dyn Snapshots> {
+        Some(self)
+    }
+
+    /// Host images read where they are (see `host_images.rs`): on every
+    /// driver (the test driver attaches no disks, but the files are read
+    /// all the same); a connection to another machine answers `Unsupported`.
+    fn host_images(&self) -> Option<&dyn HostImages> {
         Some(self)
     }
 

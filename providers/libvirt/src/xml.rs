@@ -397,7 +397,9 @@ pub(crate) const SEED_TARGET: &str = "hdc";
 ///
 /// QEMU domains also get: direct kernel boot when `spec.kernel_boot` is set
 /// (`<kernel>`, `<initrd>`, `<cmdline>`); a virtio disk from `spec.image` when set
-/// (qcow2 when the name ends in `.qcow2`, raw otherwise); a serial console on a
+/// (qcow2 when the name ends in `.qcow2`, raw otherwise) and one for each of
+/// `spec.disks` on [`DATA_DISK_TARGETS`], in the disk's format, with the disk's
+/// name as its serial; a serial console on a
 /// pty whose output virtlogd records from boot in [`console_log_path`]; a
 /// virtio-serial channel for qemu-guest-agent ([`AGENT_CHANNEL`], libvirt adds
 /// the controller and picks the host socket); user-mode networking on a virtio
@@ -469,12 +471,13 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Opti
                     xml,
                     concat!(
                         "    <disk type='file' device='disk'>\n",
-                        "      <driver name='qemu' type='raw'/>\n",
+                        "      <driver name='qemu' type='{format}'/>\n",
                         "      <source file='{source}'/>\n",
                         "      <target dev='{target}' bus='virtio'/>\n",
                         "      <serial>{serial}</serial>\n",
                         "    </disk>\n",
                     ),
+                    format = disk.format.as_str(),
                     source = escape(&disk.path),
                     target = target,
                     serial = escape(&disk.name),
@@ -723,20 +726,33 @@ mod tests {
     }
 
     #[test]
-    fn data_disks_follow_the_boot_disk_as_raw_virtio_disks_with_their_names_as_serials() {
+    fn data_disks_follow_the_boot_disk_as_virtio_disks_in_their_format_with_their_names_as_serials() {
+        use vmlet_provider::{DataDisk, DiskFormat};
         let mut spec = spec();
         spec.image = Some("/images/boot.qcow2".into());
+        let disk = |name: &str, path: &str, format| DataDisk {
+            name: name.into(),
+            path: path.into(),
+            format,
+            create_bytes: None,
+        };
         spec.disks = vec![
-            vmlet_provider::DataDisk { name: "data".into(), path: "/vols/1/disk.img".into(), create_bytes: None },
-            vmlet_provider::DataDisk { name: "logs".into(), path: "/vols/2/disk.img".into(), create_bytes: None },
+            disk("data", "/vols/1/disk.img", DiskFormat::Raw),
+            disk("logs", "/images/logs.qcow2", DiskFormat::Qcow2),
         ];
         let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
         assert!(xml.contains(concat!(
+            "      <driver name='qemu' type='raw'/>\n",
             "      <source file='/vols/1/disk.img'/>\n",
             "      <target dev='vdb' bus='virtio'/>\n",
             "      <serial>data</serial>\n",
         )));
-        assert!(xml.contains("<target dev='vdc' bus='virtio'/>\n      <serial>logs</serial>"));
+        assert!(xml.contains(concat!(
+            "      <driver name='qemu' type='qcow2'/>\n",
+            "      <source file='/images/logs.qcow2'/>\n",
+            "      <target dev='vdc' bus='virtio'/>\n",
+            "      <serial>logs</serial>\n",
+        )));
         let found: Vec<(String, Option<String>)> = disks(&xml).into_iter().map(|d| (d.target, d.serial)).collect();
         let expected = [("vda", None), ("vdb", Some("data")), ("vdc", Some("logs"))];
         assert_eq!(found, expected.map(|(target, serial)| (target.to_owned(), serial.map(str::to_owned))));

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use vmlet_libvirt::LibvirtProvider;
 use vmlet_provider::{
-    BackupRequest, CloudInit, DataDisk, ErrorKind, InPlaceRestore, PowerState, Provider, RevertOutcome,
+    BackupRequest, CloudInit, DataDisk, DiskFormat, ErrorKind, InPlaceRestore, PowerState, Provider, RevertOutcome,
     SnapshotRequest, VmId, VmSpec,
 };
 
@@ -320,7 +320,8 @@ async fn a_vm_with_a_raw_data_disk_is_refused_naming_the_disk() {
     let snapshots = provider.snapshots().expect("QEMU has snapshots");
     remove_leftovers(&provider, NAMESPACE).await;
     let (mut spec, run) = guest_spec(NAMESPACE, "raw", &guest);
-    spec.disks = vec![DataDisk { name: "data".into(), path: run.path("data.img"), create_bytes: Some(16 << 20) }];
+    let (path, format) = (run.path("data.img"), DiskFormat::Raw);
+    spec.disks = vec![DataDisk { name: "data".into(), path, format, create_bytes: Some(16 << 20) }];
     let id = spec.id.clone();
     provider.ensure_defined(&spec).await.expect("define");
 

@@ -548,12 +548,16 @@ impl Provider for OpenStackProvider {
         if let Some(cloud_init) = &spec.cloud_init {
             check_cloud_init(cloud_init)?;
         }
-        if !spec.disks.is_empty() {
+        if let Some(disk) = spec.disks.first() {
             return Err(Error::new(
                 OP,
                 ErrorKind::Unsupported,
-                "spec.disks: data disks from PersistentVolumeClaims are host files, which Nova servers cannot use; \
-                 remove spec.disks (Cinder volumes are not supported yet)",
+                format!(
+                    "spec.disks[{}]: data disks (PersistentVolumeClaims and hostImage files) are files on a \
+                     hypervisor host, which Nova servers cannot use; remove spec.disks (Cinder volumes are not \
+                     supported yet)",
+                    disk.name
+                ),
             ));
         }
         let server_options = options::parse(&spec.options)?;
