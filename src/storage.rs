@@ -14,7 +14,9 @@
 //! default ([`vmlet_provider::HostInfo::storage_roots`]; libvirt: the target
 //! directory of the storage pool `default`, else `/var/lib/libvirt/images`).
 //! Before it defines a VM, the node agent checks every file the VM names
-//! (`spec.image`, `spec.kernelBoot.kernel`, `spec.kernelBoot.initrd`):
+//! (`spec.image`, `spec.kernelBoot.kernel`, `spec.kernelBoot.initrd`,
+//! `spec.disks[].hostImage.path`, and the backing files a qcow2 host image
+//! names, one at a time before the image behind it is read):
 //!
 //! 1. **By its path**, component by component: the path is absolute, has no
 //!    `..` component and lies strictly below a root. So
@@ -61,9 +63,10 @@ use std::path::{Component, Path, PathBuf};
 use vmlet_provider::{HostInfo, ImageReference, VmSpec};
 
 use crate::config::HostConfig;
+use crate::v1alpha1::VmDisk;
 
 /// The VirtualMachine field that names a host file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StorageField {
     /// `spec.image`: the boot disk.
     Image,
@@ -71,22 +74,23 @@ pub enum StorageField {
     Kernel,
     /// `spec.kernelBoot.initrd`.
     Initrd,
-}
-
-impl StorageField {
-    /// The field's path in the VirtualMachine, e.g. `spec.kernelBoot.kernel`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StorageField::Image => "spec.image",
-            StorageField::Kernel => "spec.kernelBoot.kernel",
-            StorageField::Initrd => "spec.kernelBoot.initrd",
-        }
-    }
+    /// `spec.disks[<name>].hostImage.path`: a data disk's host image.
+    HostImage {
+        /// The disk's name (`spec.disks[].name`).
+        disk: String,
+    },
 }
 
 impl fmt::Display for StorageField {
+    /// The field's path in the VirtualMachine, e.g. `spec.kernelBoot.kernel`
+    /// or `spec.disks[data].hostImage.path`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        match self {
+            StorageField::Image => f.write_str("spec.image"),
+            StorageField::Kernel => f.write_str("spec.kernelBoot.kernel"),
+            StorageField::Initrd => f.write_str("spec.kernelBoot.initrd"),
+            StorageField::HostImage { disk } => write!(f, "spec.disks[{disk}].hostImage.path"),
+        }
     }
 }
 
@@ -114,6 +118,20 @@ pub enum NotAllowed {
         /// The file system's answer, e.g. a dangling link or a link loop.
         reason: String,
     },
+    /// The image is allowed, but a backing file its header names (which the
+    /// hypervisor would open too) is not.
+    #[error("names the backing file {:?}, which {}", .0.file, .0.why)]
+    Backing(Box<BackingFile>),
+}
+
+/// A backing file that is not allowed ([`NotAllowed::Backing`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackingFile {
+    /// The backing file as the image names it (joined to the image's
+    /// directory when relative).
+    pub file: String,
+    /// Why it is not allowed.
+    pub why: NotAllowed,
 }
 
 /// A VM file outside its host's storage roots: what the pod's status message
@@ -260,20 +278,21 @@ impl StorageRoots {
         &self.ignored
     }
 
-    /// Decide whether `spec` may be defined on this host: every file it names
-    /// lies under a root, by path and, where `resolve` sees it, by the file it
-    /// really is. Pure: what the file system says comes from `resolve`.
+    /// Decide whether `spec`, with the data disks `disks` of its
+    /// VirtualMachine, may be defined on this host: every file it names
+    /// (image, kernel, initrd, host images) lies under a root, by path and,
+    /// where `resolve` sees it, by the file it really is. Pure: what the file
+    /// system says comes from `resolve`.
     /// Errors: the first file that is not allowed, as a [`StorageRefusal`].
-    pub fn check(&self, spec: &VmSpec, resolve: impl Fn(&Path) -> Resolution) -> Result<(), StorageRefusal> {
-        for (field, path) in self.files_of(spec) {
+    pub fn check(
+        &self,
+        spec: &VmSpec,
+        disks: &[VmDisk],
+        resolve: impl Fn(&Path) -> Resolution,
+    ) -> Result<(), Box<StorageRefusal>> {
+        for (field, path) in self.files_of(spec, disks) {
             if let Err(why) = self.check_file(path, &resolve) {
-                return Err(StorageRefusal {
-                    field,
-                    path: path.to_owned(),
-                    why,
-                    host: self.host.clone(),
-                    roots: self.roots.clone(),
-                });
+                return Err(self.refusal(field, path, why));
             }
         }
         Ok(())
@@ -282,23 +301,57 @@ impl StorageRoots {
     /// [`StorageRoots::check`] against this machine's file system where vmlet
     /// shares it with the backend (the VM's files and the roots resolved by
     /// [`resolve_here`]), by path alone elsewhere.
-    pub async fn check_on_host(&self, spec: &VmSpec) -> Result<(), StorageRefusal> {
-        if !self.local {
-            return self.check(spec, |_| Resolution::Unseen);
-        }
+    pub async fn check_on_host(&self, spec: &VmSpec, disks: &[VmDisk]) -> Result<(), Box<StorageRefusal>> {
+        let files = self.files_of(spec, disks);
+        let seen = self.seen_here(files.iter().map(|(_, path)| *path)).await;
+        self.check(spec, disks, |path| seen.get(path).cloned().unwrap_or(Resolution::Unseen))
+    }
+
+    /// Check `backing`, a backing file that the image `image` (named by
+    /// `field`, and allowed already) names in its header, as
+    /// [`StorageRoots::check_on_host`] checks the image itself: the
+    /// hypervisor opens it too. Errors: a [`StorageRefusal`] of `field` and
+    /// `image`, saying which backing file is not allowed and why.
+    pub async fn check_backing_on_host(
+        &self,
+        field: &StorageField,
+        image: &str,
+        backing: &str,
+    ) -> Result<(), Box<StorageRefusal>> {
+        let seen = self.seen_here([backing].into_iter()).await;
+        let resolve = |path: &Path| seen.get(path).cloned().unwrap_or(Resolution::Unseen);
+        self.check_file(backing, &resolve).map_err(|why| {
+            self.refusal(
+                field.clone(),
+                image,
+                NotAllowed::Backing(Box::new(BackingFile { file: backing.to_owned(), why })),
+            )
+        })
+    }
+
+    /// What this machine's file system says about `paths` and the roots,
+    /// where vmlet shares it with the backend; nothing elsewhere (every path
+    /// then reads [`Resolution::Unseen`]).
+    async fn seen_here<'p>(&self, paths: impl Iterator<Item = &'p str>) -> HashMap<PathBuf, Resolution> {
         let mut seen = HashMap::new();
-        let paths = self.files_of(spec).into_iter().map(|(_, path)| path).chain(self.roots.iter().map(String::as_str));
-        for path in paths {
-            let path = PathBuf::from(path);
+        if !self.local {
+            return seen;
+        }
+        for path in paths.map(PathBuf::from).chain(self.roots.iter().map(PathBuf::from)) {
             let resolution = resolve_here(&path).await;
             seen.insert(path, resolution);
         }
-        self.check(spec, |path| seen.get(path).cloned().unwrap_or(Resolution::Unseen))
+        seen
     }
 
-    /// The host files `spec` names, each with its field.
-    fn files_of<'s>(&self, spec: &'s VmSpec) -> Vec<(StorageField, &'s str)> {
-        host_files_of(spec, self.image)
+    fn refusal(&self, field: StorageField, path: &str, why: NotAllowed) -> Box<StorageRefusal> {
+        let (host, roots) = (self.host.clone(), self.roots.clone());
+        Box::new(StorageRefusal { field, path: path.to_owned(), why, host, roots })
+    }
+
+    /// The host files `spec` and `disks` name, each with its field.
+    fn files_of<'s>(&self, spec: &'s VmSpec, disks: &'s [VmDisk]) -> Vec<(StorageField, &'s str)> {
+        host_files_of(spec, disks, self.image)
     }
 
     fn check_file(&self, path: &str, resolve: &impl Fn(&Path) -> Resolution) -> Result<(), NotAllowed> {
@@ -383,8 +436,11 @@ impl fmt::Display for StorageRoots {
     }
 }
 
-/// The host files `spec` names, with their fields.
-fn host_files_of(spec: &VmSpec, image: ImageReference) -> Vec<(StorageField, &str)> {
+/// The host files `spec` and the VM's `disks` name, with their fields: the
+/// image (when it is a host path on this backend), kernel, initrd, and each
+/// host image in spec order. A claim's image is checked where the claim is
+/// resolved ([`check_host_file`]).
+fn host_files_of<'s>(spec: &'s VmSpec, disks: &'s [VmDisk], image: ImageReference) -> Vec<(StorageField, &'s str)> {
     let mut files = Vec::new();
     if let (Some(path), ImageReference::HostPath) = (&spec.image, image) {
         files.push((StorageField::Image, path.as_str()));
@@ -393,6 +449,11 @@ fn host_files_of(spec: &VmSpec, image: ImageReference) -> Vec<(StorageField, &st
         files.push((StorageField::Kernel, boot.kernel.as_str()));
         if let Some(initrd) = &boot.initrd {
             files.push((StorageField::Initrd, initrd.as_str()));
+        }
+    }
+    for disk in disks {
+        if let Some(path) = disk.host_image_path() {
+            files.push((StorageField::HostImage { disk: disk.name.clone() }, path));
         }
     }
     files
@@ -505,11 +566,11 @@ mod tests {
     }
 
     fn refusal(roots: &StorageRoots, spec: &VmSpec) -> StorageRefusal {
-        roots.check(spec, |_| Resolution::Unseen).expect_err("refused")
+        *roots.check(spec, &[], |_| Resolution::Unseen).expect_err("refused")
     }
 
     fn allowed(roots: &StorageRoots, spec: &VmSpec) -> bool {
-        roots.check(spec, |_| Resolution::Unseen).is_ok()
+        roots.check(spec, &[], |_| Resolution::Unseen).is_ok()
     }
 
     #[test]
@@ -654,7 +715,7 @@ mod tests {
     fn a_link_inside_a_root_that_points_out_of_it_is_refused() {
         let roots = configured(&[IMAGES]);
         let spec = with_image("/var/lib/libvirt/images/innocent.qcow2");
-        let refused = roots.check(&spec, resolver(&[("/var/lib/libvirt/images/innocent.qcow2", "/etc/shadow")]));
+        let refused = roots.check(&spec, &[], resolver(&[("/var/lib/libvirt/images/innocent.qcow2", "/etc/shadow")]));
         assert_eq!(refused.unwrap_err().why, NotAllowed::ResolvesOutside { real: "/etc/shadow".into() });
     }
 
@@ -664,14 +725,14 @@ mod tests {
         let spec = with_image("/var/lib/libvirt/images/web.qcow2");
         let links =
             resolver(&[(IMAGES, "/srv/images"), ("/var/lib/libvirt/images/web.qcow2", "/srv/images/web.qcow2")]);
-        assert_eq!(roots.check(&spec, links), Ok(()));
+        assert_eq!(roots.check(&spec, &[], links), Ok(()));
     }
 
     #[test]
     fn a_path_that_exists_but_cannot_be_resolved_is_refused() {
         let roots = configured(&[IMAGES]);
         let spec = with_image("/var/lib/libvirt/images/loop.qcow2");
-        let refused = roots.check(&spec, |_| Resolution::Unresolvable("too many levels of symbolic links".into()));
+        let refused = roots.check(&spec, &[], |_| Resolution::Unresolvable("too many levels of symbolic links".into()));
         assert!(matches!(refused.unwrap_err().why, NotAllowed::Unresolvable { .. }));
     }
 
@@ -693,20 +754,96 @@ mod tests {
         let roots = StorageRoots::for_host(&host("qemu:///system", Some(&[root_str.as_str()])), &info(&[]));
         let image = |name: &str| with_image(&root.join(name).display().to_string());
 
-        assert_eq!(roots.check_on_host(&image("web.qcow2")).await, Ok(()));
-        assert_eq!(roots.check_on_host(&image("not-yet-there.qcow2")).await, Ok(()), "a missing file: by path");
-        let escape = roots.check_on_host(&image("escape.qcow2")).await.unwrap_err();
+        assert_eq!(roots.check_on_host(&image("web.qcow2"), &[]).await, Ok(()));
+        assert_eq!(roots.check_on_host(&image("not-yet-there.qcow2"), &[]).await, Ok(()), "a missing file: by path");
+        let escape = roots.check_on_host(&image("escape.qcow2"), &[]).await.unwrap_err();
         let real_secret = outside.join("secret").canonicalize().unwrap().display().to_string();
         assert_eq!(escape.why, NotAllowed::ResolvesOutside { real: real_secret });
-        let dangling = roots.check_on_host(&image("dangling.qcow2")).await.unwrap_err();
+        let dangling = roots.check_on_host(&image("dangling.qcow2"), &[]).await.unwrap_err();
         assert!(matches!(dangling.why, NotAllowed::Unresolvable { .. }), "{dangling}");
         // The real directory is not a root: only the configured path is.
         let by_real_path = with_image(&real_root.join("web.qcow2").display().to_string());
-        assert_eq!(roots.check_on_host(&by_real_path).await.unwrap_err().why, NotAllowed::OutsideRoots);
+        assert_eq!(roots.check_on_host(&by_real_path, &[]).await.unwrap_err().why, NotAllowed::OutsideRoots);
         // The same link on a host vmlet does not share a file system with is
         // checked by path alone: roots there must hold no links out of them.
         let remote = StorageRoots::for_host(&host("qemu+ssh://kvm-1/system", Some(&[root_str.as_str()])), &info(&[]));
-        assert_eq!(remote.check_on_host(&image("escape.qcow2")).await, Ok(()));
+        assert_eq!(remote.check_on_host(&image("escape.qcow2"), &[]).await, Ok(()));
+    }
+
+    fn host_image(name: &str, path: &str) -> VmDisk {
+        serde_json::from_value(serde_json::json!({"name": name, "hostImage": {"path": path}})).unwrap()
+    }
+
+    fn claim(name: &str) -> VmDisk {
+        serde_json::from_value(serde_json::json!({"name": name, "persistentVolumeClaim": {"claimName": name}})).unwrap()
+    }
+
+    #[test]
+    fn host_images_are_checked_like_the_image_and_named_by_their_disk() {
+        let roots = configured(&[IMAGES]);
+        let inside = [claim("db"), host_image("data", "/var/lib/libvirt/images/web-data.qcow2")];
+        assert_eq!(roots.check(&vm(), &inside, |_| Resolution::Unseen), Ok(()));
+        let disks = [host_image("data", "/var/lib/libvirt/images/web-data.qcow2"), host_image("logs", "/etc/passwd")];
+        let refused = roots.check(&vm(), &disks, |_| Resolution::Unseen).unwrap_err();
+        assert_eq!(refused.field, StorageField::HostImage { disk: "logs".into() });
+        assert_eq!(refused.why, NotAllowed::OutsideRoots);
+        assert!(
+            refused.to_string().starts_with(
+                "spec.disks[logs].hostImage.path \"/etc/passwd\" is not under a storage root; host host-a allows \
+                 files only under its storage roots [/var/lib/libvirt/images]"
+            ),
+            "{refused}"
+        );
+        for path in ["/var/lib/libvirt/images/../../../etc/shadow", "images/web-data.qcow2"] {
+            assert!(roots.check(&vm(), &[host_image("data", path)], |_| Resolution::Unseen).is_err(), "{path}");
+        }
+    }
+
+    #[test]
+    fn a_claims_disk_is_no_host_file_of_the_vm() {
+        // Its image is checked where the claim is resolved, once its
+        // volume's directory is known.
+        assert_eq!(configured(&[]).check(&vm(), &[claim("db")], |_| Resolution::Unseen), Ok(()));
+    }
+
+    #[tokio::test]
+    async fn a_host_image_or_a_backing_file_that_leads_out_of_the_roots_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("images");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("data.qcow2"), b"image").unwrap();
+        std::fs::write(root.join("base.raw"), b"base").unwrap();
+        std::fs::write(dir.path().join("secret"), b"secret").unwrap();
+        std::os::unix::fs::symlink(dir.path().join("secret"), root.join("innocent.raw")).unwrap();
+        let root_str = root.display().to_string();
+        let roots = StorageRoots::for_host(&host("qemu:///system", Some(&[root_str.as_str()])), &info(&[]));
+        let under = |name: &str| root.join(name).display().to_string();
+
+        let escape = [host_image("data", &under("innocent.raw"))];
+        let refused = roots.check_on_host(&vm(), &escape).await.unwrap_err();
+        assert_eq!(refused.field, StorageField::HostImage { disk: "data".into() });
+        assert!(matches!(refused.why, NotAllowed::ResolvesOutside { .. }), "{refused}");
+
+        let field = StorageField::HostImage { disk: "data".into() };
+        let image = under("data.qcow2");
+        assert_eq!(roots.check_backing_on_host(&field, &image, &under("base.raw")).await, Ok(()));
+        let refused = roots.check_backing_on_host(&field, &image, "/etc/passwd").await.unwrap_err();
+        assert_eq!((refused.field.clone(), refused.path.as_str()), (field.clone(), image.as_str()));
+        let message = refused.to_string();
+        assert!(
+            message.starts_with(&format!(
+                "spec.disks[data].hostImage.path {image:?} names the backing file \"/etc/passwd\", which is not \
+                 under a storage root;"
+            )),
+            "{message}"
+        );
+        let linked = roots.check_backing_on_host(&field, &image, &under("innocent.raw")).await.unwrap_err();
+        let NotAllowed::Backing(backing) = linked.why else { panic!("{linked}") };
+        assert!(matches!(backing.why, NotAllowed::ResolvesOutside { .. }), "{}", backing.why);
+        for name in ["json:{\"driver\": \"file\", \"filename\": \"/etc/passwd\"}", "nbd://10.0.0.1/x", "base.raw"] {
+            let refused = roots.check_backing_on_host(&field, &image, name).await.unwrap_err();
+            assert!(matches!(&refused.why, NotAllowed::Backing(b) if b.why == NotAllowed::Relative), "{name}");
+        }
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //! - `terminationGracePeriodSeconds` = `spec.shutdownTimeoutSeconds`.
 
 use crate::quantity;
-use crate::v1alpha1::{EvictionStrategy, PowerOffMode, ResizePolicy, RestartPolicy, VirtualMachine, VM_LABEL};
+use crate::v1alpha1::{
+    DiskSource, EvictionStrategy, PowerOffMode, ResizePolicy, RestartPolicy, VirtualMachine, VM_LABEL,
+};
 use k8s_openapi::api::core::v1::{
     Affinity, Container, ContainerResizePolicy, ContainerState, NodeAffinity, NodeSelectorRequirement,
     NodeSelectorTerm, PersistentVolumeClaimVolumeSource, Pod, PodSpec, ResourceRequirements, Toleration, Volume,
@@ -182,27 +184,38 @@ pub fn pod_for_vm(
             affinity: spec.affinity.clone(),
             tolerations: Some(tolerations),
             priority_class_name: spec.priority_class_name.clone(),
-            // The VM's data disks: the scheduler places the pod where the
-            // claims' volumes are, and Kubernetes keeps a claim in use.
-            volumes: (!spec.disks.is_empty()).then(|| {
-                spec.disks
-                    .iter()
-                    .map(|disk| Volume {
-                        name: disk.name.clone(),
-                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                            claim_name: disk.persistent_volume_claim.claim_name.clone(),
-                            read_only: None,
-                        }),
-                        ..Volume::default()
-                    })
-                    .collect()
-            }),
+            volumes: claim_volumes(vm),
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),
             ..PodSpec::default()
         }),
         status: None,
     })
+}
+
+/// The pod volumes of `vm`'s data disks that are PersistentVolumeClaims, in
+/// spec order, each named after its disk: the scheduler places the pod where
+/// the claims' volumes are, and Kubernetes keeps a claim in use while the pod
+/// exists. Host images are no volumes (the agent reads them from the
+/// VirtualMachine). `None` when there are none.
+fn claim_volumes(vm: &VirtualMachine) -> Option<Vec<Volume>> {
+    let volumes: Vec<Volume> = vm
+        .spec
+        .disks
+        .iter()
+        .filter_map(|disk| match disk.source()? {
+            DiskSource::Claim(claim) => Some(Volume {
+                name: disk.name.clone(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: claim.claim_name.clone(),
+                    read_only: None,
+                }),
+                ..Volume::default()
+            }),
+            DiskSource::HostImage(_) => None,
+        })
+        .collect();
+    (!volumes.is_empty()).then_some(volumes)
 }
 
 /// The toleration of vmlet's virtual-node taint
@@ -555,6 +568,26 @@ mod tests {
         let boot = read.spec.kernel_boot.unwrap();
         assert_eq!((boot.kernel.as_str(), boot.initrd.as_deref()), ("/boot/vmlinuz", Some("/boot/initrd.img")));
         assert_eq!(boot.cmdline.as_deref(), Some("console=ttyS0"));
+    }
+
+    #[test]
+    fn only_claims_become_pod_volumes_and_host_images_stay_with_the_vm() {
+        let mut vm = VmBuilder::new("web").build();
+        vm.spec.disks = serde_json::from_value(serde_json::json!([
+            {"name": "logs", "hostImage": {"path": "/var/lib/libvirt/images/logs.qcow2"}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": "web-data"}},
+        ]))
+        .unwrap();
+        let pod = pod_for_vm(&vm, "web-x7k2p", "AllNamespaces", None).unwrap();
+        let volumes = pod.spec.unwrap().volumes.unwrap();
+        let names: Vec<_> = volumes.iter().map(|v| (v.name.as_str(), &v.persistent_volume_claim)).collect();
+        let claim = PersistentVolumeClaimVolumeSource { claim_name: "web-data".into(), read_only: None };
+        assert_eq!(names, [("data", &Some(claim))]);
+        assert!(!pod.metadata.annotations.unwrap().values().any(|v| v.contains("logs.qcow2")), "nor an annotation");
+
+        vm.spec.disks.remove(1);
+        let pod = pod_for_vm(&vm, "web-x7k2p", "AllNamespaces", None).unwrap();
+        assert_eq!(pod.spec.unwrap().volumes, None, "host images alone: no volumes");
     }
 
     #[test]

@@ -212,6 +212,23 @@ async fn api_server_refuses_bad_virtual_machines_naming_the_field() {
         (json!({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}), "spec.tolerations[].value"),
         (json!({"image": "/var/lib/images/a\u{0}b.qcow2"}), "spec.image"),
         (json!({"kernelBoot": {"kernel": "/boot/vmlinuz\nx"}}), "spec.kernelBoot.kernel"),
+        // A data disk names exactly one source; a host image an absolute
+        // path without control characters, and never a format.
+        (
+            json!({"disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"},
+                              "hostImage": {"path": "/var/lib/images/data.qcow2"}}]}),
+            "name exactly one of persistentVolumeClaim and hostImage",
+        ),
+        (json!({"disks": [{"name": "data"}]}), "name exactly one of persistentVolumeClaim and hostImage"),
+        (json!({"disks": [{"name": "data", "hostImage": {"path": "data.qcow2"}}]}), "spec.disks[0].hostImage.path"),
+        (
+            json!({"disks": [{"name": "data", "hostImage": {"path": "/var/lib/images/a\nb.qcow2"}}]}),
+            "spec.disks[0].hostImage.path",
+        ),
+        (
+            json!({"disks": [{"name": "data", "hostImage": {"path": "/var/lib/images/data.qcow2", "format": "raw"}}]}),
+            "spec.disks[0].hostImage.format",
+        ),
     ];
     for (spec, field) in refused_specs {
         let vm = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",

@@ -11,6 +11,8 @@ pub mod cloud_init;
 pub mod console;
 pub mod decide;
 pub mod directory;
+pub mod disks;
+pub mod host_images;
 pub mod lease;
 mod migration;
 pub mod placement;

@@ -14,6 +14,7 @@
 //! deleted on purpose.
 
 use super::decide::{start_step, stop_step, unwanted, OnHost, StartStep, StartView, StopStep, StopView};
+use super::disks::Unavailable;
 use super::placement::{self, Recorded};
 use super::pod_status::{pod_status, same_pod_status, Observed};
 use super::resize::{self, Shown};
@@ -150,12 +151,12 @@ enum Started {
     /// The VM stopped by itself and its restart policy leaves it off.
     LeftOff { status: VmStatus, ended: Ended },
     /// The VM names a file outside the host's storage roots: nothing was defined.
-    Refused(crate::storage::StorageRefusal),
+    Refused(Box<crate::storage::StorageRefusal>),
     /// The VM's cloud-init data cannot be read: nothing was defined.
     CloudInitMissing(super::cloud_init::Missing),
-    /// A data disk's volume is not bound yet, or cannot be a disk here:
-    /// nothing was defined.
-    VolumeNotReady(super::volumes::NotReady),
+    /// A data disk's volume is not bound yet, a host image is missing, or a
+    /// disk cannot be used here: nothing was defined.
+    DisksNotReady(super::disks::NotReady),
     /// A restore in place (named) writes under the VM: it is not started.
     Restoring(String),
 }
@@ -232,7 +233,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             Ok(Action::await_change())
         }
         Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
-        Ok(Started::VolumeNotReady(not_ready)) => {
+        Ok(Started::DisksNotReady(not_ready)) => {
             let message = not_ready.to_string();
             info!(vm.uid = %vm.spec.id, %message, "data disk not ready; not defining the VM");
             agent.events.publish(pod, Reason::ProviderFailed, &message);
@@ -241,7 +242,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
                 pod_status(p, &agent.host_ip, &Observed::Waiting { reason, message: &message }, false)
             })
             .await?;
-            Ok(Action::requeue(Duration::from_secs(5)))
+            Ok(Action::requeue(not_ready.recheck()))
         }
         Ok(Started::Restoring(restore)) => {
             let message =
@@ -393,20 +394,26 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
         StartStep::Start { record } => (on_host.expect("only a VM defined here is started"), false, record),
         StartStep::DefineAndStart { record } => {
             // Only files under the host's storage roots; a VM defined
-            // already is never checked (nothing running is stopped).
-            if let Err(refusal) = agent.storage.check_on_host(&vm.spec).await {
+            // already is never checked (nothing running is stopped). The
+            // data disks are the VirtualMachine's (host images are no pod
+            // volumes), read with it above.
+            let disks = &cached.spec.disks;
+            if let Err(not_ready) = super::host_images::check_supported(provider.as_ref(), disks) {
+                return Ok(Started::DisksNotReady(not_ready.into()));
+            }
+            if let Err(refusal) = agent.storage.check_on_host(&vm.spec, disks).await {
                 return Ok(Started::Refused(refusal));
             }
             let mut spec = match super::cloud_init::with_cloud_init(&agent.client, vm).await {
                 Ok(spec) => spec,
                 Err(missing) => return Ok(Started::CloudInitMissing(missing)),
             };
-            let roots = agent.storage.roots();
-            match super::volumes::data_disks(&agent.client, pod, here_name, roots, agent.storage.resolves_links()).await
-            {
-                Ok(disks) => spec.disks = disks,
-                Err(not_ready) => return Ok(Started::VolumeNotReady(not_ready)),
-            }
+            spec.disks = match super::disks::data_disks(agent, pod, disks).await {
+                Ok(disks) => disks,
+                Err(Unavailable::NotReady(not_ready)) => return Ok(Started::DisksNotReady(not_ready)),
+                Err(Unavailable::Refused(refusal)) => return Ok(Started::Refused(refusal)),
+                Err(Unavailable::Provider(e)) => return Err(e.into()),
+            };
             (provider.ensure_defined(&spec).await?, true, record)
         }
     };

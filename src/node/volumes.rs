@@ -1,6 +1,7 @@
 //! Data disks from PersistentVolumeClaims: the claim named by the VM's pod
 //! volume → the PersistentVolume bound to it → a directory on this host →
-//! the disk image `disk.img` in it.
+//! the disk image `disk.img` in it (raw: vmlet makes it so, and never reads
+//! a format from it). [`super::disks`] puts them in the VM's disk order.
 //!
 //! Every hop is checked against what a tenant cannot forge: the claim is read
 //! from the pod's namespace; the volume must name that very claim (its
@@ -10,7 +11,7 @@
 //! bound yet only waits.
 
 use crate::storage::check_host_file;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::{Api, Client, ResourceExt};
 use vmlet_provider::{DataDisk, DiskFormat};
 
@@ -60,43 +61,37 @@ impl NotReady {
     }
 }
 
-/// The data disks of `pod` (its PersistentVolumeClaim volumes, in order) on
-/// host `node`, whose storage roots are `roots` (`local`: vmlet sees the
-/// host's files).
-pub async fn data_disks(
+/// The data disk `disk` of a VM of `namespace` that claim `claim_name` holds,
+/// on host `node`, whose storage roots are `roots` (`local`: vmlet sees the
+/// host's files): the image in the claim's directory, raw. The caller made
+/// sure the claim is a volume of the VM's pod ([`super::disks`]).
+pub async fn claim_disk(
     client: &Client,
-    pod: &Pod,
+    namespace: &str,
+    disk: &str,
+    claim_name: &str,
     node: &str,
     roots: &[String],
     local: bool,
-) -> Result<Vec<DataDisk>, NotReady> {
-    let namespace = pod.namespace().unwrap_or_default();
-    let mut disks = Vec::new();
-    let pod_volumes = pod.spec.as_ref().and_then(|s| s.volumes.clone()).unwrap_or_default();
-    for volume in pod_volumes {
-        let Some(source) = volume.persistent_volume_claim else { continue };
-        let disk = volume.name;
-        let claim_name = source.claim_name;
-        let found = claim_directory(client, &namespace, &claim_name, node).await.map_err(|e| match e {
-            ClaimError::Waiting(why) => NotReady::Waiting { disk: disk.clone(), claim: claim_name.clone(), why },
-            ClaimError::Unusable(why) => NotReady::Unusable { disk: disk.clone(), why },
-            ClaimError::Kube { what, source } => NotReady::Kube { what, source },
-        })?;
-        let path = format!("{}/{DISK_IMAGE}", found.dir.trim_end_matches('/'));
-        if let Err(why) = check_host_file(roots, local, &path).await {
-            return Err(NotReady::Unusable {
-                disk,
-                why: format!(
-                    "PersistentVolume {}'s disk {path:?} {why}; host {node} keeps VM disks only under its storage \
-                     roots [{}]: make the volume's path a directory under one",
-                    found.volume,
-                    roots.join(", ")
-                ),
-            });
-        }
-        disks.push(DataDisk { name: disk, path, format: DiskFormat::Raw, create_bytes: found.capacity_bytes });
+) -> Result<DataDisk, NotReady> {
+    let found = claim_directory(client, namespace, claim_name, node).await.map_err(|e| match e {
+        ClaimError::Waiting(why) => NotReady::Waiting { disk: disk.to_owned(), claim: claim_name.to_owned(), why },
+        ClaimError::Unusable(why) => NotReady::Unusable { disk: disk.to_owned(), why },
+        ClaimError::Kube { what, source } => NotReady::Kube { what, source },
+    })?;
+    let path = format!("{}/{DISK_IMAGE}", found.dir.trim_end_matches('/'));
+    if let Err(why) = check_host_file(roots, local, &path).await {
+        return Err(NotReady::Unusable {
+            disk: disk.to_owned(),
+            why: format!(
+                "PersistentVolume {}'s disk {path:?} {why}; host {node} keeps VM disks only under its storage \
+                 roots [{}]: make the volume's path a directory under one",
+                found.volume,
+                roots.join(", ")
+            ),
+        });
     }
-    Ok(disks)
+    Ok(DataDisk { name: disk.to_owned(), path, format: DiskFormat::Raw, create_bytes: found.capacity_bytes })
 }
 
 /// A claim's directory on a host ([`claim_directory`]).

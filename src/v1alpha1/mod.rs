@@ -179,15 +179,24 @@ pub struct VirtualMachineSpec {
     pub cloud_init: Option<CloudInitSpec>,
 
     /// Data disks after the boot disk (`image`), in order (virtio `vdb`,
-    /// `vdc`, ...): each a PersistentVolumeClaim of this namespace, which
-    /// becomes a volume of the VM's pod, so the scheduler places the VM where
-    /// its volumes are (a local PersistentVolume's node affinity; a
-    /// StorageClass with `volumeBindingMode: WaitForFirstConsumer` binds the
-    /// claim there) and Kubernetes holds a claim's deletion while the VM's
-    /// pod uses it (`kubernetes.io/pvc-protection`). On libvirt the volume is
-    /// a directory on the host (a `local` or `hostPath` PersistentVolume under
-    /// the host's storage roots) and the disk is its `disk.img`, made (raw,
-    /// sparse, the claim's capacity) at the VM's first start. At most 16.
+    /// `vdc`, ...), each from exactly one source:
+    ///
+    /// - `persistentVolumeClaim`: a claim of this namespace, which becomes a
+    ///   volume of the VM's pod, so the scheduler places the VM where its
+    ///   volumes are (a local PersistentVolume's node affinity; a
+    ///   StorageClass with `volumeBindingMode: WaitForFirstConsumer` binds
+    ///   the claim there) and Kubernetes holds a claim's deletion while the
+    ///   VM's pod uses it (`kubernetes.io/pvc-protection`). On libvirt the
+    ///   volume is a directory on the host (a `local` or `hostPath`
+    ///   PersistentVolume under the host's storage roots) and the disk is its
+    ///   `disk.img`, made (raw, sparse, the claim's capacity) at the VM's
+    ///   first start.
+    /// - `hostImage`: an image file that already exists on the VM's host,
+    ///   under the host's storage roots (vmlet never makes one); its format
+    ///   (raw or qcow2) is read from the file. It is no pod volume: place the
+    ///   VM on a host that has the file (`nodeSelector`, `affinity`).
+    ///
+    /// Read when the VM is defined. At most 16.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     #[x_kube(validation = Rule::new("self.all(d, self.exists_one(e, e.name == d.name))")
@@ -195,16 +204,53 @@ pub struct VirtualMachineSpec {
     pub disks: Vec<VmDisk>,
 }
 
-/// One of [`VirtualMachineSpec::disks`].
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+/// One of [`VirtualMachineSpec::disks`]: a name and exactly one source.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(validation = Rule::new("has(self.persistentVolumeClaim) != has(self.hostImage)")
+    .message("spec.disks[]: name exactly one of persistentVolumeClaim and hostImage"))]
 pub struct VmDisk {
-    /// The disk's name: the pod volume's name and the disk's serial in the
-    /// guest (`/dev/disk/by-id/virtio-<name>`). A DNS label.
+    /// The disk's name: the disk's serial in the guest
+    /// (`/dev/disk/by-id/virtio-<name>`), and for a claim the pod volume's
+    /// name. A DNS label.
     #[schemars(length(min = 1, max = 20), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     pub name: String,
-    /// The claim that holds it.
-    pub persistent_volume_claim: ClaimSource,
+    /// The PersistentVolumeClaim that holds the disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimSource>,
+    /// An image file on the VM's host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_image: Option<HostImageSource>,
+}
+
+/// Where a [`VmDisk`] comes from ([`VmDisk::source`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskSource<'a> {
+    /// A PersistentVolumeClaim of the VM's namespace.
+    Claim(&'a ClaimSource),
+    /// An image file on the VM's host.
+    HostImage(&'a HostImageSource),
+}
+
+impl VmDisk {
+    /// The disk's one source. `None` when it names both or neither, which the
+    /// API server refuses (the CRD's rule): only an object that bypassed
+    /// admission gets here.
+    pub fn source(&self) -> Option<DiskSource<'_>> {
+        match (&self.persistent_volume_claim, &self.host_image) {
+            (Some(claim), None) => Some(DiskSource::Claim(claim)),
+            (None, Some(image)) => Some(DiskSource::HostImage(image)),
+            _ => None,
+        }
+    }
+
+    /// The path of the disk's host image, when it is one.
+    pub fn host_image_path(&self) -> Option<&str> {
+        match self.source() {
+            Some(DiskSource::HostImage(image)) => Some(&image.path),
+            _ => None,
+        }
+    }
 }
 
 /// A PersistentVolumeClaim of the VM's namespace.
@@ -214,6 +260,22 @@ pub struct ClaimSource {
     /// The claim's name.
     #[schemars(length(min = 1, max = 253))]
     pub claim_name: String,
+}
+
+/// An image file on the VM's host ([`VmDisk::host_image`]).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostImageSource {
+    /// Absolute path of the image on the host, e.g.
+    /// `/var/lib/libvirt/images/web-data.qcow2`, without control characters.
+    /// It must lie under the host's storage roots (with symbolic links
+    /// followed where vmlet sees the host's files), exist, and be a raw or
+    /// qcow2 image; a qcow2 image's backing files must lie under the roots
+    /// too. Otherwise the VM is not defined and its pod waits, naming this
+    /// field: `StorageNotAllowed` (outside the roots), `HostImageNotFound`,
+    /// `HostImageNotUsable`.
+    #[schemars(length(min = 1, max = 4096), regex(pattern = r"^/[^\x00-\x1f\x7f]*$"))]
+    pub path: String,
 }
 
 /// [`VirtualMachineSpec::cloud_init`].
@@ -618,5 +680,60 @@ impl VirtualMachine {
     /// Memory in bytes from `spec.resources.memory`. Errors name the field.
     pub fn memory_bytes(&self) -> Result<u64, crate::quantity::QuantityError> {
         crate::quantity::parse_bytes(&self.spec.resources.memory)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn disk(json: serde_json::Value) -> Result<VmDisk, serde_json::Error> {
+        serde_json::from_value(json)
+    }
+
+    #[test]
+    fn a_disk_is_a_claim_or_a_host_image() {
+        let claim = disk(serde_json::json!({"name": "data", "persistentVolumeClaim": {"claimName": "web-data"}}));
+        let claim = claim.unwrap();
+        assert_eq!(claim.source(), Some(DiskSource::Claim(&ClaimSource { claim_name: "web-data".into() })));
+        assert_eq!(claim.host_image_path(), None);
+        let image = disk(serde_json::json!({"name": "data", "hostImage": {"path": "/img/web-data.qcow2"}})).unwrap();
+        assert_eq!(image.host_image_path(), Some("/img/web-data.qcow2"));
+        assert_eq!(
+            serde_json::to_value(&image).unwrap(),
+            serde_json::json!({"name": "data", "hostImage": {"path": "/img/web-data.qcow2"}}),
+            "the other source is not written"
+        );
+    }
+
+    #[test]
+    fn a_disk_with_both_sources_or_none_has_no_source_and_unknown_fields_are_refused() {
+        // The API server refuses both (the CRD's rule); serde alone cannot.
+        let both = disk(serde_json::json!({"name": "data", "persistentVolumeClaim": {"claimName": "c"},
+                                           "hostImage": {"path": "/img/d.raw"}}));
+        assert_eq!(both.unwrap().source(), None);
+        assert_eq!(disk(serde_json::json!({"name": "data"})).unwrap().source(), None);
+        let typo = disk(serde_json::json!({"name": "data", "hostImage": {"path": "/img/d.raw", "format": "qcow2"}}));
+        assert!(typo.unwrap_err().to_string().contains("unknown field `format`"), "no format is taken from a VM");
+        let typo = disk(serde_json::json!({"name": "data", "hostPath": {"path": "/img/d.raw"}}));
+        assert!(typo.unwrap_err().to_string().contains("unknown field `hostPath`"));
+    }
+
+    #[test]
+    fn the_crd_requires_one_disk_source_and_checks_host_image_paths_as_kernel_paths() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(VirtualMachine::crd()).unwrap();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"];
+        let disk = &spec["disks"]["items"];
+        let rules = disk["x-kubernetes-validations"].as_array().expect("rules on a disk");
+        assert!(
+            rules.iter().any(|r| r["rule"] == "has(self.persistentVolumeClaim) != has(self.hostImage)"
+                && r["message"].as_str().unwrap().contains("persistentVolumeClaim and hostImage")),
+            "{rules:?}"
+        );
+        let path = &disk["properties"]["hostImage"]["properties"]["path"];
+        assert_eq!(path["pattern"], spec["kernelBoot"]["properties"]["kernel"]["pattern"], "absolute, no controls");
+        assert_eq!(path["pattern"], r"^/[^\x00-\x1f\x7f]*$");
+        assert_eq!(disk["properties"]["hostImage"]["required"], serde_json::json!(["path"]));
     }
 }
