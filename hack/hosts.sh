@@ -8,11 +8,14 @@
 #                          run; reuses running ones; waits until each answers and
 #                          a define works (up to $VMLET_HOSTS_WAIT s, default 60)
 #   hack/hosts.sh down     stop everything running in the hosts' namespaces (the
-#                          daemons and their guests), remove the namespaces, the
-#                          links, the bridge and the hosts' directories
-#   hack/hosts.sh uris     print `export VMLET_LIBVIRT_MIG_A_URI=...` and
-#                          `..._MIG_B_URI=...` (for eval)
-#   hack/hosts.sh status   one line per host; exit 1 unless both answer
+#                          daemons and their guests) and in the guest LAN's (its
+#                          dnsmasq), remove the namespaces, the links, the bridges
+#                          and the hosts' directories
+#   hack/hosts.sh uris     print `export VMLET_LIBVIRT_MIG_A_URI=...`,
+#                          `..._MIG_B_URI=...` and the guest LAN's
+#                          VMLET_MIG_LAN_{BRIDGE,PROBE,GATEWAY} (for eval)
+#   hack/hosts.sh status   one line per host and one for the guest LAN; exit 1
+#                          unless both answer and the LAN is complete
 #
 # Network: a bridge vmlet-mig0 in the root namespace with 10.237.0.1/24, and per
 # host a veth pair from the bridge into the host's namespace (netns vmlet-mig-a
@@ -22,6 +25,18 @@
 # namespace, where vmlet and the tests run, and from the other host, which
 # peer-to-peer migration needs. Each qemu.conf sets migration_host and
 # migration_address to the host's own address.
+#
+# Guest LAN: one layer-2 segment that guests of both hosts share, apart from the
+# migration link above. A harness namespace vmlet-mig-lan holds a bridge lan0
+# with 10.240.0.1/24 and a dnsmasq (DHCP only: 10.240.0.100-199, no router, no
+# DNS, bound to lan0; pid, lease and log files in $VMLET_HOSTS_DIR/mig-lan/).
+# Per host a veth pair runs from lan0 (port mig-a / mig-b) into the host's
+# namespace, where its end (lan-uplink) is a port of the bridge vmlan0 (up, no
+# address; IPv6 off on both, so the host itself is not on that segment). Guests
+# join with <interface type='bridge'><source bridge='vmlan0'/>, get leases from
+# that dnsmasq and reach each other; tests reach them from the namespace
+# (`ip netns exec vmlet-mig-lan ...`). Nothing there is routed anywhere, and a
+# guest that migrates keeps its address: both hosts' vmlan0 are the same LAN.
 #
 # Private to each host (mount namespace; bind mounts of directories under
 # $VMLET_HOSTS_DIR/<host>, default /var/lib/vmlet/hosts/<host>): /etc/libvirt
@@ -53,6 +68,15 @@ BRIDGE_ADDR=$PREFIX.1
 HOSTS=(mig-a mig-b)
 declare -A ADDRESS=([mig-a]=$PREFIX.11 [mig-b]=$PREFIX.12)
 declare -A HOST_UUID=([mig-a]=7a3c5e10-9b2d-4f61-8e0a-1c2d3e4f5a01 [mig-b]=7a3c5e10-9b2d-4f61-8e0a-1c2d3e4f5a02)
+# The guest LAN (see above); interface names stay within 15 characters.
+LAN_NS=vmlet-mig-lan
+LAN_BRIDGE=lan0
+LAN_GATEWAY=10.240.0.1
+LAN_DHCP_START=10.240.0.100
+LAN_DHCP_END=10.240.0.199
+HOST_LAN_BRIDGE=vmlan0
+HOST_LAN_UPLINK=lan-uplink
+LAN_DIR=$DIR/mig-lan
 # Where QEMU writes guest consoles for vmlet's domains (see xml.rs); shared by both
 # hosts, and created by vmlet only for a local URI.
 CONSOLE_LOG_DIR=/var/log/vmlet/console
@@ -71,7 +95,7 @@ need_root() { [[ $(id -u) == 0 ]] || die "must run as root (namespaces, mounts, 
 
 need_tools() {
   local tool missing=()
-  for tool in ip unshare mount libvirtd virtlogd virsh qemu-system-x86_64; do
+  for tool in ip unshare mount sysctl libvirtd virtlogd virsh qemu-system-x86_64 dnsmasq; do
     command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
   done
   ((${#missing[@]} == 0)) || die "missing ${missing[*]}: run hack/deps.sh (as root)"
@@ -131,6 +155,125 @@ down_network() {
     k ip link delete "$BRIDGE"
     log "bridge $BRIDGE removed"
   fi
+}
+
+# --- guest LAN -----------------------------------------------------------------------
+
+has_link() { k ip -n "$1" link show "$2" >/dev/null 2>&1; }
+
+# no_ipv6 <netns> <link>: no link-local address either, so the link's owner
+# (a host's namespace) stays off the guests' segment.
+no_ipv6() { k ip netns exec "$1" sysctl -q -w "net.ipv6.conf.$2.disable_ipv6=1" >/dev/null 2>&1 || true; }
+
+up_lan() {
+  local host ns
+  has_netns "$LAN_NS" || { k ip netns add "$LAN_NS"; log "namespace $LAN_NS created"; }
+  k ip -n "$LAN_NS" link set lo up
+  if ! has_link "$LAN_NS" "$LAN_BRIDGE"; then
+    k ip -n "$LAN_NS" link add "$LAN_BRIDGE" type bridge
+    log "bridge $LAN_BRIDGE created in $LAN_NS"
+  fi
+  has_address "$LAN_NS" "$LAN_BRIDGE" "$LAN_GATEWAY" || k ip -n "$LAN_NS" addr add "$LAN_GATEWAY/24" dev "$LAN_BRIDGE"
+  k ip -n "$LAN_NS" link set "$LAN_BRIDGE" up
+  for host in "${HOSTS[@]}"; do
+    ns=$(netns "$host")
+    if ! has_link "$ns" "$HOST_LAN_BRIDGE"; then
+      k ip -n "$ns" link add "$HOST_LAN_BRIDGE" type bridge
+      log "$host: bridge $HOST_LAN_BRIDGE created in $ns"
+    fi
+    no_ipv6 "$ns" "$HOST_LAN_BRIDGE"
+    k ip -n "$ns" link set "$HOST_LAN_BRIDGE" up
+    # Half a pair (the other namespace was recreated) is useless: start afresh.
+    if has_link "$LAN_NS" "$host" && ! has_link "$ns" "$HOST_LAN_UPLINK"; then
+      k ip -n "$LAN_NS" link delete "$host"
+    fi
+    if has_link "$ns" "$HOST_LAN_UPLINK" && ! has_link "$LAN_NS" "$host"; then
+      k ip -n "$ns" link delete "$HOST_LAN_UPLINK"
+    fi
+    if ! has_link "$LAN_NS" "$host"; then
+      # The host's end is called lan-uplink inside its namespace.
+      k ip -n "$LAN_NS" link add "$host" type veth peer name "$HOST_LAN_UPLINK" netns "$ns"
+      log "$host: veth $host (port of $LAN_BRIDGE in $LAN_NS) <-> $HOST_LAN_UPLINK (port of $HOST_LAN_BRIDGE in $ns)"
+    fi
+    no_ipv6 "$ns" "$HOST_LAN_UPLINK"
+    k ip -n "$LAN_NS" link set "$host" master "$LAN_BRIDGE" up
+    k ip -n "$ns" link set "$HOST_LAN_UPLINK" master "$HOST_LAN_BRIDGE" up
+  done
+  start_dnsmasq
+}
+
+# start_dnsmasq: Debian's dnsmasq in the LAN's namespace, DHCP only, unless it
+# runs already. It forks into a session of its own once it is up, so the
+# timeout never reaches the daemon.
+start_dnsmasq() {
+  mkdir -p "$LAN_DIR"
+  if pid_alive "$LAN_DIR/dnsmasq.pid" dnsmasq; then
+    log "dnsmasq (pid $(<"$LAN_DIR/dnsmasq.pid")) already serving $LAN_NS"
+    return 0
+  fi
+  rm -f "$LAN_DIR/dnsmasq.pid"
+  touch "$LAN_DIR/dnsmasq.leases"
+  # --conf-file=/dev/null: no /etc/dnsmasq.conf; --port=0: no DNS at all;
+  # --dhcp-option=3: no router.
+  k ip netns exec "$LAN_NS" dnsmasq \
+    --conf-file=/dev/null \
+    --port=0 \
+    --interface="$LAN_BRIDGE" --except-interface=lo --bind-interfaces \
+    --dhcp-range="$LAN_DHCP_START,$LAN_DHCP_END,255.255.255.0,1h" \
+    --dhcp-option=3 \
+    --dhcp-authoritative \
+    --dhcp-leasefile="$LAN_DIR/dnsmasq.leases" \
+    --pid-file="$LAN_DIR/dnsmasq.pid" \
+    --log-facility="$LAN_DIR/dnsmasq.log" --log-dhcp
+  log "dnsmasq (pid $(<"$LAN_DIR/dnsmasq.pid")) serving DHCP on $LAN_BRIDGE in $LAN_NS; log $LAN_DIR/dnsmasq.log"
+}
+
+down_lan() {
+  stop_pid "$LAN_DIR/dnsmasq.pid" dnsmasq
+  # Anything else left in the namespace (a test's shell) keeps it alive.
+  stop_host mig-lan
+  if has_netns "$LAN_NS"; then
+    # Deleting it deletes lan0 and the ports, and with them their peers.
+    k ip netns delete "$LAN_NS"
+    log "namespace $LAN_NS removed"
+  fi
+  if [[ -d $LAN_DIR ]]; then
+    rm -f -- "$LAN_DIR/dnsmasq.pid" "$LAN_DIR/dnsmasq.leases" "$LAN_DIR/dnsmasq.log"
+    rmdir -- "$LAN_DIR" 2>/dev/null || log "$LAN_DIR not empty; left in place"
+  fi
+}
+
+lan_status() {
+  local host ns state="" ok=0 pid
+  if has_netns "$LAN_NS"; then
+    if has_address "$LAN_NS" "$LAN_BRIDGE" "$LAN_GATEWAY" 2>/dev/null; then
+      state="bridge $LAN_BRIDGE $LAN_GATEWAY/24"
+    else
+      state="no bridge $LAN_BRIDGE with $LAN_GATEWAY/24"
+      ok=1
+    fi
+    if pid_alive "$LAN_DIR/dnsmasq.pid" dnsmasq; then
+      pid=$(<"$LAN_DIR/dnsmasq.pid")
+      state+=", dnsmasq pid $pid, $(grep -c . "$LAN_DIR/dnsmasq.leases" 2>/dev/null || true) lease(s)"
+    else
+      state+=", no dnsmasq"
+      ok=1
+    fi
+    for host in "${HOSTS[@]}"; do
+      ns=$(netns "$host")
+      if has_netns "$ns" && has_link "$ns" "$HOST_LAN_BRIDGE" && has_link "$LAN_NS" "$host"; then
+        state+=", $host: $HOST_LAN_BRIDGE"
+      else
+        state+=", $host: not joined"
+        ok=1
+      fi
+    done
+  else
+    state="no namespace"
+    ok=1
+  fi
+  echo "guest LAN $LAN_NS: $state"
+  return "$ok"
 }
 
 # --- daemons ---------------------------------------------------------------------------
@@ -218,6 +361,7 @@ up() {
   prepare_host
   mkdir -p "$DIR" "$CONSOLE_LOG_DIR"
   up_network
+  up_lan
   local host dir
   for host in "${HOSTS[@]}"; do
     dir=$(host_dir "$host")
@@ -243,6 +387,7 @@ down() {
   for host in "${HOSTS[@]}"; do
     stop_host "$host"
   done
+  down_lan
   down_network
   for host in "${HOSTS[@]}"; do
     dir=$(host_dir "$host")
@@ -261,6 +406,9 @@ uris() {
   for host in "${HOSTS[@]}"; do
     echo "export $(env_name "$host")=$(uri "$host")"
   done
+  echo "export VMLET_MIG_LAN_BRIDGE=$HOST_LAN_BRIDGE"
+  echo "export VMLET_MIG_LAN_PROBE=$LAN_NS"
+  echo "export VMLET_MIG_LAN_GATEWAY=$LAN_GATEWAY"
 }
 
 status() {
@@ -276,6 +424,7 @@ status() {
     pid_alive "$dir/libvirtd.pid" libvirtd && state+=", libvirtd pid $(<"$dir/libvirtd.pid")"
     echo "$host $(uri "$host") $state"
   done
+  lan_status || ok=1
   return "$ok"
 }
 
