@@ -12,7 +12,10 @@
 # root only, else those tests skip), the real Nova API behind Keystone for the
 # OpenStack provider's tests (hack/nova.sh up: a Python venv cached in
 # ~/.cache/vmlet, ~3 min to install once, ~30 s to start), exports
-# VMLET_LIBVIRT_QEMU_URI, VMLET_LIBVIRT_MIG_A_URI, VMLET_LIBVIRT_MIG_B_URI and
+# VMLET_LIBVIRT_QEMU_URI, VMLET_LIBVIRT_MIG_A_URI, VMLET_LIBVIRT_MIG_B_URI, the
+# test networks' VMLET_LIBVIRT_QEMU_NETWORK{,_PROBE,_GATEWAY} (the isolated
+# libvirt network vmlet-lan on qemu:///system; as root) and
+# VMLET_MIG_LAN_{BRIDGE,PROBE,GATEWAY} (the guest LAN of mig-a and mig-b), and
 # the harness's OS_* / VMLET_NOVA_* variables, then runs
 # `cargo test --workspace --no-fail-fast "$@"`. All stay running afterwards so
 # the next run is fast, except with CI=true, where they are stopped on exit.
@@ -39,11 +42,14 @@ hack/deps.sh
 hack/cluster.sh up
 eval "$(hack/cluster.sh env)" # KUBECONFIG, PATH (kubectl), VMLET_CLUSTER_LOGS
 hack/libvirtd.sh up
-VMLET_LIBVIRT_QEMU_URI=$(hack/libvirtd.sh uri)
-export VMLET_LIBVIRT_QEMU_URI
+# VMLET_LIBVIRT_QEMU_URI and, where `up` made it (as root), the test network:
+# VMLET_LIBVIRT_QEMU_NETWORK, VMLET_LIBVIRT_QEMU_NETWORK_PROBE, VMLET_LIBVIRT_QEMU_NETWORK_GATEWAY
+eval "$(hack/libvirtd.sh env)"
 if [[ $(id -u) == 0 ]]; then
   hack/hosts.sh up
-  eval "$(hack/hosts.sh uris)" # VMLET_LIBVIRT_MIG_A_URI, VMLET_LIBVIRT_MIG_B_URI
+  # VMLET_LIBVIRT_MIG_A_URI, VMLET_LIBVIRT_MIG_B_URI,
+  # VMLET_MIG_LAN_BRIDGE, VMLET_MIG_LAN_PROBE, VMLET_MIG_LAN_GATEWAY
+  eval "$(hack/hosts.sh uris)"
 else
   log "not root: the two libvirt hosts (hack/hosts.sh) need root; the migration and resize tests skip"
 fi
