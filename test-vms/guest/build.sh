@@ -23,16 +23,30 @@
 # Boot it under QEMU software emulation (libvirt <domain type='qemu'>) with
 # <kernel>vmlinuz</kernel>, <initrd>initrd.img</initrd>, the command line from
 # `cmdline`, a pty serial console, a virtio-serial channel named
-# org.qemu.guest_agent.0 and user-mode networking. The console then shows
+# org.qemu.guest_agent.0 and a virtio NIC on a network with DHCP (the test
+# harness's: libvirt network vmlet-lan from hack/libvirtd.sh, or bridge vmlan0 on
+# hack/hosts.sh's hosts). The console then shows
 #
 #   vmlet-guest: modules loaded
 #   vmlet-guest: no cloud-init seed      (or: vmlet-guest: cloud-init seed <instance-id> hostname <name>)
 #   vmlet-guest: qemu-ga on /dev/vport1p1
-#   vmlet-guest: eth0 10.0.2.15          (or: vmlet-guest: no DHCP lease on eth0)
+#   vmlet-guest: eth0 10.239.0.123       (or: vmlet-guest: no DHCP lease on eth0 yet; udhcpc keeps trying)
 #   vmlet-guest: user-data exited 0      (only with a seed whose user-data is a #! script)
 #   vmlet-guest: booted
 #
 # followed by a root shell (`vmlet-guest# `) that restarts when it exits.
+#
+# DHCP: busybox udhcpc keeps running (restarted if it exits) and sends the
+# guest's hostname. Init waits for the first lease about as long as a single
+# 3-try attempt takes (~3 s), then boots on; without a lease udhcpc keeps
+# asking, and it renews the lease. Each new address prints `vmlet-guest: eth0
+# <ip>` again on the console (a renewal of the same address prints nothing).
+# Only the address and, if the server sends one, a default route are set.
+#
+# For tests on the network, busybox's applets are all linked in /bin, among
+# them httpd, nc and wget (the build fails if one of those is missing), and
+# /www/index.html holds the guest's hostname: `httpd -p 8080 -h /www` (started
+# through the guest agent's guest-exec, or on the console) serves it.
 #
 # cloud-init, in miniature: the guest reads a NoCloud seed
 # (https://cloudinit.readthedocs.io/en/latest/reference/datasources/nocloud.html),
@@ -152,8 +166,13 @@ mkdir -p "$ROOT"/{bin,sbin,dev,proc,sys,run,tmp,etc,root,var/log,usr/share/udhcp
 ln -s ../run "$ROOT/var/run"
 chmod 1777 "$ROOT/tmp"
 cp "$BUSYBOX" "$ROOT/bin/busybox"
-for applet in $("$BUSYBOX" --list); do
+APPLETS=$("$BUSYBOX" --list)
+for applet in $APPLETS; do
   [[ $applet == busybox ]] || ln -sf busybox "$ROOT/bin/$applet"
+done
+# What /init and the network tests use.
+for applet in udhcpc ip httpd nc wget setsid cttyhack acpid findfs; do
+  grep -qx "$applet" <<<"$APPLETS" || die "busybox-static ${VERSION[busybox-static]} has no $applet applet"
 done
 
 # Modules: depmod over the unpacked tree, then each wanted module after its
@@ -224,16 +243,26 @@ ln -sf /lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 "$ROOT/lib64/ld-linux-x86-64.s
 
 cat >"$ROOT/usr/share/udhcpc/default.script" <<'EOF'
 #!/bin/sh
-# busybox udhcpc hook: configure the leased address, route and resolver.
+# busybox udhcpc hook: configure the leased address, route and resolver. The
+# address in use is kept in /run/udhcpc.<interface> (init waits for it); a
+# renewal of the same address leaves the interface alone, so connections stay.
+state=/run/udhcpc.$interface
 case "$1" in
-  deconfig) ip addr flush dev "$interface"; ip link set "$interface" up ;;
+  deconfig)
+    ip -4 addr flush dev "$interface"
+    ip link set "$interface" up
+    rm -f "$state"
+    ;;
   bound|renew)
-    ip addr flush dev "$interface"
-    ip addr add "$ip/${mask:-24}" dev "$interface"
-    for r in $router; do ip route add default via "$r" dev "$interface"; break; done
+    if [ "$(cat "$state" 2>/dev/null)" != "$ip/${mask:-24}" ]; then
+      ip -4 addr flush dev "$interface"
+      ip addr add "$ip/${mask:-24}" dev "$interface"
+      for r in $router; do ip route add default via "$r" dev "$interface"; break; done
+      echo "vmlet-guest: $interface $ip"
+      echo "$ip/${mask:-24}" >"$state"
+    fi
     : >/etc/resolv.conf
     for d in $dns; do echo "nameserver $d" >>/etc/resolv.conf; done
-    echo "vmlet-guest: $interface $ip"
     ;;
 esac
 exit 0
@@ -331,10 +360,27 @@ else
   echo "vmlet-guest: no input devices; the power button is ignored"
 fi
 
+# What `httpd -p <port> -h /www` serves: the guest's name.
+mkdir -p /www
+hostname >/www/index.html
+
 ip link set lo up
 if ip link show eth0 >/dev/null 2>&1; then
-  udhcpc -i eth0 -n -q -t 3 -T 1 -s /usr/share/udhcpc/default.script 2>/dev/null ||
-    echo "vmlet-guest: no DHCP lease on eth0"
+  # udhcpc in the foreground of a background loop: it asks until it has a lease
+  # (3 discovers 1 s apart, then 3 s pause, again), renews it, and is started
+  # again if it exits. Its hook prints `vmlet-guest: eth0 <ip>` for each new
+  # address and records it in /run/udhcpc.eth0.
+  (while :; do
+    udhcpc -f -i eth0 -t 3 -T 1 -A 3 -x "hostname:$(hostname)" -s /usr/share/udhcpc/default.script 2>/dev/null
+    sleep 1
+  done) &
+  # Boot on after about as long as a single 3-try attempt took (~3 s).
+  i=0
+  while [ ! -s /run/udhcpc.eth0 ] && [ $i -lt 35 ]; do
+    sleep 0.1
+    i=$((i + 1))
+  done
+  [ -s /run/udhcpc.eth0 ] || echo "vmlet-guest: no DHCP lease on eth0 yet; udhcpc keeps trying"
 else
   echo "vmlet-guest: no eth0"
 fi
