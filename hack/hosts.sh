@@ -214,10 +214,13 @@ start_dnsmasq() {
   rm -f "$LAN_DIR/dnsmasq.pid"
   touch "$LAN_DIR/dnsmasq.leases"
   # --conf-file=/dev/null: no /etc/dnsmasq.conf; --port=0: no DNS at all;
-  # --dhcp-option=3: no router.
+  # --dhcp-option=3: no router; --no-ping: offer a new address at once (by
+  # default dnsmasq first pings it and waits ~3 s, so a guest's first lease
+  # would miss its boot-time wait).
   k ip netns exec "$LAN_NS" dnsmasq \
     --conf-file=/dev/null \
     --port=0 \
+    --no-ping \
     --interface="$LAN_BRIDGE" --except-interface=lo --bind-interfaces \
     --dhcp-range="$LAN_DHCP_START,$LAN_DHCP_END,255.255.255.0,1h" \
     --dhcp-option=3 \

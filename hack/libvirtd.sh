@@ -26,7 +26,8 @@
 # host answers guests at 10.239.0.1 (DHCP, and whatever listens on 0.0.0.0);
 # its 127.0.0.1 is not reachable from there (the kernel drops packets for
 # 127.0.0.0/8 that arrive on another interface). libvirt 9.0 needs dnsmasq-base
-# and iptables to start any network (hack/deps.sh). `up` re-adds the probe
+# and iptables to start any network (hack/deps.sh). Its dnsmasq runs with
+# no-ping, so a new guest's first lease comes at once. `up` re-adds the probe
 # port to the bridge each time (libvirt recreates the bridge when the network
 # restarts).
 #
@@ -120,9 +121,12 @@ lan_defined() { v net-info "$LAN" >/dev/null 2>&1; }
 lan_active() { local names; names=$(v net-list --name) && [[ $'\n'$names$'\n' == *$'\n'"$LAN"$'\n'* ]]; }
 has_netns() { [[ -e /run/netns/$1 ]]; }
 
+# no-ping (libvirt's dnsmasq namespace): dnsmasq offers a new address at once
+# instead of pinging it first and waiting ~3 s, which made a guest's first
+# lease miss its boot-time wait.
 lan_xml() {
   cat <<XML
-<network>
+<network xmlns:dnsmasq='http://libvirt.org/schemas/network/dnsmasq/1.0'>
   <name>$LAN</name>
   <bridge name='$LAN_BRIDGE' stp='off' delay='0'/>
   <dns enable='no'/>
@@ -131,6 +135,9 @@ lan_xml() {
       <range start='$LAN_DHCP_START' end='$LAN_DHCP_END'/>
     </dhcp>
   </ip>
+  <dnsmasq:options>
+    <dnsmasq:option value='no-ping'/>
+  </dnsmasq:options>
 </network>
 XML
 }
