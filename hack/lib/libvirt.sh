@@ -3,13 +3,19 @@
 # lacks before libvirtd starts, and small process helpers. Source it; the caller
 # defines `log`.
 
-# pid_alive <pid file> <process name>: the pid in the file runs that program.
+# pid_alive <pid file> <process name>: the pid in the file runs that program
+# (a zombie does not count: a daemon that exited may wait a while for pid 1 to
+# reap it).
 pid_alive() {
-  local file=$1 name=$2 pid
+  local file=$1 name=$2 pid stat
   [[ -s $file ]] || return 1
   pid=$(<"$file")
   [[ $pid =~ ^[0-9]+$ ]] || return 1
-  [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]]
+  [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]] || return 1
+  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  # The state follows the command, which is in parentheses.
+  stat=${stat##*) }
+  [[ ${stat:0:1} != Z ]]
 }
 
 # stop_pid <pid file> <process name>: SIGTERM the process if the file names a
