@@ -46,7 +46,9 @@
 # For tests on the network, busybox's applets are all linked in /bin, among
 # them httpd, nc and wget (the build fails if one of those is missing), and
 # /www/index.html holds the guest's hostname: `httpd -p 8080 -h /www` (started
-# through the guest agent's guest-exec, or on the console) serves it.
+# through the guest agent's guest-exec, or on the console; it daemonizes)
+# serves it. Debian 12's busybox 1.35 wget dies of SIGSEGV with -T: bound a
+# request with `nc -w <seconds>` (or `timeout`) instead.
 #
 # cloud-init, in miniature: the guest reads a NoCloud seed
 # (https://cloudinit.readthedocs.io/en/latest/reference/datasources/nocloud.html),
