@@ -28,8 +28,9 @@
 #
 # Guest LAN: one layer-2 segment that guests of both hosts share, apart from the
 # migration link above. A harness namespace vmlet-mig-lan holds a bridge lan0
-# with 10.240.0.1/24 and a dnsmasq (DHCP only: 10.240.0.100-199, no router, no
-# DNS, bound to lan0; pid, lease and log files in $VMLET_HOSTS_DIR/mig-lan/).
+# with 10.240.0.1/24 and a dnsmasq (DHCP only: 10.240.0.100-199, 10-minute
+# leases, no router, no DNS, bound to lan0; pid, lease and log files in
+# $VMLET_HOSTS_DIR/mig-lan/).
 # Per host a veth pair runs from lan0 (port mig-a / mig-b) into the host's
 # namespace, where its end (lan-uplink) is a port of the bridge vmlan0 (up, no
 # address; IPv6 off on both, so the host itself is not on that segment). Guests
@@ -222,7 +223,7 @@ start_dnsmasq() {
     --port=0 \
     --no-ping \
     --interface="$LAN_BRIDGE" --except-interface=lo --bind-interfaces \
-    --dhcp-range="$LAN_DHCP_START,$LAN_DHCP_END,255.255.255.0,1h" \
+    --dhcp-range="$LAN_DHCP_START,$LAN_DHCP_END,255.255.255.0,10m" \
     --dhcp-option=3 \
     --dhcp-authoritative \
     --dhcp-leasefile="$LAN_DIR/dnsmasq.leases" \

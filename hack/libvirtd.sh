@@ -27,7 +27,9 @@
 # its 127.0.0.1 is not reachable from there (the kernel drops packets for
 # 127.0.0.0/8 that arrive on another interface). libvirt 9.0 needs dnsmasq-base
 # and iptables to start any network (hack/deps.sh). Its dnsmasq runs with
-# no-ping, so a new guest's first lease comes at once. `up` re-adds the probe
+# no-ping, so a new guest's first lease comes at once, and leases last 10
+# minutes (each test guest has a new MAC; 100 addresses must not run out
+# behind the leases of guests long gone). `up` re-adds the probe
 # port to the bridge each time (libvirt recreates the bridge when the network
 # restarts).
 #
@@ -132,7 +134,9 @@ lan_xml() {
   <dns enable='no'/>
   <ip address='$LAN_GATEWAY' netmask='255.255.255.0'>
     <dhcp>
-      <range start='$LAN_DHCP_START' end='$LAN_DHCP_END'/>
+      <range start='$LAN_DHCP_START' end='$LAN_DHCP_END'>
+        <lease expiry='10' unit='minutes'/>
+      </range>
     </dhcp>
   </ip>
   <dnsmasq:options>
