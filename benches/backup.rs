@@ -254,6 +254,7 @@ async fn main() {
         options: Default::default(),
         cloud_init: None,
         disks: vec![],
+        networks: vec![],
         id: VmId(format!("00000000-0000-4000-8000-{:012x}", nanos & 0xffff_ffff_ffff)),
         namespace: NAMESPACE.into(),
         name,

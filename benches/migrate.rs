@@ -67,6 +67,7 @@ fn bare_spec(guest: &Path, round: usize) -> VmSpec {
         options: Default::default(),
         cloud_init: None,
         disks: vec![],
+        networks: vec![],
         id: VmId(format!("00000000-0000-4000-8000-{:012x}", nanos & 0xffff_ffff_ffff)),
         namespace: "vmlet-bench".into(),
         name: format!("bare-migrate-{round}-{}", std::process::id()),

@@ -154,6 +154,7 @@ impl CloudHostsConfig {
             backup_roots: Some(vec![]),
             migration_uri: None,
             allow_unsafe_migration: false,
+            networks: vec![],
         };
         config.validate_one().map_err(|(field, message)| ConfigError::Invalid {
             field: format!("clouds: compute host {host:?}: {field}"),

@@ -174,6 +174,86 @@ pub struct HostConfig {
     /// hosts see at the same path on storage they really share. Default false.
     #[serde(default)]
     pub allow_unsafe_migration: bool,
+    /// The networks VMs on this host may join, in order: a VM's
+    /// `spec.networks[].name` must be one of these offered to its namespace,
+    /// and a VM that names none gets the first. Absent or `[]`: VMs get no
+    /// network interface. QEMU's user-mode network is never offered (it hands
+    /// the guest the host's loopback).
+    #[serde(default)]
+    pub networks: Vec<NetworkConfig>,
+}
+
+/// A network a host offers VMs ([`HostConfig::networks`]): a name and
+/// exactly one of `network`, `bridge` and `macvtap`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// The name VMs give in `spec.networks[].name`: a DNS label, unique per
+    /// host. Hosts that VMs migrate between must offer each name with the
+    /// same meaning (a migrated domain keeps its interfaces).
+    pub name: String,
+    /// A libvirt network of the host by name (`virsh net-list`): NAT, routed
+    /// or isolated, with libvirt's DHCP when it has a DHCP range.
+    #[serde(default)]
+    pub network: Option<String>,
+    /// A bridge device on the host (e.g. `br0`).
+    #[serde(default)]
+    pub bridge: Option<String>,
+    /// A host device for macvtap in bridge mode (e.g. `eth1`); guests on it
+    /// cannot reach the host itself.
+    #[serde(default)]
+    pub macvtap: Option<String>,
+    /// The namespaces whose VMs may join it; absent: every namespace.
+    #[serde(default)]
+    pub namespaces: Option<Vec<String>>,
+    /// Refused: QEMU's user-mode network (slirp) hands every guest the host's
+    /// loopback at 10.0.2.2, and libvirt 9 offers no way to close it. Kept as
+    /// a field only to say so clearly.
+    #[serde(default)]
+    pub user: Option<serde_json::Value>,
+}
+
+impl NetworkConfig {
+    /// Check one network: `(field, message)` relative to the network.
+    fn validate(&self) -> Result<(), (String, String)> {
+        let invalid = |field: &str, message: String| Err((field.to_owned(), message));
+        if let Err(why) = check_dns_label(&self.name) {
+            return invalid("name", format!("{:?} {why}", self.name));
+        }
+        if self.user.is_some() {
+            return invalid(
+                "user",
+                "QEMU's user-mode network is not offered: it hands every guest the host's loopback \
+                 (10.0.2.2 is the host's 127.0.0.1, so etcd, the kubelet API and anything else bound there \
+                 would be open to tenants); offer an isolated or NAT libvirt network (network: <name>) instead"
+                    .into(),
+            );
+        }
+        let sources = [("network", &self.network), ("bridge", &self.bridge), ("macvtap", &self.macvtap)];
+        let given: Vec<_> = sources.iter().filter(|(_, value)| value.is_some()).collect();
+        if given.len() != 1 {
+            return invalid(
+                "network",
+                "give exactly one of network (a libvirt network), bridge (a host bridge) and macvtap (a host device)"
+                    .into(),
+            );
+        }
+        let (field, value) = given[0];
+        let value = value.as_deref().unwrap_or_default();
+        if value.is_empty()
+            || value.len() > 255
+            || value.contains(['/', '\'', '"', '<', '>', '&'])
+            || value.trim() != value
+        {
+            return invalid(field, format!("{value:?} is not a {field} name"));
+        }
+        for (j, namespace) in self.namespaces.iter().flatten().enumerate() {
+            if let Err(why) = check_dns_label(namespace) {
+                return invalid(&format!("namespaces[{j}]"), format!("{namespace:?} {why}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// [`HostConfig::accelerator`].
@@ -375,6 +455,14 @@ impl HostConfig {
                 return invalid(&format!("backupRoots[{j}]"), format!("{root:?} {why}"));
             }
         }
+        for (j, network) in self.networks.iter().enumerate() {
+            if let Err((field, message)) = network.validate() {
+                return invalid(&format!("networks[{j}].{field}"), message);
+            }
+            if self.networks[..j].iter().any(|earlier| earlier.name == network.name) {
+                return invalid(&format!("networks[{j}].name"), format!("{:?} is offered twice", network.name));
+            }
+        }
         for (j, taint) in self.effective_taints().iter().enumerate() {
             if !matches!(taint.effect.as_str(), "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
                 return invalid(
@@ -426,6 +514,16 @@ fn check_label(key: &str, value: &str) -> Result<(), String> {
         return Err(format!("{value:?} is not a label value: up to 63 of letters, digits, '-', '_', '.'"));
     }
     Ok(())
+}
+
+/// Check a DNS-1123 label (what Kubernetes requires of namespace names).
+fn check_dns_label(name: &str) -> Result<(), &'static str> {
+    if name.len() > 63 || name.contains('.') {
+        return Err("is not a DNS label: at most 63 lowercase letters, digits and '-', no '.'");
+    }
+    check_subdomain(name).map_err(|_| {
+        "is not a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit"
+    })
 }
 
 /// Check a DNS-1123 subdomain (what Kubernetes requires of node names).
@@ -504,6 +602,41 @@ mod tests {
         );
         assert!(e.starts_with("hosts[0].taints[0].effect:"), "{e}");
         assert!(error_of("hosts: []").starts_with("hosts:"));
+    }
+
+    #[test]
+    fn networks_name_exactly_one_source_and_never_user_mode() {
+        let host = |networks: &str| {
+            format!("hosts: [{{name: a, provider: libvirt, uri: 'qemu:///system', networks: {networks}}}]")
+        };
+        let config = Config::from_yaml(
+            &host("[{name: lan, network: vmlet-lan, namespaces: [team-a]}, {name: dmz, bridge: br0}, {name: edge, macvtap: eth1}]"),
+            PROVIDERS,
+        )
+        .unwrap();
+        let networks = &config.hosts[0].networks;
+        assert_eq!(networks.len(), 3);
+        assert_eq!(
+            (networks[0].network.as_deref(), networks[0].namespaces.as_deref()),
+            (Some("vmlet-lan"), Some(&["team-a".to_owned()][..]))
+        );
+        assert_eq!(networks[1].bridge.as_deref(), Some("br0"));
+        assert_eq!(networks[2].macvtap.as_deref(), Some("eth1"));
+        let refusal = |networks: &str| Config::from_yaml(&host(networks), PROVIDERS).unwrap_err().to_string();
+        let user = refusal("[{name: lan, user: {}}]");
+        assert!(user.contains("networks[0].user") && user.contains("loopback"), "{user}");
+        let two = refusal("[{name: lan, network: a, bridge: b}]");
+        assert!(two.contains("networks[0].network") && two.contains("exactly one"), "{two}");
+        let none = refusal("[{name: lan}]");
+        assert!(none.contains("exactly one"), "{none}");
+        let twice = refusal("[{name: lan, network: a}, {name: lan, bridge: b}]");
+        assert!(twice.contains("networks[1].name") && twice.contains("offered twice"), "{twice}");
+        let bad_name = refusal("[{name: Lan, network: a}]");
+        assert!(bad_name.contains("networks[0].name"), "{bad_name}");
+        let bad_source = refusal("[{name: lan, bridge: \"br'0\"}]");
+        assert!(bad_source.contains("networks[0].bridge"), "{bad_source}");
+        let bad_namespace = refusal("[{name: lan, network: a, namespaces: [team_a]}]");
+        assert!(bad_namespace.contains("networks[0].namespaces[0]"), "{bad_namespace}");
     }
 
     #[test]

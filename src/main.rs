@@ -131,10 +131,27 @@ async fn connect(host: &HostConfig) -> anyhow::Result<Arc<dyn Provider>> {
             if let Some(uri) = &host.migration_uri {
                 provider = provider.with_migration_uri(uri);
             }
+            provider = provider.with_networks(host.networks.iter().filter_map(offered_network).collect());
             Ok(Arc::new(provider))
         }
         other => anyhow::bail!("host {}: provider {other:?} is not built in", host.name),
     }
+}
+
+/// A libvirt host's network from its config (validated: exactly one source).
+fn offered_network(network: &vmlet::config::NetworkConfig) -> Option<vmlet_libvirt::OfferedNetwork> {
+    use vmlet_libvirt::Attachment;
+    let attachment = match (&network.network, &network.bridge, &network.macvtap) {
+        (Some(name), None, None) => Attachment::Network(name.clone()),
+        (None, Some(bridge), None) => Attachment::Bridge(bridge.clone()),
+        (None, None, Some(device)) => Attachment::Macvtap(device.clone()),
+        _ => return None,
+    };
+    Some(vmlet_libvirt::OfferedNetwork {
+        name: network.name.clone(),
+        attachment,
+        namespaces: network.namespaces.clone(),
+    })
 }
 
 async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {

@@ -542,6 +542,7 @@ mod tests {
             options: Default::default(),
             cloud_init: None,
             disks: vec![],
+            networks: vec![],
             id: VmId("6d0c1e52-0000-4000-8000-000000000001".into()),
             namespace: "team-a".into(),
             name: "web".into(),

@@ -481,6 +481,7 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             kernel_boot,
             cloud_init: None,
             disks: vec![],
+            networks: vec![],
         },
         power_off_mode,
         restart_policy: match pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) {

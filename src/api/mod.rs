@@ -21,7 +21,7 @@ pub mod tls;
 
 use k8s_openapi::api::core::v1::Pod;
 use serde::Deserialize;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -67,7 +67,7 @@ pub enum AuthorizationMode {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ApiConfig {
-    /// Where to listen; default `0.0.0.0:<kubeletPort>` (see [`ApiConfig::resolve`]).
+    /// Where to listen; default `<nodeIP>:<kubeletPort>` (see [`ApiConfig::resolve`]).
     #[serde(default)]
     pub listen: Option<SocketAddr>,
     /// PEM serving certificate (chain). With `tlsKeyFile`; when both are
@@ -96,10 +96,13 @@ pub struct ApiConfig {
 
 impl ApiConfig {
     /// Fill the defaults that depend on the rest of vmlet's config: listen on
-    /// `0.0.0.0:<kubelet_port>`, and self-signed SANs = the node IP and names.
+    /// `<node_ip>:<kubelet_port>` (the address the API server dials, and no
+    /// other: a guest network's address on the host, e.g. a libvirt
+    /// network's gateway, does not reach it), and self-signed SANs = the node
+    /// IP and names.
     #[must_use]
     pub fn resolve(mut self, node_ip: IpAddr, kubelet_port: u16, node_names: &[String]) -> ApiConfig {
-        self.listen.get_or_insert(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), kubelet_port));
+        self.listen.get_or_insert(SocketAddr::new(node_ip, kubelet_port));
         if self.serving_cert_sans.is_empty() {
             self.serving_cert_sans.push(node_ip.to_string());
             self.serving_cert_sans.extend(node_names.iter().cloned());
@@ -273,7 +276,7 @@ mod tests {
     #[test]
     fn defaults_listen_on_the_kubelet_port_with_node_sans() {
         let config = ApiConfig::default().resolve("10.0.0.5".parse().unwrap(), 10251, &["host-a".into()]);
-        assert_eq!(config.listen, Some("0.0.0.0:10251".parse().unwrap()));
+        assert_eq!(config.listen, Some("10.0.0.5:10251".parse().unwrap()), "the node IP only, never every address");
         assert_eq!(config.serving_cert_sans, ["10.0.0.5", "host-a"]);
         assert!(!config.anonymous_auth);
         assert_eq!(config.authorization_mode, AuthorizationMode::Webhook);

@@ -266,6 +266,7 @@ mod tests {
             max_memory_bytes: 1 << 30,
             next_start: None,
             addresses: vec!["192.0.2.7".parse().unwrap()],
+            network_interfaces: 0,
         }
     }
 

@@ -42,6 +42,26 @@ const RESYNC: Duration = Duration::from_secs(15);
 /// How often a VM in transition (starting, stopping) is read again.
 const TRANSITION: Duration = Duration::from_secs(1);
 
+/// How often a running VM with network interfaces is read again, so that
+/// its pod's IPs follow the guest's addresses (DHCP renewals, changes in the
+/// guest, a migration).
+const ADDRESS_RESYNC: Duration = Duration::from_secs(5);
+/// How often a running VM whose interfaces have no address yet is read
+/// again: a booting guest takes its DHCP lease within seconds.
+const ADDRESS_PENDING: Duration = Duration::from_secs(2);
+
+/// When to read a VM in `status` again: in transition soon, running every
+/// [`RESYNC`], or sooner while it has network interfaces
+/// ([`ADDRESS_RESYNC`], [`ADDRESS_PENDING`] until one has an address).
+fn resync_after(status: &VmStatus) -> Duration {
+    match (status.power, status.network_interfaces, status.addresses.is_empty()) {
+        (PowerState::Running, 0, _) => RESYNC,
+        (PowerState::Running, _, true) => ADDRESS_PENDING,
+        (PowerState::Running, _, false) => ADDRESS_RESYNC,
+        _ => TRANSITION * 2,
+    }
+}
+
 /// Why a pod pass failed; the pod requeues with backoff.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -186,7 +206,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
                 }
             })
             .await?;
-            Ok(Action::requeue(if status.power == PowerState::Running { RESYNC } else { TRANSITION * 2 }))
+            Ok(Action::requeue(resync_after(&status)))
         }
         Ok(Started::Abandoned(why)) => {
             info!(vm.uid = %vm.spec.id, why, "not starting the VM");
@@ -414,6 +434,7 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
                 Err(Unavailable::Refused(refusal)) => return Ok(Started::Refused(refusal)),
                 Err(Unavailable::Provider(e)) => return Err(e.into()),
             };
+            spec.networks = cached.spec.networks.iter().map(|network| network.request()).collect();
             (provider.ensure_defined(&spec).await?, true, record)
         }
     };

@@ -227,6 +227,7 @@ mod tests {
             max_memory_bytes: max.memory_bytes,
             next_start: None,
             addresses: vec![],
+            network_interfaces: 0,
         }
     }
 

@@ -202,6 +202,37 @@ pub struct VirtualMachineSpec {
     #[x_kube(validation = Rule::new("self.all(d, self.exists_one(e, e.name == d.name))")
         .message("spec.disks[].name must be unique"))]
     pub disks: Vec<VmDisk>,
+
+    /// The VM's network interfaces, in order (the guest's first NIC first),
+    /// each on a network its host offers by name. The host's administrator
+    /// lists the networks in vmlet's config (libvirt: a libvirt network, a
+    /// bridge or macvtap per name, optionally only for some namespaces; Nova:
+    /// a Neutron network per name), so one manifest runs on every back end.
+    /// Empty or absent: the first network the host offers this namespace.
+    /// A name the host does not offer leaves the pod waiting (`InvalidSpec`,
+    /// naming `spec.networks[<i>].name` and the names it does offer) and
+    /// nothing is defined. Read when the VM is defined. At most 8.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    #[x_kube(validation = Rule::new("self.all(n, !has(n.macAddress) || self.exists_one(m, has(m.macAddress) && m.macAddress == n.macAddress))")
+        .message("spec.networks[].macAddress must be unique"))]
+    pub networks: Vec<VmNetwork>,
+}
+
+/// One of [`VirtualMachineSpec::networks`]: a network interface of the VM.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VmNetwork {
+    /// The network's name as the host offers it (a DNS label, e.g. `lan`).
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: String,
+    /// A fixed MAC address for the interface, six lower-case hex octets
+    /// separated by colons, unicast (the first octet even), e.g.
+    /// `52:54:00:12:34:56`. Absent: the back end picks one when the VM is
+    /// defined and keeps it for the VM's life (migrations included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9a-f][02468ace](:[0-9a-f]{2}){5}$"))]
+    pub mac_address: Option<String>,
 }
 
 /// One of [`VirtualMachineSpec::disks`]: a name and exactly one source.
@@ -230,6 +261,13 @@ pub enum DiskSource<'a> {
     Claim(&'a ClaimSource),
     /// An image file on the VM's host.
     HostImage(&'a HostImageSource),
+}
+
+impl VmNetwork {
+    /// The provider contract's form of this interface.
+    pub fn request(&self) -> vmlet_provider::NetworkRequest {
+        vmlet_provider::NetworkRequest { name: self.name.clone(), mac: self.mac_address.clone() }
+    }
 }
 
 impl VmDisk {

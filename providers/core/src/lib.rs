@@ -84,6 +84,26 @@ pub struct VmSpec {
     /// storage roots (for a qcow2 image, its backing files too). Back ends
     /// without host-file disks refuse a VM with disks (`Unsupported`).
     pub disks: Vec<DataDisk>,
+    /// The VM's network interfaces, in order (the guest's first NIC first),
+    /// each on a network the host offers by name (`spec.networks`). Empty:
+    /// the back end's default for the VM's namespace (libvirt: the first
+    /// network the host's config offers it, or no NIC when it offers none).
+    /// Providers refuse a name they do not offer the VM's namespace with
+    /// `InvalidInput` naming `spec.networks[<i>].name` and the names they
+    /// do offer, before anything is created.
+    pub networks: Vec<NetworkRequest>,
+}
+
+/// One network interface a VM asks for ([`VmSpec::networks`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetworkRequest {
+    /// The network's name as the host's administrator offers it (a DNS
+    /// label, e.g. `lan`), never a back-end object the tenant names directly.
+    pub name: String,
+    /// A fixed MAC address, six lower-case hex octets separated by colons
+    /// (`52:54:00:12:34:56`), unicast; `None`: the back end picks one when
+    /// the VM is defined and keeps it for the VM's life.
+    pub mac: Option<String>,
 }
 
 /// A data disk: an image file on the VM's host (a PersistentVolumeClaim's
@@ -244,8 +264,15 @@ pub struct VmStatus {
     /// `memory_bytes`), a running VM's memory differs from its definition's
     /// too; compare again once it settled.
     pub next_start: Option<Resources>,
-    /// Guest addresses, as far as the backend knows them (may be empty).
+    /// Guest addresses, as far as the backend knows them (may be empty):
+    /// those of the VM's network interfaces, first interface first, without
+    /// loopback and link-local addresses. Reported as the pod's `podIPs`.
     pub addresses: Vec<IpAddr>,
+    /// How many network interfaces a running VM has (0 for an inactive one:
+    /// not looked at). With `addresses` empty, the guest has not taken an
+    /// address yet (or the back end cannot see it), so the agent looks again
+    /// sooner.
+    pub network_interfaces: usize,
 }
 
 /// Where a back end holds a VM, as far as one provider can see

@@ -10,7 +10,7 @@ use virt::error::Error as VirtError;
 use vmlet_provider::{Error, ErrorKind, PowerState, Resources, Result, StopReason, VmId, VmStatus};
 
 use crate::error::{from_libvirt, is_no_domain, is_no_metadata};
-use crate::xml::{parse_identity, Identity, Size, METADATA_NS};
+use crate::xml::{interfaces, parse_identity, Identity, Size, METADATA_NS};
 
 /// Which domain carries which vmlet identity, remembered between calls so that
 /// finding one VM costs one lookup instead of a scan of the host.
@@ -102,8 +102,10 @@ pub(crate) fn find(conn: &Connect, cache: &UuidCache, id: &VmId) -> Result<Optio
 /// driver moves it), the vCPU ceiling from `virDomainGetVcpusFlags(MAXIMUM)`
 /// and the memory ceiling from `virDomainGetInfo`. For an active domain also its
 /// persistent definition (`virDomainGetXMLDesc(INACTIVE)`), reported as
-/// `next_start` when its vCPUs or memory differ from the running domain's; an
-/// inactive domain's definition is what it has, so it costs no XML.
+/// `next_start` when its vCPUs or memory differ from the running domain's,
+/// and whose interfaces' MAC addresses say which guest addresses are the
+/// VM's ([`guest_addresses`]); an inactive domain's definition is what it
+/// has, so it costs no XML (and reports no interfaces).
 pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus> {
     let info = domain.info().map_err(|e| from_libvirt("read domain info", e))?;
     let backend_id = domain.uuid_string().map_err(|e| from_libvirt("read domain uuid", e))?;
@@ -113,13 +115,14 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
     let max_cpus = domain
         .vcpus_flags(virt::sys::VIR_DOMAIN_VCPU_MAXIMUM)
         .map_err(|e| from_libvirt("read domain vcpu ceiling", e))?;
-    let (addresses, stop_reason, next_start) = if power.is_active() {
-        let persistent = persistent_size(domain)?;
-        let next_start = next_start(&info, persistent);
-        (lease_addresses(domain), None, next_start)
+    let (addresses, network_interfaces, stop_reason, next_start) = if power.is_active() {
+        let definition = persistent_xml(domain)?;
+        let persistent = Size::from_domain_xml(&definition).ok_or_else(no_size)?;
+        let macs: Vec<String> = interfaces(&definition).into_iter().filter_map(|nic| nic.mac).collect();
+        (guest_addresses(domain, &macs), macs.len(), None, next_start(&info, persistent))
     } else {
         let (_, reason) = domain.state().map_err(|e| from_libvirt("read domain state", e))?;
-        (Vec::new(), Some(stop_reason_from_libvirt(reason)), None)
+        (Vec::new(), 0, Some(stop_reason_from_libvirt(reason)), None)
     };
     Ok(VmStatus {
         id: identity.id,
@@ -133,6 +136,7 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
         max_memory_bytes: info.max_mem.saturating_mul(1024),
         next_start,
         addresses,
+        network_interfaces,
     })
 }
 
@@ -141,10 +145,21 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
 /// Errors: the mapped libvirt error; `Permanent` when libvirt's XML states no
 /// size.
 pub(crate) fn persistent_size(domain: &Domain) -> Result<Size> {
-    const OP: &str = "read domain definition";
-    let xml = domain.xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE).map_err(|e| from_libvirt(OP, e))?;
-    Size::from_domain_xml(&xml)
-        .ok_or_else(|| Error::new(OP, ErrorKind::Permanent, "the domain's persistent XML states no <vcpu> or <memory>"))
+    Size::from_domain_xml(&persistent_xml(domain)?).ok_or_else(no_size)
+}
+
+/// The persistent definition of `domain` (`virDomainGetXMLDesc(INACTIVE)`).
+fn persistent_xml(domain: &Domain) -> Result<String> {
+    domain.xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE).map_err(|e| from_libvirt("read domain definition", e))
+}
+
+/// The error for a definition that states no size.
+fn no_size() -> Error {
+    Error::new(
+        "read domain definition",
+        ErrorKind::Permanent,
+        "the domain's persistent XML states no <vcpu> or <memory>",
+    )
 }
 
 /// The size a running domain gets at its next start when its persistent
@@ -181,12 +196,51 @@ pub(crate) fn stop_reason_from_libvirt(reason: virt::domain::DomainStateReasonEn
     }
 }
 
-/// Guest addresses from libvirt's DHCP leases; errors count as "none known".
-fn lease_addresses(domain: &Domain) -> Vec<IpAddr> {
-    let Ok(interfaces) = domain.interface_addresses(virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE, 0) else {
-        return Vec::new();
+/// The addresses of the guest's interfaces whose MAC addresses are `macs`, in
+/// that order: from libvirt's DHCP leases (libvirt networks with DHCP),
+/// where those leave an interface without one from the host's ARP table,
+/// and then from the guest agent (bridges and macvtap, whose DHCP is not
+/// libvirt's). Loopback, link-local and unspecified addresses are left out,
+/// and so are interfaces that are not the domain's own (the agent also
+/// reports `lo` and any the guest made itself). Errors of a source count as
+/// "none known"; no interface, no call.
+fn guest_addresses(domain: &Domain, macs: &[String]) -> Vec<IpAddr> {
+    use virt::sys::{
+        VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT as AGENT, VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_ARP as ARP,
+        VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE as LEASE,
     };
-    interfaces.iter().flat_map(|interface| &interface.addrs).filter_map(|address| address.addr.parse().ok()).collect()
+    let mut found: Vec<Vec<IpAddr>> = vec![Vec::new(); macs.len()];
+    for source in [LEASE, ARP, AGENT] {
+        if found.iter().all(|addresses| !addresses.is_empty()) {
+            break;
+        }
+        let Ok(interfaces) = domain.interface_addresses(source, 0) else { continue };
+        for interface in interfaces {
+            let Some(hwaddr) = interface.hwaddr.as_deref() else { continue };
+            let Some(nic) = macs.iter().position(|mac| mac.eq_ignore_ascii_case(hwaddr)) else { continue };
+            if !found[nic].is_empty() {
+                continue;
+            }
+            found[nic] =
+                interface.addrs.iter().filter_map(|address| address.addr.parse().ok()).filter(usable).collect();
+        }
+    }
+    let mut addresses: Vec<IpAddr> = Vec::new();
+    for address in found.into_iter().flatten() {
+        if !addresses.contains(&address) {
+            addresses.push(address);
+        }
+    }
+    addresses
+}
+
+/// Whether a guest address can stand for the VM: not loopback, link-local
+/// or unspecified.
+fn usable(address: &IpAddr) -> bool {
+    match address {
+        IpAddr::V4(v4) => !(v4.is_loopback() || v4.is_link_local() || v4.is_unspecified()),
+        IpAddr::V6(v6) => !(v6.is_loopback() || v6.is_unspecified() || (v6.segments()[0] & 0xffc0) == 0xfe80),
+    }
 }
 
 #[cfg(test)]

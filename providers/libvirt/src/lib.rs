@@ -66,6 +66,7 @@ mod host_images;
 mod in_flight;
 mod jobs;
 mod migration;
+mod networks;
 mod provider;
 mod qemu_img;
 mod resize;
@@ -74,6 +75,7 @@ mod snapshot;
 mod stats;
 mod xml;
 
+pub use networks::{Attachment, OfferedNetwork};
 pub use provider::{AcceleratorSetting, LibvirtProvider};
 pub use xml::Accelerator;
 

@@ -18,6 +18,7 @@ use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_no_storage_pool, is_operation_invalid, is_unsupported_flags};
 use crate::in_flight::InFlight;
+use crate::networks::{self, OfferedNetwork};
 use crate::xml::{
     console_log_path, domain_xml, pool_target_path, Accelerator, DomainKind, CONSOLE_LOG_DIR, DEFAULT_IMAGES_DIR,
     DEFAULT_POOL,
@@ -83,6 +84,8 @@ pub struct LibvirtProvider {
     pub(crate) migration: Arc<MigrationSettings>,
     /// Where cloud-init seed images go ([`LibvirtProvider::with_seed_dir`]).
     seed_dir: Arc<Path>,
+    /// The networks VMs may join ([`LibvirtProvider::with_networks`]).
+    networks: Arc<[OfferedNetwork]>,
 }
 
 /// How a host takes part in migrations (see `migration.rs`).
@@ -172,6 +175,7 @@ impl LibvirtProvider {
             }),
             migration: Arc::new(migration),
             seed_dir: Arc::from(Path::new(DEFAULT_SEED_DIR)),
+            networks: Arc::from([]),
         })
     }
 
@@ -208,6 +212,18 @@ impl LibvirtProvider {
         write_seed(&self.seed_dir, &path, cloud_init, BUILD_DEADLINE).await?;
         tracing::info!(path = source, "cloud-init seed written");
         Ok(source.to_owned())
+    }
+
+    /// The networks this host offers VMs, in order: a VM's
+    /// `spec.networks[].name` must be one offered to its namespace, and a VM
+    /// that names none gets the first of those (see `networks.rs`). Default:
+    /// none, so VMs get no network interface at all: QEMU's user-mode
+    /// network, which hands the guest the host's loopback, is never used.
+    /// Checked when a VM is defined; a defined VM keeps its interfaces.
+    #[must_use]
+    pub fn with_networks(mut self, networks: Vec<OfferedNetwork>) -> Self {
+        self.networks = Arc::from(networks);
+        self
     }
 
     /// Name this host as vmlet does (its node name), for
@@ -393,13 +409,23 @@ impl Host {
 
     /// Define `spec` unless its domain exists, with the cloud-init seed image
     /// at `seed` attached when given.
-    fn ensure_defined(&self, conn: &Connect, spec: &VmSpec, seed: Option<&str>) -> Result<VmStatus> {
+    fn ensure_defined(
+        &self,
+        conn: &Connect,
+        spec: &VmSpec,
+        seed: Option<&str>,
+        networks: &[OfferedNetwork],
+    ) -> Result<VmStatus> {
         const OP: &str = "define domain";
         if let Some(status) = self.get(conn, &spec.id)? {
             return Ok(status);
         }
         let kind = self.kind;
         validate(spec, kind)?;
+        // The test driver's domains get no devices, but a name the host
+        // does not offer is refused on it too.
+        let nics = networks::resolve(networks, spec)?;
+        let nics = if kind.is_qemu() { nics } else { Vec::new() };
         let name = spec.backend_name();
         match conn.lookup_domain_by_name(&name) {
             Ok(domain) => return Err(name_taken(&name, &domain)),
@@ -407,7 +433,8 @@ impl Host {
             Err(err) => return Err(from_libvirt(OP, err)),
         }
         let uuid = uuid::Uuid::new_v4().to_string();
-        let domain = conn.define_domain_xml(&domain_xml(spec, kind, &uuid, seed)).map_err(|e| from_libvirt(OP, e))?;
+        let domain =
+            conn.define_domain_xml(&domain_xml(spec, kind, &uuid, seed, &nics)).map_err(|e| from_libvirt(OP, e))?;
         let identity = identity_of(&domain).map_err(|e| from_libvirt(OP, e))?.ok_or_else(|| {
             Error::new(
                 OP,
@@ -832,9 +859,10 @@ impl Provider for LibvirtProvider {
             }
             _ => None,
         };
-        let (spec, source) = (spec.clone(), seed.clone());
-        let defined =
-            self.blocking("define domain", move |host, conn| host.ensure_defined(conn, &spec, source.as_deref())).await;
+        let (spec, source, networks) = (spec.clone(), seed.clone(), Arc::clone(&self.networks));
+        let defined = self
+            .blocking("define domain", move |host, conn| host.ensure_defined(conn, &spec, source.as_deref(), &networks))
+            .await;
         if let (Err(_), Some(seed)) = (&defined, seed) {
             remove_seed(Path::new(&seed));
         }

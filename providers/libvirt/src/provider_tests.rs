@@ -38,6 +38,7 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
         options: Default::default(),
         cloud_init: None,
         disks: vec![],
+        networks: vec![],
         id: VmId(format!("00000000-0000-4000-8000-{n:012x}")),
         namespace: namespace.into(),
         name: name.into(),

@@ -854,6 +854,7 @@ mod tests {
             options: Default::default(),
             cloud_init: None,
             disks: vec![],
+            networks: vec![],
             id: id(),
             namespace: "team-a".into(),
             name: "snap".into(),

@@ -18,6 +18,8 @@ use std::fmt::Write as _;
 
 use vmlet_provider::{VmId, VmSpec};
 
+use crate::networks::{interface_xml, Nic};
+
 /// Namespace URI of vmlet's metadata element in a domain's `<metadata>`.
 pub(crate) const METADATA_NS: &str = "https://vmlet.io/xmlns/domain/v1";
 
@@ -342,6 +344,38 @@ pub(crate) fn disks(xml: &str) -> Vec<Disk> {
     disks
 }
 
+/// One network interface of a domain as its XML (`virDomainGetXMLDesc`)
+/// states it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DomainInterface {
+    /// `<interface type='…'>`: `network`, `bridge`, `direct`, `user`, ...
+    pub(crate) kind: String,
+    /// `<mac address='…'/>`, lower case; libvirt writes one into every
+    /// interface it defines (vmlet's own XML may leave it out).
+    pub(crate) mac: Option<String>,
+}
+
+/// The network interfaces of a domain XML in document order. Elements inside
+/// `<metadata>` are not read.
+pub(crate) fn interfaces(xml: &str) -> Vec<DomainInterface> {
+    let mut rest = xml.find("</metadata>").map_or(xml, |end| &xml[end..]);
+    let mut found = Vec::new();
+    while let Some(start) = start_of(rest, "interface") {
+        let element = &rest[start..];
+        let Some(attrs) = attributes(element) else { break };
+        let end = element.find("</interface>").unwrap_or(element.len());
+        let body = &element[..end];
+        let mac = start_of(body, "mac")
+            .and_then(|at| attributes(&body[at..]))
+            .and_then(|attrs| attrs.into_iter().find(|(k, _)| k == "address"))
+            .map(|(_, mac)| mac.to_ascii_lowercase());
+        let kind = attrs.into_iter().find(|(k, _)| k == "type").map(|(_, v)| v).unwrap_or_default();
+        found.push(DomainInterface { kind, mac });
+        rest = &element[end.max(1)..];
+    }
+    found
+}
+
 /// Name of the storage pool whose target directory is a host's default storage
 /// root (what `virsh pool-define-as default dir --target …` and virt-install
 /// create).
@@ -402,14 +436,14 @@ pub(crate) const SEED_TARGET: &str = "hdc";
 /// name as its serial; a serial console on a
 /// pty whose output virtlogd records from boot in [`console_log_path`]; a
 /// virtio-serial channel for qemu-guest-agent ([`AGENT_CHANNEL`], libvirt adds
-/// the controller and picks the host socket); user-mode networking on a virtio
-/// NIC; a virtio balloon that reports guest memory statistics every 5 s; and
+/// the controller and picks the host socket); one virtio NIC per entry of
+/// `nics` (see [`crate::networks`]: never QEMU's user-mode network); a virtio balloon that reports guest memory statistics every 5 s; and
 /// when `seed` names a cloud-init seed image, that image as a read-only CD-ROM
 /// on the IDE bus ([`SEED_TARGET`]), which the `pc` (i440fx) machine has built
 /// in (its PIIX IDE controller: no controller to add, and guests read it with
 /// their ATA and CD-ROM drivers). A CD-ROM is no disk to [`disks`], so backups
 /// leave the seed alone.
-pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Option<&str>) -> String {
+pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Option<&str>, nics: &[Nic]) -> String {
     let size = Size::of_spec(spec);
     let mut xml = String::new();
     let domain_type = kind.domain_type();
@@ -508,17 +542,19 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Opti
                     "    <channel type='unix'>\n",
                     "      <target type='virtio' name='{agent}'/>\n",
                     "    </channel>\n",
-                    "    <interface type='user'>\n",
-                    "      <model type='virtio'/>\n",
-                    "    </interface>\n",
-                    "    <memballoon model='virtio'>\n",
-                    "      <stats period='5'/>\n",
-                    "    </memballoon>\n",
-                    "  </devices>\n",
                 ),
                 log = escape(&console_log_path(uuid)),
                 agent = AGENT_CHANNEL,
             );
+            for nic in nics {
+                xml.push_str(&interface_xml(nic));
+            }
+            xml.push_str(concat!(
+                "    <memballoon model='virtio'>\n",
+                "      <stats period='5'/>\n",
+                "    </memballoon>\n",
+                "  </devices>\n",
+            ));
         }
     }
     xml.push_str("</domain>\n");
@@ -537,6 +573,7 @@ mod tests {
             options: Default::default(),
             cloud_init: None,
             disks: vec![],
+            networks: vec![],
             id: VmId("6c8f1f4e-2b0a-4e53-9d1e-0f1e2d3c4b5a".into()),
             namespace: "team-a".into(),
             name: "web.1".into(),
@@ -597,7 +634,7 @@ mod tests {
 
     #[test]
     fn memory_is_rounded_up_to_whole_kib() {
-        let xml = domain_xml(&spec(), DomainKind::Test, UUID, None);
+        let xml = domain_xml(&spec(), DomainKind::Test, UUID, None, &[]);
         assert!(xml.contains("<memory unit='KiB'>524289</memory>"), "{xml}");
         assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
         assert!(xml.contains("<name>team-a_web.1</name>"), "{xml}");
@@ -609,7 +646,7 @@ mod tests {
         let mut spec = spec();
         spec.max_cpus = Some(4);
         spec.max_memory_bytes = Some(1024 * 1024 * 1024);
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(xml.contains("<vcpu placement='static' current='2'>4</vcpu>"), "{xml}");
         assert!(xml.contains("<memory unit='KiB'>1048576</memory>"), "{xml}");
         assert!(xml.contains("<currentMemory unit='KiB'>524289</currentMemory>"), "{xml}");
@@ -624,7 +661,7 @@ mod tests {
         let mut spec = spec();
         spec.max_cpus = Some(1);
         spec.max_memory_bytes = Some(1024);
-        let xml = domain_xml(&spec, DomainKind::Test, UUID, None);
+        let xml = domain_xml(&spec, DomainKind::Test, UUID, None, &[]);
         assert!(xml.contains("<vcpu placement='static'>2</vcpu>"), "{xml}");
         assert!(xml.contains("<memory unit='KiB'>524289</memory>"), "{xml}");
         assert!(xml.contains("<currentMemory unit='KiB'>524289</currentMemory>"), "{xml}");
@@ -657,7 +694,7 @@ mod tests {
 
     #[test]
     fn qemu_domain_gets_a_disk_only_when_an_image_is_given() {
-        let without = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        let without = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(without.starts_with("<domain type='qemu'>"), "{without}");
         assert!(without.contains("machine='pc'"), "{without}");
         assert!(without.contains("<boot dev='hd'/>"), "{without}");
@@ -665,12 +702,12 @@ mod tests {
 
         let mut with = spec();
         with.image = Some("/var/lib/vmlet/images/it's.qcow2".into());
-        let xml = domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        let xml = domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(xml.contains("<driver name='qemu' type='qcow2'/>"), "{xml}");
         assert!(xml.contains("<source file='/var/lib/vmlet/images/it&apos;s.qcow2'/>"), "{xml}");
 
         with.image = Some("/images/disk.img".into());
-        assert!(domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID, None).contains("type='raw'"));
+        assert!(domain_xml(&with, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]).contains("type='raw'"));
     }
 
     #[test]
@@ -710,9 +747,9 @@ mod tests {
     #[test]
     fn what_vmlet_defines_has_one_disk_with_an_image_and_none_without() {
         let mut spec = spec();
-        assert_eq!(disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None)), vec![]);
+        assert_eq!(disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[])), vec![]);
         spec.image = Some("/images/disk.qcow2".into());
-        let found = disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None));
+        let found = disks(&domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]));
         assert_eq!(
             found,
             vec![Disk {
@@ -740,7 +777,7 @@ mod tests {
             disk("data", "/vols/1/disk.img", DiskFormat::Raw),
             disk("logs", "/images/logs.qcow2", DiskFormat::Qcow2),
         ];
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(xml.contains(concat!(
             "      <driver name='qemu' type='raw'/>\n",
             "      <source file='/vols/1/disk.img'/>\n",
@@ -762,7 +799,7 @@ mod tests {
     fn a_cloud_init_seed_is_a_read_only_ide_cdrom_that_is_no_disk() {
         let mut spec = spec();
         spec.image = Some("/images/disk.qcow2".into());
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, Some("/seeds/team-a_web.1_u&1.iso"));
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, Some("/seeds/team-a_web.1_u&1.iso"), &[]);
         let cdrom = concat!(
             "    <disk type='file' device='cdrom'>\n",
             "      <driver name='qemu' type='raw'/>\n",
@@ -775,21 +812,24 @@ mod tests {
         assert!(xml.contains("machine='pc'"), "the IDE bus is the pc machine's own: {xml}");
         let found: Vec<String> = disks(&xml).into_iter().map(|disk| disk.target).collect();
         assert_eq!(found, ["vda"], "backups see the one disk, not the seed");
-        assert!(!domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None).contains("cdrom"));
-        assert!(!domain_xml(&spec, DomainKind::Test, UUID, Some("/seeds/s.iso")).contains("cdrom"));
+        assert!(!domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]).contains("cdrom"));
+        assert!(!domain_xml(&spec, DomainKind::Test, UUID, Some("/seeds/s.iso"), &[]).contains("cdrom"));
     }
 
     #[test]
     fn qemu_domain_type_follows_the_accelerator() {
-        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Kvm), UUID, None).starts_with("<domain type='kvm'>"));
-        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None).starts_with("<domain type='qemu'>"));
+        assert!(
+            domain_xml(&spec(), DomainKind::Qemu(Accelerator::Kvm), UUID, None, &[]).starts_with("<domain type='kvm'>")
+        );
+        assert!(domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[])
+            .starts_with("<domain type='qemu'>"));
     }
 
     #[test]
     fn test_domain_stays_minimal() {
         let mut spec = spec();
         spec.kernel_boot = Some(KernelBoot { kernel: "/k".into(), initrd: None, cmdline: None });
-        let xml = domain_xml(&spec, DomainKind::Test, UUID, None);
+        let xml = domain_xml(&spec, DomainKind::Test, UUID, None, &[]);
         assert!(xml.contains(&format!("<uuid>{UUID}</uuid>")), "{xml}");
         for absent in ["<devices>", "<kernel>", "<serial", "<channel"] {
             assert!(!xml.contains(absent), "{absent} in {xml}");
@@ -798,13 +838,34 @@ mod tests {
 
     #[test]
     fn qemu_domain_records_its_console_and_has_an_agent_channel_and_user_networking() {
-        let xml = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        let xml = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(xml.contains(&format!("<uuid>{UUID}</uuid>")), "{xml}");
         assert!(xml.contains(&format!("<log file='/var/log/vmlet/console/{UUID}.log' append='off'/>")), "{xml}");
         assert!(xml.contains("<console type='pty'/>"), "{xml}");
         assert!(xml.contains("<target type='virtio' name='org.qemu.guest_agent.0'/>"), "{xml}");
-        assert!(xml.contains("<interface type='user'>\n      <model type='virtio'/>"), "{xml}");
+        assert!(!xml.contains("<interface"), "no network offered, no NIC (never user-mode): {xml}");
         assert!(xml.contains("<stats period='5'/>"), "{xml}");
+    }
+
+    #[test]
+    fn qemu_domain_gets_one_interface_per_nic_in_order_and_never_a_user_mode_one() {
+        use crate::networks::Attachment;
+        let nics = [
+            Nic { attachment: Attachment::Network("vmlet-lan".into()), mac: Some("52:54:00:00:00:01".into()) },
+            Nic { attachment: Attachment::Bridge("vmlan0".into()), mac: None },
+        ];
+        let xml = domain_xml(&spec(), DomainKind::Qemu(Accelerator::Tcg), UUID, None, &nics);
+        let network = xml.find("<interface type='network'>").expect("network NIC");
+        let bridge = xml.find("<interface type='bridge'>").expect("bridge NIC");
+        assert!(network < bridge, "NIC order is the VM's: {xml}");
+        assert!(!xml.contains("type='user'"), "{xml}");
+        assert_eq!(
+            interfaces(&xml),
+            vec![
+                DomainInterface { kind: "network".into(), mac: Some("52:54:00:00:00:01".into()) },
+                DomainInterface { kind: "bridge".into(), mac: None },
+            ]
+        );
     }
 
     #[test]
@@ -815,14 +876,14 @@ mod tests {
             initrd: Some("/guest/initrd.img".into()),
             cmdline: Some("console=ttyS0 a<b".into()),
         });
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(xml.contains("<kernel>/guest/vmlinuz</kernel>"), "{xml}");
         assert!(xml.contains("<initrd>/guest/initrd.img</initrd>"), "{xml}");
         assert!(xml.contains("<cmdline>console=ttyS0 a&lt;b</cmdline>"), "{xml}");
         assert!(!xml.contains("<boot dev="), "{xml}");
 
         spec.kernel_boot = Some(KernelBoot { kernel: "/guest/vmlinuz".into(), initrd: None, cmdline: None });
-        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None);
+        let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(!xml.contains("<initrd>") && !xml.contains("<cmdline>"), "{xml}");
     }
 }

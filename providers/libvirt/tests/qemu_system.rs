@@ -25,6 +25,7 @@ fn unique_spec() -> VmSpec {
         options: Default::default(),
         cloud_init: None,
         disks: vec![],
+        networks: vec![],
         id,
         namespace: NAMESPACE.into(),
         name: format!("lifecycle-{pid}-{}", nanos % 1_000_000_000),

@@ -104,6 +104,7 @@ pub(crate) fn status_of(server: &Server, next: Option<&Flavor>) -> VmStatus {
         max_memory_bytes: memory_bytes,
         next_start,
         addresses: addresses_of(server),
+        network_interfaces: server.addresses.len(),
     }
 }
 

@@ -123,6 +123,7 @@ impl Provider for MemoryHost {
             max_memory_bytes: spec.memory_bytes,
             next_start: None,
             addresses: vec![],
+            network_interfaces: 0,
         };
         state.vms.insert(spec.id.clone(), status.clone());
         state.calls.push(("define", spec.id.clone()));

@@ -82,6 +82,7 @@ pub fn unique_spec(namespace: &str, what: &str) -> VmSpec {
         options: Default::default(),
         cloud_init: None,
         disks: vec![],
+        networks: vec![],
         id,
         namespace: namespace.into(),
         name: format!("{what}-{}-{}", std::process::id(), nanos % 1_000_000_000),

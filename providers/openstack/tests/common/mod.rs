@@ -141,6 +141,7 @@ impl Harness {
             options: Default::default(),
             cloud_init: None,
             disks: vec![],
+            networks: vec![],
         };
         spec.options.insert("networks".into(), self.network.clone());
         spec
