@@ -231,7 +231,7 @@ pub struct VmNetwork {
     /// `52:54:00:12:34:56`. Absent: the back end picks one when the VM is
     /// defined and keeps it for the VM's life (migrations included).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = r"^[0-9a-f][02468ace](:[0-9a-f]{2}){5}$"))]
+    #[schemars(length(min = 17, max = 17), regex(pattern = r"^[0-9a-f][02468ace](:[0-9a-f]{2}){5}$"))]
     pub mac_address: Option<String>,
 }
 
