@@ -82,6 +82,26 @@ pub fn new_pod_name(vm: &str) -> String {
     format!("{vm}-{suffix}")
 }
 
+/// The labels of a VM's pod: the VirtualMachine's own labels, so that a
+/// Service (or a PodDisruptionBudget, or pod affinity) selects VM pods as it
+/// selects any pods, and `vmlet.io/vm=<name>`. Labels in vmlet's and
+/// Kubernetes' own domains (`vmlet.io`, `kubernetes.io`, `k8s.io` and their
+/// subdomains) are not copied: vmlet and Kubernetes read those on pods.
+/// Taken when the pod is made; a label change applies to the VM's next pod.
+fn pod_labels(vm: &VirtualMachine, name: String) -> BTreeMap<String, String> {
+    let reserved = |key: &str| {
+        key.split_once('/').is_some_and(|(prefix, _)| {
+            ["vmlet.io", "kubernetes.io", "k8s.io"]
+                .iter()
+                .any(|domain| prefix == *domain || prefix.ends_with(&format!(".{domain}")))
+        })
+    };
+    let mut labels: BTreeMap<String, String> =
+        vm.labels().iter().filter(|(key, _)| !reserved(key)).map(|(k, v)| (k.clone(), v.clone())).collect();
+    labels.insert(VM_LABEL.to_owned(), name);
+    labels
+}
+
 /// The pod named `pod_name` that a VirtualMachine runs through. `scope` is the controller's
 /// [`crate::config::Config::scope`]: the pod selects nodes of that scope only.
 /// `home` is the host where its domain is already defined (`status.nodeName` of
@@ -148,7 +168,7 @@ pub fn pod_for_vm(
         metadata: ObjectMeta {
             name: Some(pod_name.to_owned()),
             namespace: vm.namespace(),
-            labels: Some(BTreeMap::from([(VM_LABEL.to_owned(), name)])),
+            labels: Some(pod_labels(vm, name)),
             annotations: Some(annotations),
             owner_references: vm.controller_owner_ref(&()).map(|r| vec![r]),
             ..ObjectMeta::default()
@@ -534,6 +554,25 @@ mod tests {
             pod.annotations()[CLOUD_INIT_ANNOTATION],
             r#"{"userData":{"secretKeyRef":{"name":"web-init","key":"user-data"}},"hostname":"web-1"}"#
         );
+    }
+
+    #[test]
+    fn the_pod_carries_the_vms_labels_but_none_in_vmlets_or_kubernetes_domains() {
+        let mut vm = VmBuilder::new("web").build();
+        vm.metadata.labels = Some(BTreeMap::from(
+            [
+                ("app", "shop"),
+                ("example.com/tier", "front"),
+                ("vmlet.io/vm", "someone-else"),
+                ("vmlet.io/backup", "x"),
+                ("node-role.kubernetes.io/control-plane", ""),
+                ("k8s.io/x", "y"),
+            ]
+            .map(|(k, v)| (k.to_owned(), v.to_owned())),
+        ));
+        let pod = pod_for_vm(&vm, "web-x7k2p", "team-a", None).unwrap();
+        let labels: Vec<(&str, &str)> = pod.labels().iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(labels, [("app", "shop"), ("example.com/tier", "front"), ("vmlet.io/vm", "web")]);
     }
 
     #[test]
