@@ -121,6 +121,23 @@ async fn uptime(env: &TestEnv, pod: &str) -> f64 {
     .await
 }
 
+/// The bridge of the guest LAN both hosts share (`hack/hosts.sh`).
+fn mig_lan_bridge() -> String {
+    std::env::var("VMLET_MIG_LAN_BRIDGE").ok().filter(|b| !b.is_empty()).unwrap_or_else(|| {
+        panic!("VMLET_MIG_LAN_BRIDGE is unset: run the tests with hack/test.sh, which makes the hosts' guest LAN")
+    })
+}
+
+/// Pod `pod`'s IP, once it reports one.
+async fn pod_ip(env: &TestEnv, pod: &str) -> String {
+    let pods = env.pods();
+    env.wait_for(&format!("pod {pod} to report its IP"), || {
+        let pods = pods.clone();
+        async move { pods.get_opt(pod).await.ok()??.status?.pod_ip }
+    })
+    .await
+}
+
 /// A VM that runs on mig-a: mig-b cordoned while it starts.
 async fn running_on_a(env: &TestEnv, name: &str, spec: serde_json::Value) -> VirtualMachine {
     env.kubectl(&["cordon", &env.node("b")]);
@@ -137,14 +154,25 @@ async fn drain_moves_a_running_guest_live_to_the_other_host_without_a_restart() 
     let guest = guest_for(&env);
     let accelerator = guest_accelerator(&guest);
     let (a, b) = (env.node("a"), env.node("b"));
-    env.start_vmlet(&[mig_host("A", accelerator), mig_host("B", accelerator)]);
+    // Both hosts offer the guest LAN they share (a bridge in each host's
+    // namespace, one layer-2 segment with the harness's DHCP server).
+    let lan = json!([{"name": "lan", "bridge": mig_lan_bridge()}]);
+    env.start_vmlet(&[
+        mig_host("A", accelerator).with("networks", lan.clone()),
+        mig_host("B", accelerator).with("networks", lan),
+    ]);
     env.wait_node_ready(&a).await;
     env.wait_node_ready(&b).await;
-    let vm = running_on_a(&env, "web", guest_vm_spec(&guest)).await;
+    let mut spec = guest_vm_spec(&guest);
+    spec["networks"] = json!([{"name": "lan"}]);
+    let vm = running_on_a(&env, "web", spec).await;
     let domain_uuid = vm.status.unwrap().provider_id.unwrap();
     let domain = format!("{}_web", env.ns);
     let evicted = env.pod_of("web").await;
     let before = uptime(&env, &evicted).await;
+    // Its address on the bridge comes from the guest agent (no libvirt lease).
+    let address = pod_ip(&env, &evicted).await;
+    assert!(address.starts_with("10.240.0."), "the guest's address on the shared LAN: {address}");
 
     let sampler = Sampler::start(vec![domain.clone()]);
     let stop = Arc::new(AtomicBool::new(false));
@@ -180,6 +208,7 @@ async fn drain_moves_a_running_guest_live_to_the_other_host_without_a_restart() 
     assert!(env.pods().get_opt(&evicted).await.unwrap().is_none(), "the evicted pod's deletion completed");
     let after = uptime(&env, &current).await;
     assert!(after > before, "the guest rebooted: uptime {before} s before, {after} s after");
+    assert_eq!(pod_ip(&env, &current).await, address, "the pod on the new host reports the guest's address");
     assert_eq!(domstate(&mig_uri("A"), &domain), "", "the domain is still defined on mig-a");
     assert_eq!(domstate(&mig_uri("B"), &domain), "running");
     assert!(persistent(&mig_uri("B"), &domain), "the domain is transient on mig-b");
