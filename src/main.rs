@@ -191,7 +191,7 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     // kubelet API (vmlet::watches).
     let (watches, writers) = vmlet::watches::Watches::new(&config);
     let release_triggers = watches.vm_triggers();
-    let controller_triggers = config.controller.then(|| watches.vm_triggers());
+    let controller_triggers = config.controller.then(|| (watches.vm_triggers(), watches.vm_triggers()));
     watches.start(writers, &client, &config, shutdown.child_token());
 
     let hosts = vmlet::node::Hosts::default();
@@ -224,7 +224,14 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     let server = vmlet::api::Server::bind(api, directory, client.clone()).await.context("starting the kubelet API")?;
     info!(listen = %server.local_addr(), "kubelet API listening");
     tasks.spawn(server.run(shutdown.child_token()));
-    if let Some(triggers) = controller_triggers {
+    if let Some((triggers, endpoint_triggers)) = controller_triggers {
+        tasks.spawn(vmlet::controller::endpoints::run(
+            client.clone(),
+            config.namespace.clone(),
+            watches.clone(),
+            endpoint_triggers,
+            shutdown.child_token(),
+        ));
         let scope = config.scope().to_owned();
         tasks.spawn(vmlet::controller::backups::run(
             client.clone(),

@@ -218,6 +218,7 @@ fn apply_guest(env: &TestEnv, name: &str, guest: &std::path::Path) {
     // The guest runs from its initramfs; two guests cannot share one disk.
     spec.as_object_mut().unwrap().remove("image");
     spec["networks"] = json!([{"name": "lan"}]);
+    spec["services"] = json!([{"name": "direct"}, {"name": "other"}]);
     let mut vm = env.vm_object(name, &spec);
     vm["metadata"]["labels"] = json!({"app": "shop"});
     let out = env.apply(&serde_yaml::to_string(&vm).unwrap());
@@ -230,10 +231,20 @@ async fn guests_get_their_own_addresses_as_pod_ips_reach_each_other_and_a_servic
     let mut env = TestEnv::new("net").await;
     let guest = guest_for(&env);
     env.start_vmlet(&[host_with_lan(&env, &lan, guest_accelerator(&guest))]);
-    let service = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "shop"},
-        "spec": {"selector": {"app": "shop"}, "ports": [{"port": 80, "targetPort": 8080}]}});
-    let out = env.apply(&serde_yaml::to_string(&service).unwrap());
-    assert!(out.status.success(), "apply Service: {}", String::from_utf8_lossy(&out.stderr));
+    // Both forms: a Service selecting the VMs' pods by label, and a
+    // selector-less one the VMs name in spec.services (vmlet keeps its slice).
+    // A Service with a selector that a VM names gets no slice from vmlet.
+    for service in [
+        json!({"metadata": {"name": "shop"}, "spec": {"selector": {"app": "shop"}, "ports": [{"port": 80, "targetPort": 8080}]}}),
+        json!({"metadata": {"name": "direct"}, "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}),
+        json!({"metadata": {"name": "other"}, "spec": {"selector": {"app": "other"}, "ports": [{"port": 80}]}}),
+    ] {
+        let mut service = service;
+        service["apiVersion"] = json!("v1");
+        service["kind"] = json!("Service");
+        let out = env.apply(&serde_yaml::to_string(&service).unwrap());
+        assert!(out.status.success(), "apply Service: {}", String::from_utf8_lossy(&out.stderr));
+    }
     apply_guest(&env, "vm-a", &guest);
     apply_guest(&env, "vm-b", &guest);
     env.wait_vm_phase("vm-a", "Running").await;
@@ -269,8 +280,18 @@ async fn guests_get_their_own_addresses_as_pod_ips_reach_each_other_and_a_servic
     let from_a = guest_sh(&env, &pod_a, &format!("printf 'GET /who HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {ip_b} 8080"));
     assert!(stdout(&from_a).contains("vm-b"), "vm-a did not reach vm-b's httpd: {}", stdout(&from_a));
 
-    // The Service's EndpointSlices list exactly the running guests.
-    wait_endpoints(&env, "shop", &BTreeSet::from([ip_a.clone(), ip_b.clone()])).await;
+    // The Services' EndpointSlices list exactly the running guests.
+    let both = BTreeSet::from([ip_a.clone(), ip_b.clone()]);
+    wait_endpoints(&env, "shop", &both).await;
+    wait_endpoints(&env, "direct", &both).await;
+    let slices: Api<EndpointSlice> = Api::namespaced(env.client.clone(), &env.ns);
+    let direct = slices.get("direct-vmlet").await.expect("vmlet's slice of Service direct");
+    let ports: Vec<_> = direct.ports.iter().flatten().map(|p| (p.name.clone(), p.port)).collect();
+    assert_eq!(ports, vec![(Some("http".to_owned()), Some(8080))], "the Service's targetPort");
+    assert!(
+        slices.get_opt("other-vmlet").await.unwrap().is_none(),
+        "vmlet wrote a slice for a Service with a selector"
+    );
 
     // Nothing on the host's 127.0.0.1 answers a guest: not through the
     // network's gateway, not at QEMU user-mode's 10.0.2.2. A listener in the
@@ -320,6 +341,7 @@ async fn guests_get_their_own_addresses_as_pod_ips_reach_each_other_and_a_servic
     env.kubectl(&["scale", "virtualmachine/vm-b", "--replicas=0"]);
     env.wait_vm_phase("vm-b", "Stopped").await;
     wait_endpoints(&env, "shop", &BTreeSet::from([ip_a.clone()])).await;
+    wait_endpoints(&env, "direct", &BTreeSet::from([ip_a.clone()])).await;
 }
 
 /// Firmware-only QEMU VMs (no guest): the refusals happen before any define.

@@ -22,6 +22,7 @@
 
 pub mod backups;
 pub mod decide;
+pub mod endpoints;
 mod expected;
 pub mod restores;
 pub mod snapshots;

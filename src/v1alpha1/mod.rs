@@ -217,6 +217,26 @@ pub struct VirtualMachineSpec {
     #[x_kube(validation = Rule::new("self.all(n, !has(n.macAddress) || self.exists_one(m, has(m.macAddress) && m.macAddress == n.macAddress))")
         .message("spec.networks[].macAddress must be unique"))]
     pub networks: Vec<VmNetwork>,
+
+    /// Selector-less Services of this namespace whose EndpointSlice lists
+    /// this VM: vmlet keeps one EndpointSlice per such Service
+    /// (`<service>-vmlet`, managed by `vmlet.io`) with the addresses of the
+    /// running pods of the VMs that name it, ready while the VM is Ready.
+    /// A Service with a selector is left to Kubernetes' EndpointSlice
+    /// controller (give the VM a label the selector matches instead: a VM's
+    /// pod carries its labels). At most 16.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub services: Vec<VmService>,
+}
+
+/// One of [`VirtualMachineSpec::services`].
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VmService {
+    /// The Service's name, in the VM's namespace.
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: String,
 }
 
 /// One of [`VirtualMachineSpec::networks`]: a network interface of the VM.
