@@ -306,20 +306,9 @@ pub(crate) struct Disk {
 /// copy target (`<mirror>`) are not read. Elements inside `<metadata>` are not
 /// read either.
 pub(crate) fn disks(xml: &str) -> Vec<Disk> {
-    let mut rest = xml.find("</metadata>").map_or(xml, |end| &xml[end..]);
+    let get = |attrs: &[(String, String)], key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
     let mut disks = Vec::new();
-    while let Some(start) = start_of(rest, "disk") {
-        let element = &rest[start..];
-        let (Some(attrs), Some(head_end)) = (attributes(element), element.find('>')) else {
-            break;
-        };
-        let body = if element[..head_end].ends_with('/') {
-            ""
-        } else {
-            &element[head_end + 1..element.find("</disk>").unwrap_or(element.len())]
-        };
-        rest = &element[head_end + 1 + body.len()..];
-        let get = |attrs: &[(String, String)], key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+    for (attrs, body) in devices(xml, "disk") {
         if get(&attrs, "device").is_some_and(|device| device != "disk") {
             continue;
         }
@@ -344,6 +333,29 @@ pub(crate) fn disks(xml: &str) -> Vec<Disk> {
     disks
 }
 
+/// The `<name>` elements of a domain XML after its `<metadata>`, in document
+/// order: each one's attributes and body (empty for `<name …/>`). Stops at
+/// the first start tag that does not parse.
+fn devices<'a>(xml: &'a str, name: &str) -> Vec<(Vec<(String, String)>, &'a str)> {
+    let close = format!("</{name}>");
+    let mut rest = xml.find("</metadata>").map_or(xml, |end| &xml[end..]);
+    let mut found = Vec::new();
+    while let Some(start) = start_of(rest, name) {
+        let element = &rest[start..];
+        let (Some(attrs), Some(head_end)) = (attributes(element), element.find('>')) else {
+            break;
+        };
+        let body = if element[..head_end].ends_with('/') {
+            ""
+        } else {
+            &element[head_end + 1..element.find(&close).unwrap_or(element.len())]
+        };
+        rest = &element[head_end + 1 + body.len()..];
+        found.push((attrs, body));
+    }
+    found
+}
+
 /// One network interface of a domain as its XML (`virDomainGetXMLDesc`)
 /// states it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -358,22 +370,16 @@ pub(crate) struct DomainInterface {
 /// The network interfaces of a domain XML in document order. Elements inside
 /// `<metadata>` are not read.
 pub(crate) fn interfaces(xml: &str) -> Vec<DomainInterface> {
-    let mut rest = xml.find("</metadata>").map_or(xml, |end| &xml[end..]);
-    let mut found = Vec::new();
-    while let Some(start) = start_of(rest, "interface") {
-        let element = &rest[start..];
-        let Some(attrs) = attributes(element) else { break };
-        let end = element.find("</interface>").unwrap_or(element.len());
-        let body = &element[..end];
-        let mac = start_of(body, "mac")
-            .and_then(|at| attributes(&body[at..]))
-            .and_then(|attrs| attrs.into_iter().find(|(k, _)| k == "address"))
-            .map(|(_, mac)| mac.to_ascii_lowercase());
-        let kind = attrs.into_iter().find(|(k, _)| k == "type").map(|(_, v)| v).unwrap_or_default();
-        found.push(DomainInterface { kind, mac });
-        rest = &element[end.max(1)..];
-    }
-    found
+    devices(xml, "interface")
+        .into_iter()
+        .map(|(attrs, body)| DomainInterface {
+            kind: attrs.into_iter().find(|(k, _)| k == "type").map(|(_, v)| v).unwrap_or_default(),
+            mac: start_of(body, "mac")
+                .and_then(|at| attributes(&body[at..]))
+                .and_then(|attrs| attrs.into_iter().find(|(k, _)| k == "address"))
+                .map(|(_, mac)| mac.to_ascii_lowercase()),
+        })
+        .collect()
 }
 
 /// Name of the storage pool whose target directory is a host's default storage
@@ -845,6 +851,21 @@ mod tests {
         assert!(xml.contains("<target type='virtio' name='org.qemu.guest_agent.0'/>"), "{xml}");
         assert!(!xml.contains("<interface"), "no network offered, no NIC (never user-mode): {xml}");
         assert!(xml.contains("<stats period='5'/>"), "{xml}");
+    }
+
+    #[test]
+    fn interfaces_are_read_from_libvirts_own_xml_with_their_macs_in_lower_case() {
+        let xml = "<domain type='kvm'>\n  <metadata><vmlet:vm uid='u'/><interface type='user'/></metadata>\n  \
+                   <devices>\n    <interface type='network'>\n      <mac address='52:54:00:AB:CD:01'/>\n      \
+                   <source network='vmlet-lan' portid='x' bridge='vmlet-lan0'/>\n      <target dev='vnet3'/>\n      \
+                   <model type='virtio'/>\n    </interface>\n    <interface type='direct'/>\n  </devices>\n</domain>\n";
+        assert_eq!(
+            interfaces(xml),
+            vec![
+                DomainInterface { kind: "network".into(), mac: Some("52:54:00:ab:cd:01".into()) },
+                DomainInterface { kind: "direct".into(), mac: None },
+            ]
+        );
     }
 
     #[test]
