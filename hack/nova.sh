@@ -35,9 +35,11 @@ SERVICE_PASSWORD=vmlet-service
 VMLET_PASSWORD=vmlet
 HOSTS=nova-a,nova-b,nova-c
 ZONES=nova-a=az1,nova-b=az1,nova-c=az2
-# What Nova's GlanceFixture and NeutronFixture serve (image1, network_1).
+# What Nova's GlanceFixture and NeutronFixture serve (image1, network_1), and
+# the second network hack/nova/vmlet_neutron.py adds (lan2).
 IMAGE=155d900f-4e14-4e4c-a73d-069cbf4541e6
 NETWORK=3cb9bc59-5699-4588-a4b1-b87f96708bc6
+NETWORK_2=c2f1b6a4-6d0e-4d54-9a3e-7b1f0e5d2a42
 
 LOGS=$STATE/logs
 PIDS=$STATE/pids
@@ -275,6 +277,7 @@ export OS_IDENTITY_API_VERSION=3
 export VMLET_NOVA_URL=$NOVA_URL
 export VMLET_NOVA_IMAGE=$IMAGE
 export VMLET_NOVA_NETWORK=$NETWORK
+export VMLET_NOVA_NETWORK_2=$NETWORK_2
 export VMLET_NOVA_HOSTS=$HOSTS
 export VMLET_NOVA_ZONES=$ZONES
 export VMLET_NOVA_USER_USERNAME=vmlet

@@ -24,7 +24,8 @@ clients authenticate at once; the computes report to Placement over HTTP.
 
 Test doubles from Nova's functional tests (nova.tests.fixtures) stand in for
 the services Nova only talks to: GlanceFixture (images), NeutronFixture
-(networks and ports), CinderFixture (volumes). Two more helpers from there
+(networks and ports; vmlet_neutron.py adds a second network and gives each
+port its own address), CinderFixture (volumes). Two more helpers from there
 make one process behave as several hosts: DatabaseWriteLock (one sqlite
 writer at a time) and ComputeNodeIdFixture (no shared compute_id file).
 
@@ -66,6 +67,7 @@ from nova import service  # noqa: E402
 from nova.tests import fixtures as nova_fixtures  # noqa: E402
 
 import vmlet_fake_driver  # noqa: E402
+import vmlet_neutron  # noqa: E402
 import wsgi_serve  # noqa: E402
 
 # Nova imports drivers as nova.virt.<compute_driver> only.
@@ -253,7 +255,7 @@ def main():
     ctxt = nova_context.get_admin_context()
     create_databases(ctxt)
     glance = cloud.useFixture(nova_fixtures.GlanceFixture(cloud))
-    neutron = cloud.useFixture(nova_fixtures.NeutronFixture(cloud))
+    neutron = cloud.useFixture(vmlet_neutron.VmletNeutronFixture(cloud))
     cloud.useFixture(nova_fixtures.CinderFixture(cloud))
     step('glance/neutron/cinder test doubles installed')
     create_flavors(ctxt)
@@ -270,8 +272,10 @@ def main():
     for mapping in host_mapping.discover_hosts(ctxt):
         step('discovered host %s' % mapping.host)
     create_zones(ctxt, zones)
-    step('serving (image %s, network %s)'
-         % (glance.image1['id'], neutron.network_1['id']))
+    step('serving (image %s, networks %s)'
+         % (glance.image1['id'], ', '.join(
+             '%s %s' % (n['name'], n['id'])
+             for n in neutron._networks.values())))
     with open(os.path.join(STATE, 'nova-ready'), 'w') as f:
         f.write(json.dumps({'pid': os.getpid(), 'hosts': hosts}) + '\n')
     wsgi_serve.serve('nova-api', app, int(ENV['VMLET_NOVA_PORT']),
