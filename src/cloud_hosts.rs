@@ -48,7 +48,15 @@ pub async fn discover(
         // What tenants may name: only what the administrator listed.
         let options = vmlet_openstack::CloudOptions {
             allowed_images: Some(entry.images.clone()),
-            allowed_networks: Some(entry.networks.clone()),
+            allowed_networks: Some(entry.plain_network_uuids()),
+            offered_networks: entry
+                .named_networks()
+                .map(|n| vmlet_openstack::OfferedNetwork {
+                    name: n.name.clone(),
+                    uuid: n.uuid.clone(),
+                    namespaces: n.namespaces.clone(),
+                })
+                .collect(),
             ..vmlet_openstack::CloudOptions::default()
         };
         let cloud =

@@ -13,20 +13,29 @@
 //!     nodeNamePrefix: ""             # node name = prefix + the compute host's name
 //!     labels: {tier: gold}           # like hosts[]: labels, taints, maxPods, ratios
 //!     images: [155d900f-4e14-4e4c-a73d-069cbf4541e6]   # the Glance images VMs may boot
-//!     networks: [3cb9bc59-5699-4588-a4b1-b87f96708bc6] # networks VMs may name (auto, none always)
+//!     networks:                      # the Neutron networks VMs may join
+//!       - {name: lan, uuid: 3cb9bc59-5699-4588-a4b1-b87f96708bc6}   # spec.networks[].name: lan
+//!       - {name: dmz, uuid: c2f1b6a4-6d0e-4d54-9a3e-7b1f0e5d2a42, namespaces: [web]}
+//!       - a1b2c3d4-0000-4000-8000-000000000001   # only by UUID, in providerOptions.networks
 //! ```
 //!
 //! `images` and `networks` are a security boundary between namespaces, as
 //! storage roots are on libvirt hosts: vmlet's user is the cloud's admin and
 //! could boot any project's private image or join any network, so a
 //! VirtualMachine may name only what the administrator listed here (absent:
-//! no image, and only `auto` / `none` networks).
+//! no image, and only `auto` / `none` networks). A named network is what a
+//! VM's `spec.networks[].name` chooses (as a libvirt host's `networks`), only
+//! in its `namespaces` when given; a VM that names none (and no
+//! `providerOptions.networks`) joins the first named one offered to its
+//! namespace, or `auto` when there is none. A plain UUID may be named in
+//! `spec.providerOptions.networks` by any namespace, as a named network's
+//! UUID may be by the namespaces it is offered to.
 //!
 //! Credentials are read from the file or the Secret, never from the command
 //! line, and never logged. Allocation ratios default to what the cloud's
 //! Placement service reports for each host (1.0 where it reports none).
 
-use crate::config::{AcceleratorConfig, ConfigError, HostConfig, TaintConfig};
+use crate::config::{check_dns_label, AcceleratorConfig, ConfigError, HostConfig, TaintConfig};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -72,10 +81,42 @@ pub struct CloudHostsConfig {
     /// that resolves to one of them). Absent: none.
     #[serde(default)]
     pub images: Vec<String>,
-    /// The network UUIDs VMs may name in `spec.providerOptions.networks`
-    /// besides `auto` and `none`. Absent: none.
+    /// The Neutron networks VMs may join: named ones (`spec.networks`) and
+    /// plain UUIDs (`spec.providerOptions.networks`, besides `auto` and
+    /// `none`). Absent: none.
     #[serde(default)]
-    pub networks: Vec<String>,
+    pub networks: Vec<CloudNetwork>,
+}
+
+/// One of [`CloudHostsConfig::networks`].
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum CloudNetwork {
+    /// A network UUID any VM may name in `spec.providerOptions.networks`.
+    Uuid(String),
+    /// A network VMs choose by name in `spec.networks`.
+    Named(NamedCloudNetwork),
+}
+
+/// A Neutron network offered to VMs under a name ([`CloudNetwork::Named`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NamedCloudNetwork {
+    /// The name VMs give in `spec.networks[].name`: a DNS label, unique in
+    /// the cloud entry.
+    pub name: String,
+    /// The Neutron network's UUID.
+    pub uuid: String,
+    /// The namespaces whose VMs may join it; absent: every namespace.
+    #[serde(default)]
+    pub namespaces: Option<Vec<String>>,
+}
+
+/// Whether `s` is a UUID in its usual text form (8-4-4-4-12 hex digits).
+fn is_uuid(s: &str) -> bool {
+    let groups: Vec<&str> = s.split('-').collect();
+    groups.iter().map(|g| g.len()).eq([8, 4, 4, 4, 12])
+        && groups.iter().all(|g| g.chars().all(|c| c.is_ascii_hexdigit()))
 }
 
 /// A key of a Secret.
@@ -105,6 +146,24 @@ pub enum CloudsSource<'a> {
 }
 
 impl CloudHostsConfig {
+    /// The network UUIDs listed without a name: any VM may name them in
+    /// `spec.providerOptions.networks`.
+    pub fn plain_network_uuids(&self) -> Vec<String> {
+        let plain = self.networks.iter().filter_map(|n| match n {
+            CloudNetwork::Uuid(uuid) => Some(uuid.clone()),
+            CloudNetwork::Named(_) => None,
+        });
+        plain.collect()
+    }
+
+    /// The named networks, in order.
+    pub fn named_networks(&self) -> impl Iterator<Item = &NamedCloudNetwork> {
+        self.networks.iter().filter_map(|n| match n {
+            CloudNetwork::Named(named) => Some(named),
+            CloudNetwork::Uuid(_) => None,
+        })
+    }
+
     /// Where the clouds.yaml comes from (validated: exactly one).
     pub fn source(&self) -> CloudsSource<'_> {
         match (&self.clouds_file, &self.clouds_secret) {
@@ -202,6 +261,41 @@ impl CloudHostsConfig {
         if self.max_pods == Some(0) {
             return invalid("maxPods", "is 0; a node needs room for at least one pod".into());
         }
+        let mut names: Vec<&str> = Vec::new();
+        for (j, network) in self.networks.iter().enumerate() {
+            let field = |f: &str| format!("networks[{j}]{f}");
+            let uuid = match network {
+                CloudNetwork::Uuid(uuid) => uuid,
+                CloudNetwork::Named(named) => {
+                    if let Err(why) = check_dns_label(&named.name) {
+                        return invalid(&field(".name"), format!("{:?} {why}", named.name));
+                    }
+                    if names.contains(&named.name.as_str()) {
+                        return invalid(&field(".name"), format!("{:?} is offered twice", named.name));
+                    }
+                    names.push(&named.name);
+                    if named.namespaces.as_ref().is_some_and(Vec::is_empty) {
+                        return invalid(
+                            &field(".namespaces"),
+                            "is empty; list the namespaces that may use it, or leave it out for all".into(),
+                        );
+                    }
+                    for (k, namespace) in named.namespaces.iter().flatten().enumerate() {
+                        if let Err(why) = check_dns_label(namespace) {
+                            return invalid(&field(&format!(".namespaces[{k}]")), format!("{namespace:?} {why}"));
+                        }
+                    }
+                    &named.uuid
+                }
+            };
+            if !is_uuid(uuid) {
+                let at = if matches!(network, CloudNetwork::Named(_)) { field(".uuid") } else { field("") };
+                return invalid(
+                    &at,
+                    format!("{uuid:?} is not a network UUID; give a Neutron network's id (openstack network list)"),
+                );
+            }
+        }
         Ok(())
     }
 }
@@ -282,5 +376,50 @@ mod tests {
             assert!(error.starts_with(&format!("{field}:")), "{yaml}: {error}");
         }
         assert!(entry(BASE).validate(0, &["openstack"]).is_ok());
+    }
+
+    #[test]
+    fn networks_are_named_entries_or_plain_uuids() {
+        let e = entry(
+            "{provider: openstack, cloud: prod, cloudsFile: /c.yaml, networks: [\
+             {name: lan, uuid: 3cb9bc59-5699-4588-a4b1-b87f96708bc6}, \
+             a1b2c3d4-0000-4000-8000-000000000001, \
+             {name: dmz, uuid: c2f1b6a4-6d0e-4d54-9a3e-7b1f0e5d2a42, namespaces: [web, shop]}]}",
+        );
+        assert!(e.validate(0, &["openstack"]).is_ok());
+        assert_eq!(e.plain_network_uuids(), vec!["a1b2c3d4-0000-4000-8000-000000000001".to_owned()]);
+        let named: Vec<(&str, &str, Option<&[String]>)> =
+            e.named_networks().map(|n| (n.name.as_str(), n.uuid.as_str(), n.namespaces.as_deref())).collect();
+        assert_eq!(
+            named,
+            vec![
+                ("lan", "3cb9bc59-5699-4588-a4b1-b87f96708bc6", None),
+                ("dmz", "c2f1b6a4-6d0e-4d54-9a3e-7b1f0e5d2a42", Some(&["web".to_owned(), "shop".to_owned()][..])),
+            ]
+        );
+        let plain_only = entry(
+            "{provider: openstack, cloud: p, cloudsFile: /c.yaml, networks: [3cb9bc59-5699-4588-a4b1-b87f96708bc6]}",
+        );
+        assert_eq!(plain_only.named_networks().count(), 0, "today's configs keep working");
+    }
+
+    #[test]
+    fn bad_networks_are_refused_naming_the_entry() {
+        const NET: &str = "3cb9bc59-5699-4588-a4b1-b87f96708bc6";
+        let cases = [
+            (format!("[{{name: Lan, uuid: {NET}}}]"), "clouds[0].networks[0].name:"),
+            (format!("[{{name: lan, uuid: {NET}}}, {{name: lan, uuid: {NET}}}]"), "clouds[0].networks[1].name:"),
+            ("[{name: lan, uuid: private}]".to_owned(), "clouds[0].networks[0].uuid:"),
+            (format!("[{NET}, not-a-uuid]"), "clouds[0].networks[1]:"),
+            (format!("[{{name: lan, uuid: {NET}, namespaces: []}}]"), "clouds[0].networks[0].namespaces:"),
+            (format!("[{{name: lan, uuid: {NET}, namespaces: [Web]}}]"), "clouds[0].networks[0].namespaces[0]:"),
+        ];
+        for (networks, field) in cases {
+            let yaml = format!("{{provider: openstack, cloud: prod, cloudsFile: /c.yaml, networks: {networks}}}");
+            let error = entry(&yaml).validate(0, &["openstack"]).expect_err(&yaml).to_string();
+            assert!(error.starts_with(field), "{yaml}: {error}");
+        }
+        let unknown_key = "{provider: openstack, cloud: p, cloudsFile: /c.yaml, networks: [{name: lan, id: x}]}";
+        assert!(serde_yaml::from_str::<CloudHostsConfig>(unknown_key).is_err(), "a misspelt field is no UUID");
     }
 }

@@ -517,7 +517,7 @@ fn check_label(key: &str, value: &str) -> Result<(), String> {
 }
 
 /// Check a DNS-1123 label (what Kubernetes requires of namespace names).
-fn check_dns_label(name: &str) -> Result<(), &'static str> {
+pub(crate) fn check_dns_label(name: &str) -> Result<(), &'static str> {
     if name.len() > 63 || name.contains('.') {
         return Err("is not a DNS label: at most 63 lowercase letters, digits and '-', no '.'");
     }

@@ -34,9 +34,10 @@ async fn nova_view(h: &Harness, uid: &str) -> Option<(String, VmStatus)> {
     found
 }
 
-/// The harness's image and network as the only ones VMs may name.
+/// The harness's image and network as the only ones VMs may name; the
+/// network offered by name (`lan`), so by UUID too.
 fn allowed(h: &Harness) -> serde_json::Value {
-    json!({"images": [h.image], "networks": [h.network]})
+    json!({"images": [h.image], "networks": [{"name": "lan", "uuid": h.network}]})
 }
 
 /// Servers of the whole cloud that carry the VM's UID.
@@ -80,16 +81,23 @@ async fn a_vm_on_nova_starts_stops_resizes_moves_on_drain_and_is_adopted_after_a
     assert_eq!(listed.lines().count(), h.hosts.len(), "{listed}");
 
     // A VirtualMachine becomes an ACTIVE server on the host its pod went to.
-    env.apply_vm(
-        "web",
-        json!({"image": h.image, "providerOptions": {"networks": h.network}, "evictionStrategy": "LiveMigrate"}),
-    );
+    env.apply_vm("web", json!({"image": h.image, "networks": [{"name": "lan"}], "evictionStrategy": "LiveMigrate"}));
     let vm = env.wait_vm_phase("web", "Running").await;
     let uid = vm.metadata.uid.clone().unwrap();
     let pod = env.pod_of("web").await;
     let first_node = node_of(&env.pods().get(&pod).await.unwrap());
     let (host, server) = wait_nova(&env, &h, &uid, PowerState::Running).await;
     assert_eq!(env.node(&host), first_node, "the server is on the pod's node's compute host");
+    // spec.networks' `lan` is the server's port; its fixed IP the pod's IP.
+    let fixed_ip = server.addresses.first().expect("the server's fixed IP on lan").to_string();
+    env.wait_for("the pod's IP to be the server's fixed IP", || {
+        let (pods, pod, fixed_ip) = (env.pods(), pod.clone(), fixed_ip.clone());
+        async move {
+            let ip = pods.get(&pod).await.ok()?.status?.pod_ip?;
+            (ip == fixed_ip).then_some(())
+        }
+    })
+    .await;
     assert_eq!(
         vm.status.as_ref().and_then(|s| s.placement.as_ref()).map(|p| p.node_name.clone()),
         Some(first_node.clone())
@@ -296,9 +304,12 @@ async fn a_tenant_cannot_boot_an_image_or_join_a_network_the_administrator_did_n
     let other_network = "0b4ab3f9-0000-4000-8000-0000000000bb";
     env.apply_vm("img", json!({"image": other_image}));
     env.apply_vm("net", json!({"image": h.image, "providerOptions": {"networks": other_network}}));
-    for (vm, field, named) in
-        [("img", "spec.image", other_image), ("net", "spec.providerOptions.networks", other_network)]
-    {
+    env.apply_vm("wan", json!({"image": h.image, "networks": [{"name": "lan"}, {"name": "wan"}]}));
+    for (vm, field, named) in [
+        ("img", "spec.image", other_image),
+        ("net", "spec.providerOptions.networks", other_network),
+        ("wan", "spec.networks[1].name", "\"wan\""),
+    ] {
         let (reason, message) = env
             .wait_for(&format!("{vm}'s pod to be refused naming {field}"), || async {
                 waiting_of(&env, vm).await.filter(|(reason, _)| reason == "InvalidSpec")

@@ -208,7 +208,9 @@ pub struct VirtualMachineSpec {
     /// lists the networks in vmlet's config (libvirt: a libvirt network, a
     /// bridge or macvtap per name, optionally only for some namespaces; Nova:
     /// a Neutron network per name), so one manifest runs on every back end.
-    /// Empty or absent: the first network the host offers this namespace.
+    /// Empty or absent: the first network the host offers this namespace
+    /// (Nova: `auto` where the cloud offers it none, or
+    /// `providerOptions.networks`, which cannot be combined with this).
     /// A name the host does not offer leaves the pod waiting (`InvalidSpec`,
     /// naming `spec.networks[<i>].name` and the names it does offer) and
     /// nothing is defined. Read when the VM is defined. At most 8.
@@ -249,7 +251,8 @@ pub struct VmNetwork {
     /// A fixed MAC address for the interface, six lower-case hex octets
     /// separated by colons, unicast (the first octet even), e.g.
     /// `52:54:00:12:34:56`. Absent: the back end picks one when the VM is
-    /// defined and keeps it for the VM's life (migrations included).
+    /// defined and keeps it for the VM's life (migrations included). Nova
+    /// refuses it (Neutron picks a port's MAC address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 17, max = 17), regex(pattern = r"^[0-9a-f][02468ace](:[0-9a-f]{2}){5}$"))]
     pub mac_address: Option<String>,

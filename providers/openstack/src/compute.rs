@@ -41,9 +41,10 @@ pub(crate) struct Server {
     /// The embedded flavor (2.47+).
     #[serde(default)]
     pub(crate) flavor: ServerFlavor,
-    /// Network name → addresses.
-    #[serde(default)]
-    pub(crate) addresses: BTreeMap<String, Vec<Address>>,
+    /// Network name → addresses, in Nova's order: the server's ports in
+    /// the order they were asked for (a JSON object, read in order).
+    #[serde(default, deserialize_with = "in_order")]
+    pub(crate) addresses: Vec<(String, Vec<Address>)>,
     #[serde(default)]
     pub(crate) fault: Option<Fault>,
     #[serde(rename = "OS-SRV-USG:launched_at", default)]
@@ -69,9 +70,39 @@ pub(crate) struct ServerFlavor {
 }
 
 /// One address of a server.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 pub(crate) struct Address {
     pub(crate) addr: String,
+    /// `fixed` (the port's own address) or `floating` (a NAT address of a
+    /// router in front of it); absent in old clouds' answers.
+    #[serde(rename = "OS-EXT-IPS:type", default)]
+    pub(crate) kind: Option<String>,
+}
+
+/// A JSON object's entries in the order they come (`BTreeMap` would sort
+/// them by network name and lose the port order).
+fn in_order<'de, D>(deserializer: D) -> std::result::Result<Vec<(String, Vec<Address>)>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    struct InOrder;
+    impl<'de> serde::de::Visitor<'de> for InOrder {
+        type Value = Vec<(String, Vec<Address>)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of network name to addresses")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut entries = Vec::new();
+            while let Some(entry) = map.next_entry()? {
+                entries.push(entry);
+            }
+            Ok(entries)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> std::result::Result<Self::Value, E> {
+            Ok(Vec::new())
+        }
+    }
+    deserializer.deserialize_any(InOrder)
 }
 
 /// Why a server is in ERROR.
@@ -453,6 +484,20 @@ mod tests {
         .unwrap();
         assert_eq!(server.host.as_deref(), Some("nova-a"));
         assert_eq!(server.flavor, ServerFlavor { original_name: "m1.small".into(), vcpus: 1, ram: 2048, disk: 20 });
-        assert_eq!(server.addresses["private"][0].addr, "192.168.1.5");
+        assert_eq!(server.addresses[0].0, "private");
+        assert_eq!(server.addresses[0].1[0].addr, "192.168.1.5");
+        assert_eq!(server.addresses[0].1[0].kind.as_deref(), Some("fixed"));
+    }
+
+    #[test]
+    fn addresses_keep_nova_s_port_order_not_the_names_order() {
+        let server: Server = serde_json::from_str(
+            r#"{"id": "s1", "addresses": {"zeta": [{"addr": "10.0.0.2"}], "alpha": [{"addr": "10.0.1.2"}]}}"#,
+        )
+        .unwrap();
+        let names: Vec<&str> = server.addresses.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["zeta", "alpha"]);
+        let none: Server = serde_json::from_str(r#"{"id": "s1", "addresses": null}"#).unwrap();
+        assert!(none.addresses.is_empty());
     }
 }

@@ -74,9 +74,29 @@ pub(crate) fn host_of(server: &Server) -> Option<&str> {
     server.host.as_deref().filter(|h| !h.is_empty()).or_else(|| server.metadata.get(HOST_KEY).map(String::as_str))
 }
 
-/// Every IP address Nova knows for the server, in network-name order.
+/// The server's addresses as vmlet reports them (the pod's IPs): the fixed
+/// addresses of its ports first, first port first (Nova lists them in the
+/// order the server's networks were asked for), then floating addresses;
+/// without loopback, link-local and unspecified addresses, each once.
 pub(crate) fn addresses_of(server: &Server) -> Vec<IpAddr> {
-    server.addresses.values().flatten().filter_map(|a| a.addr.parse().ok()).collect()
+    let all = || server.addresses.iter().flat_map(|(_, addresses)| addresses);
+    let floating = |a: &&crate::compute::Address| a.kind.as_deref() == Some("floating");
+    let mut out: Vec<IpAddr> = Vec::new();
+    for ip in all().filter(|a| !floating(a)).chain(all().filter(floating)).filter_map(|a| a.addr.parse().ok()) {
+        if usable(&ip) && !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    out
+}
+
+/// Whether another machine could reach the guest at `ip`: not loopback,
+/// link-local (169.254/16, fe80::/10) or unspecified.
+fn usable(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => !(v4.is_loopback() || v4.is_link_local() || v4.is_unspecified()),
+        IpAddr::V6(v6) => !(v6.is_loopback() || v6.is_unspecified() || (v6.segments()[0] & 0xffc0) == 0xfe80),
+    }
 }
 
 /// The size a flavor gives.
@@ -211,9 +231,8 @@ mod tests {
             ..Server::default()
         };
         server.metadata.insert(UID_KEY.into(), "uid-1".into());
-        server
-            .addresses
-            .insert("net".into(), vec![Address { addr: "10.0.0.5".into() }, Address { addr: "fd00::5".into() }]);
+        let address = |addr: &str| Address { addr: addr.into(), kind: Some("fixed".into()) };
+        server.addresses.push(("net".into(), vec![address("10.0.0.5"), address("fd00::5")]));
         let status = status_of(&server, None);
         assert_eq!(status.id, VmId("uid-1".into()));
         assert_eq!(
@@ -221,10 +240,34 @@ mod tests {
             (1, 2048 * MIB, 1, 2048 * MIB)
         );
         assert_eq!(status.addresses, vec!["10.0.0.5".parse::<IpAddr>().unwrap(), "fd00::5".parse().unwrap()]);
+        assert_eq!(status.network_interfaces, 1);
         assert_eq!((status.power, status.stop_reason, status.next_start), (PowerState::Running, None, None));
         let bigger = flavor("m", 2, 4096, 40);
         assert_eq!(status_of(&server, Some(&bigger)).next_start, Some(Resources { cpus: 2, memory_bytes: 4096 * MIB }));
         let same = flavor("s2", 1, 2048, 40);
         assert_eq!(status_of(&server, Some(&same)).next_start, None);
+    }
+
+    #[test]
+    fn fixed_addresses_come_first_in_port_order_then_floating_without_link_local() {
+        let address = |addr: &str, kind: Option<&str>| Address { addr: addr.into(), kind: kind.map(Into::into) };
+        let mut server = Server { id: "sid".into(), status: "ACTIVE".into(), ..Server::default() };
+        server.addresses = vec![
+            (
+                "wan".into(),
+                vec![
+                    address("fe80::f816:3eff:fe00:1", Some("fixed")),
+                    address("203.0.113.7", Some("floating")),
+                    address("10.42.0.10", Some("fixed")),
+                ],
+            ),
+            ("lan".into(), vec![address("169.254.0.3", None), address("192.168.1.10", None)]),
+            ("dup".into(), vec![address("10.42.0.10", Some("fixed")), address("not an address", None)]),
+        ];
+        let status = status_of(&server, None);
+        let want: Vec<IpAddr> =
+            ["10.42.0.10", "192.168.1.10", "203.0.113.7"].iter().map(|a| a.parse().unwrap()).collect();
+        assert_eq!(status.addresses, want);
+        assert_eq!(status.network_interfaces, 3, "one per network Nova lists");
     }
 }

@@ -5,7 +5,10 @@
 //! | key | value | default |
 //! |---|---|---|
 //! | `flavor` | a flavor id or name | the smallest flavor with at least the VM's vCPUs and memory |
-//! | `networks` | `auto` (Nova allocates a network), `none`, or comma-separated Neutron network UUIDs | `auto` |
+//! | `networks` | `auto` (Nova allocates a network), `none`, or comma-separated Neutron network UUIDs | see `networks.rs`: the first named network offered to the VM's namespace, else `auto` |
+//!
+//! `networks` is the older form of the backend-neutral `spec.networks`
+//! (names the cloud offers); a VM gives one or the other, never both.
 
 use std::collections::BTreeMap;
 
@@ -42,8 +45,8 @@ impl Networks {
 pub(crate) struct ServerOptions {
     /// `flavor`, when given.
     pub(crate) flavor: Option<String>,
-    /// `networks`.
-    pub(crate) networks: Networks,
+    /// `networks`, when given.
+    pub(crate) networks: Option<Networks>,
 }
 
 /// Read `options`. Errors: `InvalidInput` naming `spec.providerOptions.<key>`
@@ -69,8 +72,9 @@ pub(crate) fn parse(options: &BTreeMap<String, String>) -> Result<ServerOptions>
         ));
     }
     let networks = match options.get("networks").map(|n| n.trim()) {
-        None | Some("auto") => Networks::Auto,
-        Some("none") => Networks::None,
+        None => None,
+        Some("auto") => Some(Networks::Auto),
+        Some("none") => Some(Networks::None),
         Some(list) => {
             let ids: Vec<String> = list.split(',').map(|id| id.trim().to_owned()).filter(|id| !id.is_empty()).collect();
             if ids.is_empty() {
@@ -90,7 +94,7 @@ pub(crate) fn parse(options: &BTreeMap<String, String>) -> Result<ServerOptions>
                     ),
                 ));
             }
-            Networks::Uuids(ids)
+            Some(Networks::Uuids(ids))
         }
     };
     Ok(ServerOptions { flavor, networks })
@@ -105,8 +109,9 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_auto_networks_and_no_flavor() {
-        assert_eq!(parse(&options(&[])).unwrap(), ServerOptions { flavor: None, networks: Networks::Auto });
+    fn defaults_are_no_networks_and_no_flavor() {
+        assert_eq!(parse(&options(&[])).unwrap(), ServerOptions { flavor: None, networks: None });
+        assert_eq!(parse(&options(&[("networks", " auto ")])).unwrap().networks, Some(Networks::Auto));
     }
 
     #[test]
@@ -115,9 +120,9 @@ mod tests {
         let b = "a1b2c3d4-0000-4000-8000-000000000001";
         let parsed = parse(&options(&[("flavor", "m1.small"), ("networks", &format!("{a}, {b}"))])).unwrap();
         assert_eq!(parsed.flavor.as_deref(), Some("m1.small"));
-        assert_eq!(parsed.networks, Networks::Uuids(vec![a.into(), b.into()]));
-        assert_eq!(parsed.networks.to_json(), json!([{"uuid": a}, {"uuid": b}]));
-        assert_eq!(parse(&options(&[("networks", "none")])).unwrap().networks.to_json(), json!("none"));
+        assert_eq!(parsed.networks, Some(Networks::Uuids(vec![a.into(), b.into()])));
+        assert_eq!(parsed.networks.unwrap().to_json(), json!([{"uuid": a}, {"uuid": b}]));
+        assert_eq!(parse(&options(&[("networks", "none")])).unwrap().networks.unwrap().to_json(), json!("none"));
     }
 
     #[test]

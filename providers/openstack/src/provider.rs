@@ -307,22 +307,12 @@ impl OpenStackProvider {
                 ));
             }
         }
-        if let (Some(allowed), options::Networks::Uuids(ids)) =
-            (&self.cloud.options.allowed_networks, &options.networks)
-        {
-            if let Some(refused) = ids.iter().find(|id| !allowed.contains(id)) {
-                return Err(Error::new(
-                    OP,
-                    ErrorKind::InvalidInput,
-                    format!(
-                        "spec.providerOptions.networks: network {refused} is not one this cloud allows for VMs \
-                         (allowed: auto, none, [{}]); ask vmlet's administrator to add it to the cloud's networks \
-                         in vmlet's config",
-                        allowed.join(", ")
-                    ),
-                ));
-            }
-        }
+        let networks = crate::networks::server_networks(
+            spec,
+            options.networks.as_ref(),
+            &self.cloud.options.offered_networks,
+            self.cloud.options.allowed_networks.as_deref(),
+        )?;
         let flavors = self.cloud.flavors(false).await?;
         let flavor = match &options.flavor {
             Some(wanted) => {
@@ -382,7 +372,7 @@ impl OpenStackProvider {
             "name": spec.backend_name(),
             "imageRef": image_id,
             "flavorRef": flavor.id,
-            "networks": options.networks.to_json(),
+            "networks": networks.to_json(),
             "metadata": metadata,
         });
         if let Some(cloud_init) = &spec.cloud_init {
@@ -530,7 +520,10 @@ impl Provider for OpenStackProvider {
     /// An existing server is returned as it is.
     ///
     /// Errors: `InvalidInput` for kernel boot, a missing or unknown image or
-    /// flavor, no fitting flavor, an unknown `spec.providerOptions` key;
+    /// flavor, no fitting flavor, an unknown `spec.providerOptions` key, a
+    /// network the cloud does not offer the VM's namespace, a MAC address,
+    /// or both `spec.networks` and `providerOptions.networks` (see
+    /// `networks.rs`), all before a server is created;
     /// `Conflict` when the server is on another host; `Permanent` when Nova
     /// could not build it (with Nova's fault); `QuotaExceeded`; `Transient`
     /// (also when the scheduler found no room on this host: the failed,
@@ -724,7 +717,7 @@ fn check_cloud_init(cloud_init: &vmlet_provider::CloudInit) -> Result<()> {
             OP,
             ErrorKind::Unsupported,
             "spec.cloudInit.networkData: Nova configures a server's network from Neutron and has no field for \
-             cloud-init network config; remove networkData (name networks in spec.providerOptions.networks)",
+             cloud-init network config; remove networkData (choose networks in spec.networks)",
         ));
     }
     let encoded = cloud_init.user_data.len().div_ceil(3) * 4;

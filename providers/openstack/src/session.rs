@@ -59,10 +59,17 @@ pub struct CloudOptions {
     /// vmlet's admin user could boot any project's private image. `None`:
     /// any image vmlet's user may use (a single trusted tenant, tests).
     pub allowed_images: Option<Vec<String>>,
-    /// The network UUIDs VMs may name in `spec.providerOptions.networks`
-    /// (`auto` and `none` are always allowed): vmlet's admin user could
-    /// attach a VM to any project's network. `None`: any.
+    /// The network UUIDs any VM may name in `spec.providerOptions.networks`
+    /// (`auto` and `none` are always allowed; so are the UUIDs of
+    /// [`CloudOptions::offered_networks`] offered to the VM's namespace):
+    /// vmlet's admin user could attach a VM to any project's network.
+    /// `None`: any.
     pub allowed_networks: Option<Vec<String>>,
+    /// The Neutron networks VMs may join by name (`spec.networks[].name`),
+    /// in order: a VM that names none (and no `providerOptions.networks`)
+    /// joins the first one offered to its namespace. Empty: VMs cannot use
+    /// `spec.networks`.
+    pub offered_networks: Vec<crate::OfferedNetwork>,
 }
 
 impl Default for CloudOptions {
@@ -78,6 +85,7 @@ impl Default for CloudOptions {
             max_microversion: None,
             allowed_images: None,
             allowed_networks: None,
+            offered_networks: Vec::new(),
         }
     }
 }

@@ -68,9 +68,8 @@ async fn defining_twice_gives_one_server_that_starts_stops_and_starts_again_with
     assert_eq!(count_everywhere(&providers, &spec.id).await, 1);
     // 1 vCPU, 256 MiB: the harness's c1-m256 flavor is the smallest that fits.
     assert_eq!((first.cpus, first.memory_bytes), (1, 256 * MIB));
-    // Addresses: Nova's `addresses` of the harness's servers stay empty (its
-    // NeutronFixture ports never reach the info cache), so only real clouds
-    // show them; mapping.rs's unit test covers reading them.
+    // The spec's providerOptions.networks: one port, its fixed IP the address.
+    assert_eq!((first.network_interfaces, first.addresses.len()), (1, 1), "{first:?}");
     // Nova boots what it creates; the provider stops it: defined means off.
     assert_eq!(first.power, PowerState::Off, "{first:?}");
     a.start(&spec.id).await.expect("first start");

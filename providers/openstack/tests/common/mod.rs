@@ -29,6 +29,9 @@ pub struct Harness {
     pub image: String,
     /// A network UUID the cloud serves (`VMLET_NOVA_NETWORK`).
     pub network: String,
+    /// A second network (`VMLET_NOVA_NETWORK_2`, the harness's `lan2`,
+    /// 10.42.0.0/24), when the harness has one.
+    pub network_2: Option<String>,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -72,6 +75,7 @@ pub fn harness(test: &str) -> Option<Harness> {
         hosts,
         image: required("VMLET_NOVA_IMAGE"),
         network: required("VMLET_NOVA_NETWORK"),
+        network_2: var("VMLET_NOVA_NETWORK_2"),
     })
 }
 
