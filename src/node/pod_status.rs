@@ -113,7 +113,7 @@ pub fn pod_status(pod: &Pod, host_ip: &str, observed: &Observed<'_>, restarted: 
             } else {
                 waiting("PoweredOff", &format!("the VM is {:?}; starting it", status.power))
             };
-            let addresses: Vec<String> = status.addresses.iter().map(|a| a.to_string()).collect();
+            let addresses = pod_ips(&status.addresses);
             (running, ready, state, Some(format!("{provider}://{}", status.backend_id)), addresses)
         }
         Observed::Waiting { reason, message } => (
@@ -202,6 +202,16 @@ fn ended_status(old: PodStatus, now: &Time, ended: Ended, message: &str) -> PodS
     }
 }
 
+/// The pod IPs for a VM's addresses (first interface first): the first
+/// address and the first of the other family, as the API server allows at
+/// most one IP per family (`status.podIPs`: one, or a dual-stack pair). A
+/// VM's further addresses (a second NIC's) are not the pod's.
+fn pod_ips(addresses: &[std::net::IpAddr]) -> Vec<String> {
+    let Some(first) = addresses.first() else { return Vec::new() };
+    let other = addresses.iter().find(|a| a.is_ipv4() != first.is_ipv4());
+    std::iter::once(first).chain(other).map(ToString::to_string).collect()
+}
+
 fn waiting(reason: &str, message: &str) -> ContainerState {
     ContainerState {
         waiting: Some(ContainerStateWaiting { reason: Some(reason.into()), message: Some(message.into()) }),
@@ -272,6 +282,15 @@ mod tests {
 
     fn bound_pod() -> Pod {
         PodBuilder::for_vm(&VmBuilder::new("web").build()).on_node("host-a").build()
+    }
+
+    #[test]
+    fn pod_ips_are_the_first_address_and_the_first_of_the_other_family() {
+        let ips = |list: &[&str]| list.iter().map(|a| a.parse().unwrap()).collect::<Vec<std::net::IpAddr>>();
+        assert_eq!(pod_ips(&ips(&[])), Vec::<String>::new());
+        assert_eq!(pod_ips(&ips(&["10.0.0.5", "10.1.0.5"])), ["10.0.0.5"], "a second NIC's IPv4 is not the pod's");
+        assert_eq!(pod_ips(&ips(&["10.0.0.5", "10.1.0.5", "fd00::5"])), ["10.0.0.5", "fd00::5"]);
+        assert_eq!(pod_ips(&ips(&["fd00::5", "fd00::6", "10.0.0.5"])), ["fd00::5", "10.0.0.5"]);
     }
 
     #[test]
