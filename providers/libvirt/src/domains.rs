@@ -10,7 +10,7 @@ use virt::error::Error as VirtError;
 use vmlet_provider::{Error, ErrorKind, PowerState, Resources, Result, StopReason, VmId, VmStatus};
 
 use crate::error::{from_libvirt, is_no_domain, is_no_metadata};
-use crate::xml::{interfaces, parse_identity, Identity, Size, METADATA_NS};
+use crate::xml::{interfaces, parse_identity, DomainInterface, Identity, Size, METADATA_NS};
 
 /// Which domain carries which vmlet identity, remembered between calls so that
 /// finding one VM costs one lookup instead of a scan of the host.
@@ -118,8 +118,8 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
     let (addresses, network_interfaces, stop_reason, next_start) = if power.is_active() {
         let definition = persistent_xml(domain)?;
         let persistent = Size::from_domain_xml(&definition).ok_or_else(no_size)?;
-        let macs: Vec<String> = interfaces(&definition).into_iter().filter_map(|nic| nic.mac).collect();
-        (guest_addresses(domain, &macs), macs.len(), None, next_start(&info, persistent))
+        let nics = interfaces(&definition);
+        (guest_addresses(domain, &nics), nics.len(), None, next_start(&info, persistent))
     } else {
         let (_, reason) = domain.state().map_err(|e| from_libvirt("read domain state", e))?;
         (Vec::new(), 0, Some(stop_reason_from_libvirt(reason)), None)
@@ -196,29 +196,38 @@ pub(crate) fn stop_reason_from_libvirt(reason: virt::domain::DomainStateReasonEn
     }
 }
 
-/// The addresses of the guest's interfaces whose MAC addresses are `macs`, in
-/// that order: from libvirt's DHCP leases (libvirt networks with DHCP),
-/// where those leave an interface without one from the host's ARP table,
-/// and then from the guest agent (bridges and macvtap, whose DHCP is not
-/// libvirt's). Loopback, link-local and unspecified addresses are left out,
-/// and so are interfaces that are not the domain's own (the agent also
-/// reports `lo` and any the guest made itself). Errors of a source count as
-/// "none known"; no interface, no call.
-fn guest_addresses(domain: &Domain, macs: &[String]) -> Vec<IpAddr> {
+/// The addresses of the guest's interfaces `nics`, in that order. An
+/// interface on a libvirt network (`type='network'`) has only the address
+/// libvirt's DHCP server leased to its MAC address: what the guest itself
+/// says (the guest agent, the ARP replies it sends) is never taken for it,
+/// so a guest cannot make its pod's IP another machine's. Interfaces on a
+/// bridge or macvtap, whose DHCP is not libvirt's, take the host's ARP
+/// table, then the guest agent: there the guest names its own address (see
+/// the README's Networking section). Loopback, link-local, multicast,
+/// broadcast and unspecified addresses are left out, and so are interfaces
+/// that are not the domain's own (the agent also reports `lo` and any the
+/// guest made itself). Errors of a source count as "none known"; no
+/// interface, no call.
+fn guest_addresses(domain: &Domain, nics: &[DomainInterface]) -> Vec<IpAddr> {
     use virt::sys::{
         VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT as AGENT, VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_ARP as ARP,
         VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE as LEASE,
     };
-    let mut found: Vec<Vec<IpAddr>> = vec![Vec::new(); macs.len()];
+    let mut found: Vec<Vec<IpAddr>> = vec![Vec::new(); nics.len()];
     for source in [LEASE, ARP, AGENT] {
-        if found.iter().all(|addresses| !addresses.is_empty()) {
-            break;
+        let wanting = |nic: &DomainInterface, addresses: &Vec<IpAddr>| {
+            addresses.is_empty() && (source == LEASE || nic.kind != "network")
+        };
+        if !nics.iter().zip(&found).any(|(nic, addresses)| wanting(nic, addresses)) {
+            continue;
         }
         let Ok(interfaces) = domain.interface_addresses(source, 0) else { continue };
         for interface in interfaces {
             let Some(hwaddr) = interface.hwaddr.as_deref() else { continue };
-            let Some(nic) = macs.iter().position(|mac| mac.eq_ignore_ascii_case(hwaddr)) else { continue };
-            if !found[nic].is_empty() {
+            let matching =
+                |nic: &DomainInterface| nic.mac.as_deref().is_some_and(|mac| mac.eq_ignore_ascii_case(hwaddr));
+            let Some(nic) = nics.iter().position(matching) else { continue };
+            if !wanting(&nics[nic], &found[nic]) {
                 continue;
             }
             found[nic] =
@@ -234,18 +243,34 @@ fn guest_addresses(domain: &Domain, macs: &[String]) -> Vec<IpAddr> {
     addresses
 }
 
-/// Whether a guest address can stand for the VM: not loopback, link-local
-/// or unspecified.
+/// Whether a guest address can stand for the VM (and be a pod IP): not
+/// loopback, link-local, multicast, broadcast or unspecified.
 fn usable(address: &IpAddr) -> bool {
     match address {
-        IpAddr::V4(v4) => !(v4.is_loopback() || v4.is_link_local() || v4.is_unspecified()),
-        IpAddr::V6(v6) => !(v6.is_loopback() || v6.is_unspecified() || (v6.segments()[0] & 0xffc0) == 0xfe80),
+        IpAddr::V4(v4) => {
+            !(v4.is_loopback() || v4.is_link_local() || v4.is_unspecified() || v4.is_multicast() || v4.is_broadcast())
+        }
+        IpAddr::V6(v6) => {
+            !(v6.is_loopback() || v6.is_unspecified() || v6.is_multicast() || (v6.segments()[0] & 0xffc0) == 0xfe80)
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_addresses_that_can_stand_for_a_vm_are_used() {
+        for good in ["10.239.0.5", "192.0.2.1", "fd00::5", "2001:db8::1"] {
+            assert!(usable(&good.parse().unwrap()), "{good}");
+        }
+        for bad in
+            ["127.0.0.1", "169.254.1.1", "0.0.0.0", "224.0.0.1", "255.255.255.255", "::1", "::", "fe80::1", "ff02::1"]
+        {
+            assert!(!usable(&bad.parse().unwrap()), "{bad}");
+        }
+    }
 
     fn running(cpus: u32, memory_kib: u64) -> DomainInfo {
         DomainInfo {

@@ -426,6 +426,7 @@ impl Host {
         // does not offer is refused on it too.
         let nics = networks::resolve(networks, spec)?;
         let nics = if kind.is_qemu() { nics } else { Vec::new() };
+        refuse_macs_in_use(conn, &nics)?;
         let name = spec.backend_name();
         match conn.lookup_domain_by_name(&name) {
             Ok(domain) => return Err(name_taken(&name, &domain)),
@@ -457,6 +458,7 @@ impl Host {
             return Ok(());
         }
         if self.kind.is_qemu() {
+            refuse_user_mode_network(&domain)?;
             prepare_console_log_dir(self.connection.uri());
         }
         match domain.create() {
@@ -699,6 +701,59 @@ fn validate(spec: &VmSpec, kind: DomainKind) -> Result<()> {
                     return invalid(format!("kernel boot file {path} must be an absolute path on the libvirt host"));
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// Refuse to start a domain with QEMU's user-mode network (`<interface
+/// type='user'>`, which vmlet gave every domain before hosts offered
+/// networks): it hands the guest the host's loopback at 10.0.2.2. A running
+/// one is left running; a stopped one stays stopped until it is defined
+/// anew. Errors: `InvalidInput` saying so; those of reading the definition.
+fn refuse_user_mode_network(domain: &Domain) -> Result<()> {
+    const OP: &str = "start domain";
+    let xml = domain.xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE).map_err(|e| from_libvirt(OP, e))?;
+    if !crate::xml::interfaces(&xml).iter().any(|nic| nic.kind == "user") {
+        return Ok(());
+    }
+    let name = domain.name().unwrap_or_default();
+    Err(Error::new(
+        OP,
+        ErrorKind::InvalidInput,
+        format!(
+            "domain {name} has QEMU's user-mode network interface (from a vmlet before hosts offered networks), \
+             which hands the guest the host's loopback (10.0.2.2); vmlet does not start it. Delete the \
+             VirtualMachine with deletionPolicy Retain, undefine the domain (virsh undefine {name}; its disks \
+             are kept) and create the VirtualMachine again to give it the host's networks"
+        ),
+    ))
+}
+
+/// Refuse fixed MAC addresses another domain of this host already has: a
+/// clone of another VM's MAC would get that VM's DHCP lease (and with it its
+/// address as pod IP) and disturb its traffic. Errors: `InvalidInput` naming
+/// `spec.networks[<i>].macAddress` and the domain; those of listing domains.
+fn refuse_macs_in_use(conn: &Connect, nics: &[networks::Nic]) -> Result<()> {
+    const OP: &str = "define domain";
+    if nics.iter().all(|nic| nic.mac.is_none()) {
+        return Ok(());
+    }
+    let domains = conn.list_all_domains(0).map_err(|e| from_libvirt(OP, e))?;
+    for domain in domains {
+        let Ok(xml) = domain.xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE) else { continue };
+        let used: Vec<String> = crate::xml::interfaces(&xml).into_iter().filter_map(|nic| nic.mac).collect();
+        if let Some(i) = nics.iter().position(|nic| nic.mac.as_ref().is_some_and(|mac| used.contains(mac))) {
+            let name = domain.name().unwrap_or_default();
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!(
+                    "spec.networks[{i}].macAddress: {} is already the MAC address of domain {name} on this host; \
+                     give another one, or leave it out and libvirt picks a free one",
+                    nics[i].mac.as_deref().unwrap_or_default()
+                ),
+            ));
         }
     }
     Ok(())
