@@ -86,14 +86,17 @@ pub fn new_pod_name(vm: &str) -> String {
 /// Service (or a PodDisruptionBudget, or pod affinity) selects VM pods as it
 /// selects any pods, and `vmlet.io/vm=<name>`. Labels in vmlet's and
 /// Kubernetes' own domains (`vmlet.io`, `kubernetes.io`, `k8s.io` and their
-/// subdomains) are not copied: vmlet and Kubernetes read those on pods.
-/// Taken when the pod is made; a label change applies to the VM's next pod.
+/// subdomains) are not copied, as vmlet and Kubernetes' controllers read
+/// those on pods, except the recommended application labels
+/// (`app.kubernetes.io/*`), which Services commonly select on. Taken when
+/// the pod is made; a label change applies to the VM's next pod.
 fn pod_labels(vm: &VirtualMachine, name: String) -> BTreeMap<String, String> {
     let reserved = |key: &str| {
         key.split_once('/').is_some_and(|(prefix, _)| {
-            ["vmlet.io", "kubernetes.io", "k8s.io"]
-                .iter()
-                .any(|domain| prefix == *domain || prefix.ends_with(&format!(".{domain}")))
+            prefix != "app.kubernetes.io"
+                && ["vmlet.io", "kubernetes.io", "k8s.io"]
+                    .iter()
+                    .any(|domain| prefix == *domain || prefix.ends_with(&format!(".{domain}")))
         })
     };
     let mut labels: BTreeMap<String, String> =
@@ -567,12 +570,21 @@ mod tests {
                 ("vmlet.io/backup", "x"),
                 ("node-role.kubernetes.io/control-plane", ""),
                 ("k8s.io/x", "y"),
+                ("app.kubernetes.io/name", "shop"),
             ]
             .map(|(k, v)| (k.to_owned(), v.to_owned())),
         ));
         let pod = pod_for_vm(&vm, "web-x7k2p", "team-a", None).unwrap();
         let labels: Vec<(&str, &str)> = pod.labels().iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        assert_eq!(labels, [("app", "shop"), ("example.com/tier", "front"), ("vmlet.io/vm", "web")]);
+        assert_eq!(
+            labels,
+            [
+                ("app", "shop"),
+                ("app.kubernetes.io/name", "shop"),
+                ("example.com/tier", "front"),
+                ("vmlet.io/vm", "web")
+            ]
+        );
     }
 
     #[test]

@@ -218,7 +218,7 @@ fn apply_guest(env: &TestEnv, name: &str, guest: &std::path::Path) {
     // The guest runs from its initramfs; two guests cannot share one disk.
     spec.as_object_mut().unwrap().remove("image");
     spec["networks"] = json!([{"name": "lan"}]);
-    spec["services"] = json!([{"name": "direct"}, {"name": "other"}]);
+    spec["services"] = json!([{"name": "direct"}, {"name": "other"}, {"name": "unasked"}]);
     let mut vm = env.vm_object(name, &spec);
     vm["metadata"]["labels"] = json!({"app": "shop"});
     let out = env.apply(&serde_yaml::to_string(&vm).unwrap());
@@ -233,10 +233,14 @@ async fn guests_get_their_own_addresses_as_pod_ips_reach_each_other_and_a_servic
     env.start_vmlet(&[host_with_lan(&env, &lan, guest_accelerator(&guest))]);
     // Both forms: a Service selecting the VMs' pods by label, and a
     // selector-less one the VMs name in spec.services (vmlet keeps its slice).
-    // A Service with a selector that a VM names gets no slice from vmlet.
+    // A Service with a selector, or one that did not opt in, gets no slice
+    // from vmlet though a VM names it.
     for service in [
         json!({"metadata": {"name": "shop"}, "spec": {"selector": {"app": "shop"}, "ports": [{"port": 80, "targetPort": 8080}]}}),
-        json!({"metadata": {"name": "direct"}, "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}),
+        json!({"metadata": {"name": "direct", "annotations": {"vmlet.io/virtual-machine-endpoints": "true"}},
+            "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}),
+        // Selector-less, but it did not opt in: the VMs naming it take nothing over.
+        json!({"metadata": {"name": "unasked"}, "spec": {"ports": [{"port": 80}]}}),
         json!({"metadata": {"name": "other"}, "spec": {"selector": {"app": "other"}, "ports": [{"port": 80}]}}),
     ] {
         let mut service = service;
@@ -292,6 +296,7 @@ async fn guests_get_their_own_addresses_as_pod_ips_reach_each_other_and_a_servic
         slices.get_opt("other-vmlet").await.unwrap().is_none(),
         "vmlet wrote a slice for a Service with a selector"
     );
+    assert!(slices.get_opt("unasked-vmlet").await.unwrap().is_none(), "vmlet took over a Service that did not opt in");
 
     // Nothing on the host's 127.0.0.1 answers a guest: not through the
     // network's gateway, not at QEMU user-mode's 10.0.2.2. A listener in the
@@ -354,10 +359,18 @@ async fn a_network_the_host_does_not_offer_the_namespace_is_refused_naming_the_f
     env.apply_vm("unknown", small(json!([{"name": "lan"}, {"name": "internet"}])));
     env.apply_vm("theirs", small(json!([{"name": "team-b-lan"}])));
     env.apply_vm("default", small(json!([])));
+    env.apply_vm("first", small(json!([{"name": "lan", "macAddress": "52:54:00:7e:57:01"}])));
+    env.wait_vm_phase("first", "Running").await;
+    env.apply_vm("clone", small(json!([{"name": "lan", "macAddress": "52:54:00:7e:57:01"}])));
 
-    for (vm, field, name) in
-        [("unknown", "spec.networks[1].name", "internet"), ("theirs", "spec.networks[0].name", "team-b-lan")]
-    {
+    let first = format!("{}_first", env.ns);
+    let offered = format!("offers namespace {}: lan)", env.ns);
+    let refusals = [
+        ("unknown", "spec.networks[1].name", "\"internet\"".to_owned(), offered.clone()),
+        ("theirs", "spec.networks[0].name", "\"team-b-lan\"".to_owned(), offered),
+        ("clone", "spec.networks[0].macAddress", "52:54:00:7e:57:01".to_owned(), format!("domain {first}")),
+    ];
+    for (vm, field, value, why) in refusals {
         let pods = env.pods();
         let pod = env.pod_of(vm).await;
         let message = env
@@ -372,12 +385,8 @@ async fn a_network_the_host_does_not_offer_the_namespace_is_refused_naming_the_f
             })
             .await;
         assert!(message.contains(field), "{vm}: {message}");
-        assert!(message.contains(&format!("{name:?}")), "{vm}: {message}");
-        assert!(message.contains(&format!("offers namespace {}: lan", env.ns)), "{vm}: {message}");
-        assert!(
-            message.contains(&format!("offers namespace {}: lan)", env.ns)),
-            "only lan is offered: {vm}: {message}"
-        );
+        assert!(message.contains(&value), "{vm}: {message}");
+        assert!(message.contains(&why), "{vm}: {message}");
     }
 
     // A VM that names no network gets the host's first one offered to its
@@ -388,7 +397,52 @@ async fn a_network_the_host_does_not_offer_the_namespace_is_refused_naming_the_f
     assert!(xml.contains(&format!("<source network='{}'", lan.network)), "{xml}");
 
     let out = output_within(Command::new("virsh").args(["-c", &qemu_uri(), "list", "--all", "--name"]), VIRSH);
-    let defined: Vec<String> =
+    let mut defined: Vec<String> =
         stdout(&out).lines().filter(|n| n.starts_with(&format!("{}_", env.ns))).map(str::to_owned).collect();
-    assert_eq!(defined, vec![format!("{}_default", env.ns)], "a refused VM was defined");
+    defined.sort();
+    assert_eq!(defined, vec![format!("{}_default", env.ns), first], "a refused VM was defined");
+}
+
+/// A guest on a host bridge (`bridge:`) of mig-a, a libvirtd in a network
+/// namespace of its own (`hack/hosts.sh`), whose only address is on its
+/// migration link (10.237.0.11, where its libvirtd listens, TCP without
+/// authentication): the guest's segment is the harness's guest LAN, and
+/// nothing of the host answers it, not even when the guest makes the host's
+/// addresses on-link itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_on_a_host_bridge_reaches_nothing_of_its_host() {
+    let (uri, bridge) = (harness("VMLET_LIBVIRT_MIG_A_URI"), harness("VMLET_MIG_LAN_BRIDGE"));
+    let (probe, gateway) = (harness("VMLET_MIG_LAN_PROBE"), harness("VMLET_MIG_LAN_GATEWAY"));
+    let host_address = uri.trim_start_matches("qemu+tcp://").split('/').next().unwrap().to_owned();
+    let mut env = TestEnv::new("net-bridge").await;
+    let guest = guest_for(&env);
+    let host = Host { accelerator: Some(guest_accelerator(&guest)), cpu_allocation_ratio: 8.0, ..Host::new("a", uri) }
+        .with("networks", json!([{"name": "lan", "bridge": bridge}]));
+    env.start_vmlet(&[host]);
+    let mut spec = guest_vm_spec(&guest);
+    spec.as_object_mut().unwrap().remove("image");
+    spec["networks"] = json!([{"name": "lan"}]);
+    env.apply_vm("vm", spec);
+    env.wait_vm_phase("vm", "Running").await;
+    let pod = env.pod_of("vm").await;
+    let ip = guest_address(&env, &pod).await;
+    assert_eq!(pod_ips(&env, &pod).await, vec![ip.clone()], "the pod's IP, from the guest agent");
+
+    let probe_port = 20000 + (std::process::id() % 20000) as u16;
+    let _listener = ProbeListener::start(&probe, &gateway, probe_port);
+    let libvirtd = [format!("{host_address}:16509"), "10.237.0.12:16509".to_owned(), "10.237.0.1:16509".to_owned()];
+    let mut targets: Vec<String> = libvirtd.to_vec();
+    targets.push("10.0.2.2:16509".to_owned());
+    targets.push(format!("{gateway}:{probe_port}"));
+    let results = connects_from_guest(&env, &pod, &targets);
+    let (control, host) = results.split_last().unwrap();
+    assert!(control.1, "the guest did not reach the LAN's probe listener: {results:?}");
+    let open: Vec<_> = host.iter().filter(|(_, open)| *open).collect();
+    assert!(open.is_empty(), "a guest on a bridge reached its host: {open:?}");
+
+    // A hostile guest makes the hosts' link on-link and asks again.
+    let rerouted = guest_sh(&env, &pod, "ip route add 10.237.0.0/24 dev eth0; ip route get 10.237.0.11");
+    assert!(stdout(&rerouted).contains("dev eth0"), "the guest could not add the route: {}", stdout(&rerouted));
+    let open: Vec<_> = connects_from_guest(&env, &pod, &libvirtd).into_iter().filter(|(_, open)| *open).collect();
+    assert!(open.is_empty(), "a guest with the hosts' link on-link reached: {open:?}");
 }

@@ -2,6 +2,11 @@
 //! `spec.services`: the second way (beside a Service selecting VM pods by
 //! label) for Services to reach VMs.
 //!
+//! Both sides must agree: the VM names the Service, and the Service opts in
+//! with the annotation [`OPT_IN_ANNOTATION`]` = "true"` (so a tenant who may
+//! create VMs cannot take over a selector-less Service someone else keeps,
+//! such as an external database's; `default/kubernetes` is never served).
+//!
 //! For each Service without a selector, vmlet keeps one EndpointSlice,
 //! `<service>-vmlet`, labelled `kubernetes.io/service-name=<service>` and
 //! `endpointslice.kubernetes.io/managed-by=vmlet.io` (so Kubernetes' own
@@ -34,6 +39,9 @@ use tracing::{info, warn};
 
 /// Value of `endpointslice.kubernetes.io/managed-by` on vmlet's slices.
 pub const MANAGED_BY: &str = "vmlet.io";
+/// Annotation by which a selector-less Service lets VMs that name it in
+/// `spec.services` be its endpoints (value `"true"`).
+pub const OPT_IN_ANNOTATION: &str = "vmlet.io/virtual-machine-endpoints";
 /// Field manager of vmlet's EndpointSlice writes.
 const FIELD_MANAGER: &str = "vmlet-endpoints";
 /// How often a Service is looked at again without a change.
@@ -52,6 +60,10 @@ pub struct Error {
 struct Context {
     client: Client,
     watches: Watches,
+    /// `namespace/service` of the slices this process wrote, so that a
+    /// Service that stops qualifying loses its slice (others are never
+    /// touched: their slice, if any, is not vmlet's).
+    written: Mutex<BTreeSet<String>>,
 }
 
 /// The name of vmlet's EndpointSlice for Service `service`.
@@ -79,13 +91,27 @@ pub async fn run(
     let service_triggers = triggers.flat_map(move |vm_ref| {
         let now: BTreeSet<String> =
             store.get(&vm_ref).map(|vm| vm.spec.services.iter().map(|s| s.name.clone()).collect()).unwrap_or_default();
-        let before = named.lock().expect("named poisoned").insert(vm_ref.clone(), now.clone()).unwrap_or_default();
+        let before = {
+            let mut named = named.lock().expect("named poisoned");
+            let before = if now.is_empty() { named.remove(&vm_ref) } else { named.insert(vm_ref.clone(), now.clone()) };
+            before.unwrap_or_default()
+        };
         let namespace = vm_ref.namespace.clone().unwrap_or_default();
         let refs: Vec<ObjectRef<Service>> =
             now.union(&before).map(|name| ObjectRef::new(name).within(&namespace)).collect();
         futures::stream::iter(refs)
     });
-    let ctx = Arc::new(Context { client, watches });
+    // A pass before the stores hold every VM and pod would write slices
+    // without the endpoints they have.
+    let (vms_ready, pods_ready) = (watches.vms.clone(), watches.pods.clone());
+    tokio::select! {
+        _ = async {
+            let _ = vms_ready.wait_until_ready().await;
+            let _ = pods_ready.wait_until_ready().await;
+        } => {}
+        _ = shutdown.cancelled() => return,
+    }
+    let ctx = Arc::new(Context { client, watches, written: Mutex::default() });
     info!("EndpointSlice controller for VMs' selector-less Services starting");
     Controller::new(services, watcher::Config::default())
         .reconcile_on(service_triggers)
@@ -109,8 +135,9 @@ fn error_policy(service: Arc<Service>, error: &Error, _ctx: Arc<Context>) -> Act
 async fn reconcile(service: Arc<Service>, ctx: Arc<Context>) -> Result<Action, Error> {
     let namespace = service.namespace().unwrap_or_default();
     let name = service.name_any();
+    let key = format!("{namespace}/{name}");
     let slices: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), &namespace);
-    let error = |action, source| Error { action, service: format!("{namespace}/{name}"), source };
+    let error = |action, source| Error { action, service: key.clone(), source };
     let vms: Vec<Arc<VirtualMachine>> = ctx
         .watches
         .vms
@@ -118,10 +145,19 @@ async fn reconcile(service: Arc<Service>, ctx: Arc<Context>) -> Result<Action, E
         .into_iter()
         .filter(|vm| vm.namespace().as_deref() == Some(&namespace) && vm.spec.services.iter().any(|s| s.name == name))
         .collect();
+    // Each VM's current pod only (`status.podName`): a pod a tenant made
+    // with the VM's label and owner is none of its endpoints.
     let pods: Vec<Arc<Pod>> = vms
         .iter()
-        .flat_map(|vm| ctx.watches.pods_of_vm(&namespace, &vm.name_any(), &vm.uid().unwrap_or_default()))
+        .flat_map(|vm| {
+            let current = vm.status.as_ref().and_then(|s| s.pod_name.clone());
+            ctx.watches
+                .pods_of_vm(&namespace, &vm.name_any(), &vm.uid().unwrap_or_default())
+                .into_iter()
+                .filter(move |pod| current.as_deref() == Some(pod.name_any().as_str()))
+        })
         .collect();
+    let wrote = ctx.written.lock().expect("written poisoned").contains(&key);
     match desired_slice(&service, &pods) {
         Some(slice) => {
             let params = PatchParams::apply(FIELD_MANAGER).force();
@@ -129,26 +165,44 @@ async fn reconcile(service: Arc<Service>, ctx: Arc<Context>) -> Result<Action, E
                 .patch(&slice_name(&name), &params, &Patch::Apply(&slice))
                 .await
                 .map_err(|e| error("apply EndpointSlice", e))?;
+            ctx.written.lock().expect("written poisoned").insert(key.clone());
+            Ok(Action::requeue(RESYNC))
         }
-        None => match slices.delete(&slice_name(&name), &Default::default()).await {
-            Ok(_) => {
-                info!(service = %name, namespace = %namespace, "removed vmlet's EndpointSlice of a Service with a selector")
+        // Not vmlet's to keep, and no slice of ours: nothing is read or written.
+        None if !wrote => Ok(Action::await_change()),
+        None => {
+            match slices.delete(&slice_name(&name), &Default::default()).await {
+                Ok(_) => {
+                    info!(service = %key, "removed vmlet's EndpointSlice of a Service that no longer asks for one")
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(error("delete EndpointSlice", e)),
             }
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(error("delete EndpointSlice", e)),
-        },
+            ctx.written.lock().expect("written poisoned").remove(&key);
+            Ok(Action::await_change())
+        }
     }
-    Ok(Action::requeue(RESYNC))
 }
 
-/// The EndpointSlice vmlet keeps for `service` with the VM pods `pods` (of
-/// the VMs that name it); `None` when the Service has a selector (Kubernetes
-/// keeps its slices). IPv4 addresses only (the slice's address type).
+/// Whether vmlet keeps `service`'s EndpointSlice: it has no selector
+/// (Kubernetes keeps the slices of those), carries [`OPT_IN_ANNOTATION`]
+/// `"true"`, and is not `default/kubernetes` (the API server's own).
+pub fn serves(service: &Service) -> bool {
+    let selector = service.spec.as_ref().and_then(|s| s.selector.as_ref()).is_some_and(|s| !s.is_empty());
+    let opted_in = service.annotations().get(OPT_IN_ANNOTATION).is_some_and(|v| v == "true");
+    let api_server = service.namespace().as_deref() == Some("default") && service.name_any() == "kubernetes";
+    !selector && opted_in && !api_server
+}
+
+/// The EndpointSlice vmlet keeps for `service` with the VM pods `pods` (the
+/// current pods of the VMs that name it); `None` when vmlet does not keep
+/// the Service's slice ([`serves`]). IPv4 addresses only (the slice's
+/// address type).
 pub fn desired_slice(service: &Service, pods: &[Arc<Pod>]) -> Option<EndpointSlice> {
-    let spec = service.spec.as_ref()?;
-    if spec.selector.as_ref().is_some_and(|selector| !selector.is_empty()) {
+    if !serves(service) {
         return None;
     }
+    let spec = service.spec.as_ref()?;
     let name = service.name_any();
     let mut endpoints: Vec<Endpoint> = pods
         .iter()
@@ -207,7 +261,8 @@ pub fn desired_slice(service: &Service, pods: &[Arc<Pod>]) -> Option<EndpointSli
         name: name.clone(),
         uid: service.uid().unwrap_or_default(),
         controller: Some(true),
-        block_owner_deletion: Some(true),
+        // No blockOwnerDeletion: setting it needs delete rights on the Service.
+        block_owner_deletion: None,
     };
     Some(EndpointSlice {
         metadata: ObjectMeta {
@@ -237,8 +292,9 @@ mod tests {
         if let Some(selector) = selector {
             spec["selector"] = selector;
         }
-        serde_json::from_value(json!({"metadata": {"name": "shop", "namespace": "team-a", "uid": "s-1"}, "spec": spec}))
-            .unwrap()
+        serde_json::from_value(json!({"metadata": {"name": "shop", "namespace": "team-a", "uid": "s-1",
+            "annotations": {OPT_IN_ANNOTATION: "true"}}, "spec": spec}))
+        .unwrap()
     }
 
     fn pod(name: &str, ips: &[&str], ready: bool, deleting: bool) -> Arc<Pod> {
@@ -252,6 +308,20 @@ mod tests {
             pod["metadata"]["deletionTimestamp"] = json!("2026-12-03T10:00:00Z");
         }
         Arc::new(serde_json::from_value(pod).unwrap())
+    }
+
+    #[test]
+    fn only_a_selector_less_service_that_opts_in_is_served_and_never_the_api_servers() {
+        let mut opted = service(None);
+        assert!(serves(&opted));
+        opted.annotations_mut().insert(OPT_IN_ANNOTATION.into(), "yes".into());
+        assert!(!serves(&opted), "only \"true\" opts in");
+        opted.annotations_mut().remove(OPT_IN_ANNOTATION);
+        assert!(!serves(&opted), "a Service that did not opt in is not taken over");
+        let mut api = service(None);
+        api.metadata.name = Some("kubernetes".into());
+        api.metadata.namespace = Some("default".into());
+        assert!(!serves(&api));
     }
 
     #[test]
