@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::deadline::{output_within, VIRSH};
+use common::deadline::{kill_and_reap, output_within, KILL_WAIT, VIRSH};
 use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, Host, TestEnv};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -127,12 +127,15 @@ struct ProbeListener(Child);
 impl ProbeListener {
     fn start(netns: &str, ip: &str, port: u16) -> ProbeListener {
         let listen = format!(
-            "import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+            "import signal, socket\nsignal.alarm(600)\ns = socket.socket()\n\
+             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
              s.bind(('{ip}', {port}))\ns.listen(16)\nprint('listening', flush=True)\n\
              while True:\n    s.accept()[0].close()\n"
         );
-        let mut child = Command::new("timeout")
-            .args(["600", "ip", "netns", "exec", netns, "python3", "-c", &listen])
+        // `ip netns exec` execs python, so the child is the listener itself
+        // (killed when dropped); its own alarm ends it after 600 s anyway.
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", netns, "python3", "-c", &listen])
             .stdout(Stdio::piped())
             .spawn()
             .expect("start the probe listener");
@@ -146,8 +149,7 @@ impl ProbeListener {
 
 impl Drop for ProbeListener {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        kill_and_reap(&mut self.0, KILL_WAIT);
     }
 }
 
