@@ -27,6 +27,7 @@ use kube::{Api, Client, ResourceExt};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 /// The write sides of the [`Watches`] stores, consumed by [`Watches::start`].
 pub struct Writers {
@@ -90,10 +91,15 @@ impl Watches {
         let vm_events = watcher(vm_api, watcher::Config::default()).default_backoff().reflect(vm_writer);
         let router = watches.clone();
         let vm_loop = vm_events.for_each(move |event| {
-            if let Ok(event) = event {
-                for vm in touched(&event) {
-                    router.route_vm(vm);
+            match event {
+                Ok(event) => {
+                    for vm in touched(&event) {
+                        router.route_vm(vm);
+                    }
                 }
+                // Retried with backoff by the watcher; until its first list
+                // completes, the store is not ready and the controller waits.
+                Err(error) => warn!(%error, "VirtualMachine watch failed; retrying"),
             }
             std::future::ready(())
         });
@@ -114,12 +120,15 @@ impl Watches {
             .reflect(pod_writer);
         let router = watches.clone();
         let pod_loop = pod_events.for_each(move |event| {
-            if let Ok(event) = event {
-                // A change that removed a pod from the store (see `only_kept`)
-                // concerns nobody here.
-                for pod in touched(&event).into_iter().filter(|p| keep(p)) {
-                    router.route_pod(pod);
+            match event {
+                Ok(event) => {
+                    // A change that removed a pod from the store (see
+                    // `only_kept`) concerns nobody here.
+                    for pod in touched(&event).into_iter().filter(|p| keep(p)) {
+                        router.route_pod(pod);
+                    }
                 }
+                Err(error) => warn!(%error, "pod watch failed; retrying"),
             }
             std::future::ready(())
         });
