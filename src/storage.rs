@@ -15,7 +15,7 @@
 //! directory of the storage pool `default`, else `/var/lib/libvirt/images`).
 //! Before it defines a VM, the node agent checks every file the VM names
 //! (`spec.image`, `spec.kernelBoot.kernel`, `spec.kernelBoot.initrd`,
-//! `spec.disks[].hostImage.path`, and the backing files a qcow2 host image
+//! `spec.disks[].hostImage.path`, and the backing files a qcow2 image or host image
 //! names, one at a time before the image behind it is read):
 //!
 //! 1. **By its path**, component by component: the path is absolute, has no
@@ -551,6 +551,7 @@ mod tests {
             max_cpus: None,
             max_memory_bytes: None,
             image: None,
+            image_backing_chain: Vec::new(),
             kernel_boot: None,
         }
     }

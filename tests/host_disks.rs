@@ -4,7 +4,8 @@
 //!
 //! Images inside the host's storage root are attached in spec order, each in
 //! the format its file has, named by its disk, and keep their writes across a
-//! stop and start. Files outside the root (directly, through a symbolic link,
+//! stop and start; a backing file named anew in a header after the define is
+//! refused at the next start. Files outside the root (directly, through a symbolic link,
 //! or as a qcow2 image's backing file) are refused before anything is
 //! defined, and a missing image waits until it exists.
 
@@ -94,6 +95,8 @@ async fn host_images_attach_in_spec_order_in_their_own_format_by_name_and_keep_t
     let root = storage_root(&env);
     let (base, data, scratch) = (root.join("base.raw"), root.join("web-data.qcow2"), root.join("scratch.img"));
     qemu_img(&["create", "-q", "-f", "raw", &path_of(&base), "32M"]);
+    let base_mark = format!("base-{}", env.ns);
+    write_at(&base, 512, format!("{base_mark}\n").as_bytes());
     qemu_img(&["create", "-q", "-f", "qcow2", "-b", "base.raw", "-F", "raw", &path_of(&data)]);
     qemu_img(&["create", "-q", "-f", "raw", &path_of(&scratch), "16M"]);
 
@@ -135,8 +138,44 @@ async fn host_images_attach_in_spec_order_in_their_own_format_by_name_and_keep_t
     let pod = env.pod_of("web").await;
     let read = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
     assert_eq!(exec_stdout(&env, &pod, &read).await, mark);
+
+    // The overlay's header rewritten while the VM is off, as anyone who can
+    // write the file as raw could: the start is refused, naming the field,
+    // and the domain stays off.
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    qemu_img(&["rebase", "-u", "-b", "/etc/passwd", "-F", "raw", &path_of(&data)]);
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
+    let message = wait_waiting(&env, "web", "InvalidSpec").await;
+    assert!(
+        message.contains(&format!(
+            "spec.disks[data].hostImage.path {}: the header of {:?} names the backing file \"/etc/passwd\" (raw), \
+             but the definition pins the backing file {:?} (raw)",
+            data.display(),
+            path_of(&data),
+            path_of(&base)
+        )),
+        "{message}"
+    );
+    assert_eq!(virsh(&["domstate", &domain(&env, "web")]), (true, "shut off".to_owned()));
+
+    // The header put back and the VM touched: it starts on its pinned base.
+    qemu_img(&["rebase", "-u", "-b", "base.raw", "-F", "raw", &path_of(&data)]);
+    env.kubectl(&["annotate", "virtualmachine/web", "example.com/header-restored=yes"]);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    let read_base = format!("dd if=/dev/$({}) bs=512 skip=1 count=1 2>/dev/null | head -n 1", device_named("data"));
+    assert_eq!(exec_stdout(&env, &pod, &read_base).await, base_mark);
     drop(env);
     let _ = std::fs::remove_dir_all(root);
+}
+
+/// Write `bytes` into the file at `path` at byte `offset`, in place.
+fn write_at(path: &Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.write_all_at(bytes, offset).unwrap();
+    file.sync_all().unwrap();
 }
 
 #[tokio::test]
@@ -158,6 +197,9 @@ async fn host_images_outside_the_storage_root_are_refused_and_a_missing_one_wait
     env.apply_vm("linked", vm_with(&innocent));
     env.apply_vm("backing", vm_with(&overlay));
     env.apply_vm("later", vm_with(&missing));
+    // The same overlay as a boot image: its chain is followed as a data
+    // disk's is.
+    env.apply_vm("boot", json!({"resources": {"cpu": 1, "memory": "64Mi"}, "image": overlay}));
 
     let field = "spec.disks[data].hostImage.path";
     let roots = format!("storage roots [{}]", root.display());
@@ -174,14 +216,23 @@ async fn host_images_outside_the_storage_root_are_refused_and_a_missing_one_wait
         )),
         "{message}"
     );
+    let message = wait_waiting(&env, "boot", "StorageNotAllowed").await;
+    assert!(
+        message.starts_with(&format!(
+            "spec.image {:?} names the backing file \"/etc/passwd\", which is not under a storage root;",
+            path_of(&overlay)
+        )),
+        "{message}"
+    );
     let message = wait_waiting(&env, "later", "HostImageNotFound").await;
     assert!(message.starts_with(&format!("{field}: there is no file {:?}", path_of(&missing))), "{message}");
     assert!(message.contains("vmlet never makes host images"), "{message}");
 
-    for vm in ["passwd", "linked", "backing", "later"] {
+    for vm in ["passwd", "linked", "backing", "later", "boot"] {
         let status = env.vms().get(vm).await.unwrap().status.unwrap();
         let ready = status.conditions.iter().find(|c| c.type_ == "Ready").expect("a Ready condition");
         assert_eq!(ready.status, "False", "{vm}");
+        let field = if vm == "boot" { "spec.image" } else { field };
         assert!(ready.message.contains(field), "{vm}: {}", ready.message);
         assert_eq!(status.provider_id, None, "{vm}");
         assert!(!virsh(&["domuuid", &domain(&env, vm)]).0, "no domain was defined for {vm}");

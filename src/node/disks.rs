@@ -17,7 +17,7 @@ use crate::v1alpha1::{DiskSource, VmDisk};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use std::time::Duration;
-use vmlet_provider::DataDisk;
+use vmlet_provider::{BackingFile, DataDisk, ImageReference, VmSpec};
 
 /// One disk of [`plan`], with where it comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -97,6 +97,16 @@ impl From<NotReady> for Unavailable {
     }
 }
 
+impl From<host_images::Unavailable> for Unavailable {
+    fn from(unavailable: host_images::Unavailable) -> Self {
+        match unavailable {
+            host_images::Unavailable::NotReady(not_ready) => Unavailable::NotReady(not_ready.into()),
+            host_images::Unavailable::Refused(refusal) => Unavailable::Refused(refusal),
+            host_images::Unavailable::Provider(e) => Unavailable::Provider(e),
+        }
+    }
+}
+
 /// `disks` (a VirtualMachine's `spec.disks`) in order, each with its source,
 /// checked against the volumes of the VM's pod `pod`. Errors: the first disk
 /// that names both sources or none, or a claim that is not the pod's volume
@@ -134,6 +144,26 @@ pub fn plan<'a>(disks: &'a [VmDisk], pod: &'a Pod) -> Result<Vec<Planned<'a>>, N
         .collect()
 }
 
+/// The boot image's backing chain ([`host_images::boot_image_chain`], when
+/// `spec` names a host path) and the data disks ([`data_disks`]) of `pod`'s
+/// VM, whose VirtualMachine names `disks`: what the define pins.
+pub async fn chains(
+    agent: &Agent,
+    pod: &Pod,
+    spec: &VmSpec,
+    disks: &[VmDisk],
+) -> Result<(Vec<BackingFile>, Vec<DataDisk>), Unavailable> {
+    let image_chain = match &spec.image {
+        Some(image) if agent.provider.image_reference() == ImageReference::HostPath => {
+            host_images::boot_image_chain(agent.provider.as_ref(), &agent.storage, &agent.host.name, image)
+                .await
+                .map_err(Unavailable::from)?
+        }
+        _ => Vec::new(),
+    };
+    Ok((image_chain, data_disks(agent, pod, disks).await?))
+}
+
 /// The data disks of `pod`'s VM, whose VirtualMachine names `disks`, on the
 /// agent's host, in order ([`plan`]), each resolved and checked.
 pub async fn data_disks(agent: &Agent, pod: &Pod, disks: &[VmDisk]) -> Result<Vec<DataDisk>, Unavailable> {
@@ -147,13 +177,7 @@ pub async fn data_disks(agent: &Agent, pod: &Pod, disks: &[VmDisk]) -> Result<Ve
                 .await
                 .map_err(|e| Unavailable::NotReady(e.into()))?,
             Planned::HostImage { disk, path } => {
-                host_image_disk(agent.provider.as_ref(), &agent.storage, node, disk, path).await.map_err(
-                    |e| match e {
-                        host_images::Unavailable::NotReady(not_ready) => Unavailable::NotReady(not_ready.into()),
-                        host_images::Unavailable::Refused(refusal) => Unavailable::Refused(refusal),
-                        host_images::Unavailable::Provider(e) => Unavailable::Provider(e),
-                    },
-                )?
+                host_image_disk(agent.provider.as_ref(), &agent.storage, node, disk, path).await?
             }
         };
         resolved.push(disk);

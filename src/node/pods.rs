@@ -428,8 +428,9 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
                 Ok(spec) => spec,
                 Err(missing) => return Ok(Started::CloudInitMissing(missing)),
             };
-            spec.disks = match super::disks::data_disks(agent, pod, disks).await {
-                Ok(disks) => disks,
+            let chains = super::disks::chains(agent, pod, &spec, disks).await;
+            (spec.image_backing_chain, spec.disks) = match chains {
+                Ok(chains) => chains,
                 Err(Unavailable::NotReady(not_ready)) => return Ok(Started::DisksNotReady(not_ready)),
                 Err(Unavailable::Refused(refusal)) => return Ok(Started::Refused(refusal)),
                 Err(Unavailable::Provider(e)) => return Err(e.into()),

@@ -91,7 +91,13 @@ pub async fn claim_disk(
             ),
         });
     }
-    Ok(DataDisk { name: disk.to_owned(), path, format: DiskFormat::Raw, create_bytes: found.capacity_bytes })
+    Ok(DataDisk {
+        name: disk.to_owned(),
+        path,
+        format: DiskFormat::Raw,
+        create_bytes: found.capacity_bytes,
+        backing_chain: Vec::new(),
+    })
 }
 
 /// A claim's directory on a host ([`claim_directory`]).

@@ -35,6 +35,17 @@ impl DiskFormat {
         }
     }
 
+    /// The format of a boot image (`VmSpec::image`) on a host path, stated
+    /// by its name and never read from the file, whose contents its guest
+    /// writes: qcow2 when the name ends in `.qcow2`, raw otherwise.
+    pub fn of_image_path(path: &str) -> DiskFormat {
+        if path.ends_with(".qcow2") {
+            DiskFormat::Qcow2
+        } else {
+            DiskFormat::Raw
+        }
+    }
+
     /// The format QEMU names `name`; `None` for any other (`vmdk`, `luks`, ...).
     pub fn from_name(name: &str) -> Option<DiskFormat> {
         match name {
@@ -49,6 +60,21 @@ impl fmt::Display for DiskFormat {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// One layer below an image in its backing chain, as vmlet states it to the
+/// hypervisor ([`crate::DataDisk::backing_chain`], [`crate::VmSpec::image_backing_chain`]):
+/// the file and the format it is read in. The hypervisor opens exactly
+/// these files in these formats, whatever the images' headers say later
+/// (libvirt: nested `<backingStore>` elements ending in an empty one,
+/// <https://libvirt.org/formatdomain.html#hard-drives-floppy-disks-cdroms>).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackingFile {
+    /// Absolute path of the file on the host.
+    pub path: String,
+    /// The format the layer above's header stated for it when vmlet checked
+    /// the chain; never probed from the file.
+    pub format: DiskFormat,
 }
 
 /// What one image file is ([`HostImages::inspect`]).

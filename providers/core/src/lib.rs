@@ -25,7 +25,7 @@ mod snapshot;
 pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, InPlaceRestore, IncrementalBase};
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
-pub use host_image::{DiskFormat, HostImages, ImageFacts};
+pub use host_image::{BackingFile, DiskFormat, HostImages, ImageFacts};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
 pub use resize::{Resize, ResizeScope, Resources};
 pub use snapshot::{RevertOutcome, SnapshotInfo, SnapshotRequest, Snapshots};
@@ -63,8 +63,16 @@ pub struct VmSpec {
     pub max_memory_bytes: Option<u64>,
     /// Optional boot disk: a path or volume name the backend resolves on the host.
     /// vmlet's node agent passes only absolute paths under the host's storage
-    /// roots ([`HostInfo::storage_roots`] or the host's config).
+    /// roots ([`HostInfo::storage_roots`] or the host's config). On a host
+    /// path its format is [`DiskFormat::of_image_path`]'s.
     pub image: Option<String>,
+    /// The boot image's backing chain as vmlet checked it before the define
+    /// (each file under the storage roots, each format as the layer above
+    /// states it), top's backing file first; empty when the image stands
+    /// alone. Back ends that read host files pin it in the definition, so the
+    /// hypervisor never follows a header rewritten after the define, and
+    /// check it again before every start and migration.
+    pub image_backing_chain: Vec<BackingFile>,
     /// Optional direct kernel boot (backends that cannot boot a kernel directly
     /// refuse it with `InvalidInput`).
     pub kernel_boot: Option<KernelBoot>,
@@ -122,6 +130,10 @@ pub struct DataDisk {
     /// When the image does not exist yet, make it: a sparse raw image of
     /// this many bytes (a new volume's first use). `None`: it must exist.
     pub create_bytes: Option<u64>,
+    /// The image's backing chain as vmlet checked it (see
+    /// [`VmSpec::image_backing_chain`]): empty for a raw image and for a
+    /// qcow2 image without a backing file.
+    pub backing_chain: Vec<BackingFile>,
 }
 
 /// cloud-init's NoCloud data for a VM: the files `meta-data`, `user-data`

@@ -54,6 +54,7 @@
 #![warn(missing_docs)]
 
 mod backup;
+mod chains;
 mod checkpoint;
 mod cloud_init;
 mod connection;

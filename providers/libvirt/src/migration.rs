@@ -270,6 +270,12 @@ impl Migration for LibvirtProvider {
             ));
         }
         let started = Instant::now();
+        // The target opens the disks along the definition's chains: they
+        // must still be what the images' headers name.
+        let live = mode == MigrationMode::Live;
+        tokio::time::timeout(timeout, self.verify_chains(OP, id, live))
+            .await
+            .map_err(|_| Error::new(OP, ErrorKind::Transient, "checking the disks' backing chains took too long"))??;
         probe_target(&to.address, timeout.min(PROBE_DEADLINE)).await?;
 
         let flags = migrate_flags(mode, self.migration.allow_unsafe);

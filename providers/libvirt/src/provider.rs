@@ -924,10 +924,14 @@ impl Provider for LibvirtProvider {
         defined
     }
 
-    /// `virDomainCreate` unless active. Errors: `NotFound` when no domain
-    /// carries this identity.
+    /// `virDomainCreate` unless active, once the backing chains its
+    /// definition pins still match the images' headers (`chains.rs`).
+    /// Errors: `NotFound` when no domain carries this identity;
+    /// `InvalidInput` naming the field when a header changed since the
+    /// define (nothing is started).
     #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
     async fn start(&self, id: &VmId) -> Result<()> {
+        self.verify_chains("start domain", id, false).await?;
         let id = id.clone();
         self.blocking("start domain", move |host, conn| host.start(conn, &id)).await
     }

@@ -47,6 +47,7 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
         max_cpus: None,
         max_memory_bytes: None,
         image: None,
+        image_backing_chain: Vec::new(),
         kernel_boot: None,
     }
 }

@@ -38,6 +38,7 @@ use virt::sys;
 use vmlet_provider::{Error, ErrorKind, InPlaceRestore, Result, VmId};
 
 use crate::backup::{check_path, single_disk};
+use crate::chains::pinned_disks;
 use crate::error::from_libvirt;
 use crate::in_flight::Claim;
 use crate::provider::{is_active, is_local_uri, Host, LibvirtProvider};
@@ -252,6 +253,22 @@ impl Host {
         }
         let xml = domain.xml_desc(sys::VIR_DOMAIN_XML_INACTIVE).map_err(|e| from_libvirt(OP_IN_PLACE, e))?;
         let disk = single_disk(OP_IN_PLACE, id, disks(&xml))?;
+        // The copy stands alone: under a definition that pins a backing
+        // chain, QEMU would read the copy's holes from the old base.
+        let layered = pinned_disks(OP_IN_PLACE, &xml)?
+            .into_iter()
+            .any(|pinned| pinned.target == disk.target && pinned.chain.is_some_and(|chain| !chain.is_empty()));
+        if layered {
+            return Err(Error::new(
+                OP_IN_PLACE,
+                ErrorKind::InvalidInput,
+                format!(
+                    "disk {} of VM {id} is a qcow2 image on a backing chain, and a restored copy stands alone; \
+                     restore the backup into a new VM instead",
+                    disk.target
+                ),
+            ));
+        }
         let format = disk.format.clone().unwrap_or_else(|| "raw".to_owned());
         match (disk.kind.as_str(), disk.source, format.as_str()) {
             ("file", Some(file), "qcow2" | "raw") => Ok(DiskFile { target: disk.target, file, format }),

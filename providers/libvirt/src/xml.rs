@@ -16,8 +16,9 @@
 
 use std::fmt::Write as _;
 
-use vmlet_provider::{VmId, VmSpec};
+use vmlet_provider::{DiskFormat, VmId, VmSpec};
 
+use crate::chains;
 use crate::networks::{interface_xml, Nic};
 
 /// Namespace URI of vmlet's metadata element in a domain's `<metadata>`.
@@ -437,9 +438,10 @@ pub(crate) const SEED_TARGET: &str = "hdc";
 ///
 /// QEMU domains also get: direct kernel boot when `spec.kernel_boot` is set
 /// (`<kernel>`, `<initrd>`, `<cmdline>`); a virtio disk from `spec.image` when set
-/// (qcow2 when the name ends in `.qcow2`, raw otherwise) and one for each of
-/// `spec.disks` on [`DATA_DISK_TARGETS`], in the disk's format, with the disk's
-/// name as its serial; a serial console on a
+/// ([`DiskFormat::of_image_path`]) and one for each of `spec.disks` on
+/// [`DATA_DISK_TARGETS`], in the disk's format, with the disk's name as its
+/// serial, each with its backing chain pinned ([`chains::backing_store_xml`]:
+/// libvirt reads no image header for it); a serial console on a
 /// pty whose output virtlogd records from boot in [`console_log_path`]; a
 /// virtio-serial channel for qemu-guest-agent ([`AGENT_CHANNEL`], libvirt adds
 /// the controller and picks the host socket); one virtio NIC per entry of
@@ -492,18 +494,19 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Opti
                 "  <devices>\n",
             ));
             if let Some(image) = &spec.image {
-                let format = if image.ends_with(".qcow2") { "qcow2" } else { "raw" };
                 let _ = write!(
                     xml,
                     concat!(
                         "    <disk type='file' device='disk'>\n",
                         "      <driver name='qemu' type='{format}'/>\n",
                         "      <source file='{source}'/>\n",
+                        "{chain}",
                         "      <target dev='vda' bus='virtio'/>\n",
                         "    </disk>\n",
                     ),
-                    format = format,
+                    format = DiskFormat::of_image_path(image).as_str(),
                     source = escape(image),
+                    chain = chains::backing_store_xml(&spec.image_backing_chain),
                 );
             }
             for (disk, target) in spec.disks.iter().zip(DATA_DISK_TARGETS) {
@@ -513,12 +516,14 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Opti
                         "    <disk type='file' device='disk'>\n",
                         "      <driver name='qemu' type='{format}'/>\n",
                         "      <source file='{source}'/>\n",
+                        "{chain}",
                         "      <target dev='{target}' bus='virtio'/>\n",
                         "      <serial>{serial}</serial>\n",
                         "    </disk>\n",
                     ),
                     format = disk.format.as_str(),
                     source = escape(&disk.path),
+                    chain = chains::backing_store_xml(&disk.backing_chain),
                     target = target,
                     serial = escape(&disk.name),
                 );
@@ -588,6 +593,7 @@ mod tests {
             max_cpus: None,
             max_memory_bytes: None,
             image: None,
+            image_backing_chain: Vec::new(),
             kernel_boot: None,
         }
     }
@@ -770,29 +776,43 @@ mod tests {
 
     #[test]
     fn data_disks_follow_the_boot_disk_as_virtio_disks_in_their_format_with_their_names_as_serials() {
-        use vmlet_provider::{DataDisk, DiskFormat};
+        use vmlet_provider::{BackingFile, DataDisk};
         let mut spec = spec();
         spec.image = Some("/images/boot.qcow2".into());
-        let disk = |name: &str, path: &str, format| DataDisk {
+        let disk = |name: &str, path: &str, format, backing_chain| DataDisk {
             name: name.into(),
             path: path.into(),
             format,
             create_bytes: None,
+            backing_chain,
         };
+        let base = BackingFile { path: "/images/logs-base.raw".into(), format: DiskFormat::Raw };
         spec.disks = vec![
-            disk("data", "/vols/1/disk.img", DiskFormat::Raw),
-            disk("logs", "/images/logs.qcow2", DiskFormat::Qcow2),
+            disk("data", "/vols/1/disk.img", DiskFormat::Raw, vec![]),
+            disk("logs", "/images/logs.qcow2", DiskFormat::Qcow2, vec![base]),
         ];
         let xml = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
         assert!(xml.contains(concat!(
+            "      <driver name='qemu' type='qcow2'/>\n",
+            "      <source file='/images/boot.qcow2'/>\n",
+            "      <backingStore/>\n",
+            "      <target dev='vda' bus='virtio'/>\n",
+        )));
+        assert!(xml.contains(concat!(
             "      <driver name='qemu' type='raw'/>\n",
             "      <source file='/vols/1/disk.img'/>\n",
+            "      <backingStore/>\n",
             "      <target dev='vdb' bus='virtio'/>\n",
             "      <serial>data</serial>\n",
         )));
         assert!(xml.contains(concat!(
             "      <driver name='qemu' type='qcow2'/>\n",
             "      <source file='/images/logs.qcow2'/>\n",
+            "      <backingStore type='file'>\n",
+            "        <format type='raw'/>\n",
+            "        <source file='/images/logs-base.raw'/>\n",
+            "        <backingStore/>\n",
+            "      </backingStore>\n",
             "      <target dev='vdc' bus='virtio'/>\n",
             "      <serial>logs</serial>\n",
         )));

@@ -34,6 +34,7 @@ fn unique_spec() -> VmSpec {
         max_cpus: None,
         max_memory_bytes: None,
         image: None,
+        image_backing_chain: Vec::new(),
         kernel_boot: None,
     }
 }
@@ -125,4 +126,94 @@ async fn the_default_storage_root_is_the_default_pools_target_or_libvirts_images
         "/var/lib/libvirt/images".to_owned()
     };
     assert_eq!(info.storage_roots, vec![expected]);
+}
+
+/// `qemu-img <args>`, which must succeed.
+fn qemu_img(args: &[&str]) {
+    let out = output_within(Command::new("qemu-img").args(args), std::time::Duration::from_secs(60));
+    assert!(out.status.success(), "qemu-img {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The command line of the QEMU process of running domain `name`, read from
+/// the pid file libvirt keeps for it.
+fn qemu_command_line(name: &str) -> String {
+    let pid =
+        std::fs::read_to_string(format!("/run/libvirt/qemu/{name}.pid")).expect("libvirt's pid file of the domain");
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", pid.trim())).expect("the QEMU process");
+    String::from_utf8_lossy(&cmdline).replace('\0', " ")
+}
+
+/// The hole this closes, as it was shown on a real guest: a qcow2 image whose
+/// header names a backing file under the roots at define, rewritten afterwards
+/// (`qemu-img rebase -u`) to name `/etc/passwd`. The definition pins the chain
+/// vmlet checked; a start or a migration refuses the changed header, naming
+/// the field; and a start behind vmlet's back (`virsh start`) still gives QEMU
+/// only the pinned files.
+#[tokio::test]
+async fn a_backing_file_rewritten_after_the_define_is_refused_and_never_opened() {
+    use vmlet_provider::{BackingFile, DataDisk, DiskFormat, ErrorKind, Migration, MigrationMode, MigrationTarget};
+    const NS: &str = "vmlet-it-chain";
+    let uri = qemu_uri();
+    let provider = LibvirtProvider::connect(&uri).await.expect("connect");
+    for vm in provider.list().await.expect("list") {
+        if vm.backend_name.starts_with(&format!("{NS}_")) {
+            provider.destroy(&vm.id).await.expect("destroy leftover");
+            provider.undefine(&vm.id).await.expect("undefine leftover");
+        }
+    }
+    let dir = format!("/var/lib/libvirt/images/{NS}-{}", std::process::id());
+    std::fs::create_dir_all(&dir).unwrap();
+    let (base, top) = (format!("{dir}/base.raw"), format!("{dir}/top.qcow2"));
+    qemu_img(&["create", "-q", "-f", "raw", &base, "8M"]);
+    qemu_img(&["create", "-q", "-f", "qcow2", "-b", &base, "-F", "raw", &top]);
+
+    let mut spec = VmSpec { namespace: NS.into(), ..unique_spec() };
+    spec.disks = vec![DataDisk {
+        name: "data".into(),
+        path: top.clone(),
+        format: DiskFormat::Qcow2,
+        create_bytes: None,
+        backing_chain: vec![BackingFile { path: base.clone(), format: DiskFormat::Raw }],
+    }];
+    let name = spec.backend_name();
+    provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("a start on the chain as defined");
+    let opened = qemu_command_line(&name);
+    assert!(opened.contains(&base) && opened.contains(&top), "{opened}");
+    provider.destroy(&spec.id).await.expect("destroy");
+
+    qemu_img(&["rebase", "-u", "-b", "/etc/passwd", "-F", "raw", &top]);
+    let refused = provider.start(&spec.id).await.unwrap_err();
+    assert_eq!(refused.kind, ErrorKind::InvalidInput, "{refused}");
+    assert!(
+        refused.message.starts_with(&format!(
+            "spec.disks[data].hostImage.path {top}: the header of \"{top}\" names the backing file \"/etc/passwd\" \
+             (raw), but the definition pins the backing file \"{base}\" (raw)"
+        )),
+        "{refused}"
+    );
+    assert_eq!(virsh_domstate(&uri, &name), "shut off", "nothing started");
+
+    // A migration checks before it reaches for the target: the refusal, not
+    // the unreachable address, answers.
+    let target = MigrationTarget { host: "nowhere".into(), address: "qemu+tcp://127.0.0.1:9/system".into() };
+    let migrating = (&provider as &dyn Migration).migrate(
+        &spec.id,
+        &target,
+        MigrationMode::Cold,
+        std::time::Duration::from_secs(30),
+    );
+    let refused = migrating.await.unwrap_err();
+    assert_eq!(refused.kind, ErrorKind::InvalidInput, "{refused}");
+    assert!(refused.message.contains("\"/etc/passwd\""), "{refused}");
+
+    // Started behind vmlet's back, QEMU still gets the pinned base only.
+    let out = output_within(Command::new("virsh").args(["-c", &uri, "start", &name]), VIRSH);
+    assert!(out.status.success(), "virsh start: {}", String::from_utf8_lossy(&out.stderr));
+    let opened = qemu_command_line(&name);
+    assert!(opened.contains(&base) && !opened.contains("/etc/passwd"), "{opened}");
+
+    provider.destroy(&spec.id).await.expect("destroy");
+    provider.undefine(&spec.id).await.expect("undefine");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -321,7 +321,8 @@ async fn a_vm_with_a_raw_data_disk_is_refused_naming_the_disk() {
     remove_leftovers(&provider, NAMESPACE).await;
     let (mut spec, run) = guest_spec(NAMESPACE, "raw", &guest);
     let (path, format) = (run.path("data.img"), DiskFormat::Raw);
-    spec.disks = vec![DataDisk { name: "data".into(), path, format, create_bytes: Some(16 << 20) }];
+    spec.disks =
+        vec![DataDisk { name: "data".into(), path, format, create_bytes: Some(16 << 20), backing_chain: Vec::new() }];
     let id = spec.id.clone();
     provider.ensure_defined(&spec).await.expect("define");
 

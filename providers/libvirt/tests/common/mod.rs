@@ -91,6 +91,7 @@ pub fn unique_spec(namespace: &str, what: &str) -> VmSpec {
         max_cpus: None,
         max_memory_bytes: None,
         image: None,
+        image_backing_chain: Vec::new(),
         kernel_boot: None,
     }
 }

@@ -141,6 +141,7 @@ impl Harness {
             max_cpus: None,
             max_memory_bytes: None,
             image: Some(self.image.clone()),
+            image_backing_chain: Vec::new(),
             kernel_boot: None,
             options: Default::default(),
             cloud_init: None,
