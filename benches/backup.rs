@@ -263,7 +263,7 @@ async fn main() {
         max_cpus: None,
         max_memory_bytes: None,
         image: Some(path("disk.qcow2")),
-        image_backing_chain: Vec::new(),
+        image_backing_chain: None,
         kernel_boot: Some(KernelBoot {
             kernel: path("vmlinuz"),
             initrd: Some(path("initrd.img")),

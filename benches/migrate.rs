@@ -76,7 +76,7 @@ fn bare_spec(guest: &Path, round: usize) -> VmSpec {
         max_cpus: Some(2),
         max_memory_bytes: None,
         image: Some(disk.display().to_string()),
-        image_backing_chain: Vec::new(),
+        image_backing_chain: None,
         kernel_boot: Some(KernelBoot {
             kernel: path("vmlinuz"),
             initrd: Some(path("initrd.img")),

@@ -501,7 +501,7 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             max_cpus,
             max_memory_bytes,
             image: annotations.get(IMAGE_ANNOTATION).cloned(),
-            image_backing_chain: Vec::new(),
+            image_backing_chain: None,
             kernel_boot,
             cloud_init: None,
             disks: vec![],

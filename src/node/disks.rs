@@ -152,14 +152,14 @@ pub async fn chains(
     pod: &Pod,
     spec: &VmSpec,
     disks: &[VmDisk],
-) -> Result<(Vec<BackingFile>, Vec<DataDisk>), Unavailable> {
+) -> Result<(Option<Vec<BackingFile>>, Vec<DataDisk>), Unavailable> {
     let image_chain = match &spec.image {
         Some(image) if agent.provider.image_reference() == ImageReference::HostPath => {
             host_images::boot_image_chain(agent.provider.as_ref(), &agent.storage, &agent.host.name, image)
                 .await
                 .map_err(Unavailable::from)?
         }
-        _ => Vec::new(),
+        _ => None,
     };
     Ok((image_chain, data_disks(agent, pod, disks).await?))
 }

@@ -128,23 +128,29 @@ pub async fn host_image_disk(
 /// `roots` already) on a back end whose images are host files. Its format
 /// is its name's ([`DiskFormat::of_image_path`]): a raw image has no chain
 /// and is not read; a qcow2 one is read as qcow2 and its chain followed as
-/// [`backing_chain`] does. Errors: [`Unavailable`]; `Unusable` when a
-/// `.qcow2` file holds no qcow2 image, or the back end cannot read the
-/// host's files.
+/// [`backing_chain`] does. `None` when the back end cannot read the host's
+/// files (a connection to another machine): nothing is pinned there.
+/// Errors: [`Unavailable`]; `Unusable` when a `.qcow2` file holds no qcow2
+/// image.
 pub async fn boot_image_chain(
     provider: &dyn Provider,
     roots: &StorageRoots,
     host: &str,
     path: &str,
-) -> Result<Vec<BackingFile>, Unavailable> {
+) -> Result<Option<Vec<BackingFile>>, Unavailable> {
     if DiskFormat::of_image_path(path) == DiskFormat::Raw {
-        return Ok(Vec::new());
+        return Ok(Some(Vec::new()));
     }
     let field = StorageField::Image;
-    let Some(images) = provider.host_images() else {
-        return Err(unusable(&field, path, unsupported(provider.kind())));
+    let Some(images) = provider.host_images() else { return Ok(None) };
+    let facts = match images.inspect(path).await {
+        Err(e) if e.kind == ErrorKind::Unsupported => return Ok(None),
+        Err(e) if e.kind == ErrorKind::NotFound => {
+            return Err(Unavailable::NotReady(NotReady::NotFound { field, path: path.into(), host: host.into() }))
+        }
+        Err(e) => return Err(not_readable(e, &field, path)),
+        Ok(facts) => facts,
     };
-    let facts = inspect_top(images, &field, host, path).await?;
     if facts.format != DiskFormat::Qcow2 {
         return Err(unusable(
             &field,
@@ -155,7 +161,7 @@ pub async fn boot_image_chain(
             ),
         ));
     }
-    backing_chain(images, roots, &field, path, &facts).await
+    backing_chain(images, roots, &field, path, &facts).await.map(Some)
 }
 
 /// What the image at `path` (named by `field`) is. Errors: `NotFound` when

@@ -71,8 +71,11 @@ pub struct VmSpec {
     /// states it), top's backing file first; empty when the image stands
     /// alone. Back ends that read host files pin it in the definition, so the
     /// hypervisor never follows a header rewritten after the define, and
-    /// check it again before every start and migration.
-    pub image_backing_chain: Vec<BackingFile>,
+    /// check it again before every start and migration. `None`: not pinned,
+    /// because vmlet cannot read the host's files (a libvirt connection to
+    /// another machine) or the image is no host file; the hypervisor reads
+    /// the chain from the headers, as it does without vmlet.
+    pub image_backing_chain: Option<Vec<BackingFile>>,
     /// Optional direct kernel boot (backends that cannot boot a kernel directly
     /// refuse it with `InvalidInput`).
     pub kernel_boot: Option<KernelBoot>,

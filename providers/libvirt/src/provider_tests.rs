@@ -47,7 +47,7 @@ fn vm(namespace: &str, name: &str) -> VmSpec {
         max_cpus: None,
         max_memory_bytes: None,
         image: None,
-        image_backing_chain: Vec::new(),
+        image_backing_chain: None,
         kernel_boot: None,
     }
 }

@@ -863,7 +863,7 @@ mod tests {
             max_cpus: None,
             max_memory_bytes: None,
             image: None,
-            image_backing_chain: Vec::new(),
+            image_backing_chain: None,
             kernel_boot: None,
         };
         provider.ensure_defined(&spec).await.expect("define");

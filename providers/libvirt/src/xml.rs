@@ -506,7 +506,7 @@ pub(crate) fn domain_xml(spec: &VmSpec, kind: DomainKind, uuid: &str, seed: Opti
                     ),
                     format = DiskFormat::of_image_path(image).as_str(),
                     source = escape(image),
-                    chain = chains::backing_store_xml(&spec.image_backing_chain),
+                    chain = spec.image_backing_chain.as_deref().map(chains::backing_store_xml).unwrap_or_default(),
                 );
             }
             for (disk, target) in spec.disks.iter().zip(DATA_DISK_TARGETS) {
@@ -593,7 +593,7 @@ mod tests {
             max_cpus: None,
             max_memory_bytes: None,
             image: None,
-            image_backing_chain: Vec::new(),
+            image_backing_chain: None,
             kernel_boot: None,
         }
     }
@@ -779,6 +779,7 @@ mod tests {
         use vmlet_provider::{BackingFile, DataDisk};
         let mut spec = spec();
         spec.image = Some("/images/boot.qcow2".into());
+        spec.image_backing_chain = Some(vec![]);
         let disk = |name: &str, path: &str, format, backing_chain| DataDisk {
             name: name.into(),
             path: path.into(),
@@ -816,6 +817,10 @@ mod tests {
             "      <target dev='vdc' bus='virtio'/>\n",
             "      <serial>logs</serial>\n",
         )));
+        // A boot image whose chain vmlet could not read is left to libvirt.
+        spec.image_backing_chain = None;
+        let unpinned = domain_xml(&spec, DomainKind::Qemu(Accelerator::Tcg), UUID, None, &[]);
+        assert!(unpinned.contains("<source file='/images/boot.qcow2'/>\n      <target dev='vda' bus='virtio'/>\n"));
         let found: Vec<(String, Option<String>)> = disks(&xml).into_iter().map(|d| (d.target, d.serial)).collect();
         let expected = [("vda", None), ("vdb", Some("data")), ("vdc", Some("logs"))];
         assert_eq!(found, expected.map(|(target, serial)| (target.to_owned(), serial.map(str::to_owned))));

@@ -34,7 +34,7 @@ fn unique_spec() -> VmSpec {
         max_cpus: None,
         max_memory_bytes: None,
         image: None,
-        image_backing_chain: Vec::new(),
+        image_backing_chain: None,
         kernel_boot: None,
     }
 }

@@ -91,7 +91,7 @@ pub fn unique_spec(namespace: &str, what: &str) -> VmSpec {
         max_cpus: None,
         max_memory_bytes: None,
         image: None,
-        image_backing_chain: Vec::new(),
+        image_backing_chain: None,
         kernel_boot: None,
     }
 }

@@ -141,7 +141,7 @@ impl Harness {
             max_cpus: None,
             max_memory_bytes: None,
             image: Some(self.image.clone()),
-            image_backing_chain: Vec::new(),
+            image_backing_chain: None,
             kernel_boot: None,
             options: Default::default(),
             cloud_init: None,
