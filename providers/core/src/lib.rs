@@ -22,6 +22,7 @@ mod host_image;
 mod migration;
 mod resize;
 mod snapshot;
+mod volume;
 pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, InPlaceRestore, IncrementalBase};
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
@@ -29,6 +30,7 @@ pub use host_image::{BackingFile, DiskFormat, HostImages, ImageFacts};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
 pub use resize::{Resize, ResizeScope, Resources};
 pub use snapshot::{RevertOutcome, SnapshotInfo, SnapshotRequest, Snapshots};
+pub use volume::{validate_volume_name, Volume, VolumeRequest, Volumes, MAX_VOLUME_NAME_BYTES};
 
 /// The stable identity of a VM: the UID of its VirtualMachine object
 /// (`metadata.uid`, an RFC 4122 UUID string).
@@ -452,6 +454,13 @@ pub trait Provider: Send + Sync + 'static {
     /// backing file, see [`HostImages`]), if this backend has one. Without
     /// it, the core refuses VMs whose disks name host images.
     fn host_images(&self) -> Option<&dyn HostImages> {
+        None
+    }
+
+    /// The capability to make, grow and remove volumes in the host's
+    /// storage pools (see [`Volumes`]), if this backend has one. Without
+    /// it, the host provisions no volumes dynamically.
+    fn volumes(&self) -> Option<&dyn Volumes> {
         None
     }
 

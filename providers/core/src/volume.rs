@@ -1,0 +1,177 @@
+//! Volumes: disk image files that a back end makes, sizes and removes in
+//! its own storage (a libvirt storage pool), for a dynamic volume
+//! provisioner to hand to VMs as data disks.
+//!
+//! A volume lives in a pool of the host, named by the host's administrator
+//! (a StorageClass parameter, never a tenant's free text), under a name the
+//! caller gives it: the provisioner names a claim's volume
+//! `<namespace>_<claim>_<uid>`, which no two claims share. Every operation is
+//! idempotent, so a provisioner that crashed half-way calls it again.
+
+use crate::{DiskFormat, Error, ErrorKind, Result};
+
+/// The longest volume name vmlet gives, in bytes.
+pub const MAX_VOLUME_NAME_BYTES: usize = 200;
+
+/// A volume to make ([`Volumes::create_volume`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeRequest {
+    /// The pool it goes into, by the back end's name for it (libvirt: the
+    /// storage pool's name, `virsh pool-list`).
+    pub pool: String,
+    /// Its name in the pool (see [`validate_volume_name`]); on a file-based
+    /// pool, also its file's name in the pool's directory.
+    pub name: String,
+    /// The disk's size as the guest sees it, in bytes (at least 1). The
+    /// back end may round it up (qcow2: to a multiple of 512 bytes).
+    pub capacity_bytes: u64,
+    /// How the hypervisor reads the file. A new volume takes no space up
+    /// front: a raw one is a sparse file, a qcow2 one holds its header only.
+    pub format: DiskFormat,
+}
+
+/// A volume as the back end reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Volume {
+    /// The pool that holds it.
+    pub pool: String,
+    /// Its name in the pool.
+    pub name: String,
+    /// The absolute path of the file the hypervisor opens for it
+    /// ([`crate::DataDisk::path`]).
+    pub path: String,
+    /// The disk's size as the guest sees it, in bytes.
+    pub capacity_bytes: u64,
+    /// The bytes it takes on the host's storage now (grows as the guest
+    /// writes; below `capacity_bytes` for a sparse raw file or a qcow2
+    /// image, above it by a qcow2 image's metadata at most).
+    pub allocation_bytes: u64,
+    /// How the hypervisor reads the file, as the back end records it (never
+    /// probed from the file's contents, which the guest writes).
+    pub format: DiskFormat,
+}
+
+/// Whether `name` may name a volume: 1 to [`MAX_VOLUME_NAME_BYTES`] bytes of
+/// ASCII letters, digits, `.`, `_` and `-`, not starting with `.` (so no
+/// `.`, `..` or hidden file, and never a `/` that would leave the pool's
+/// directory).
+///
+/// Errors: `InvalidInput` for `operation`, naming the volume and what is
+/// wrong with its name.
+pub fn validate_volume_name(operation: &'static str, name: &str) -> Result<()> {
+    let problem = if name.is_empty() {
+        Some("it is empty".to_owned())
+    } else if name.len() > MAX_VOLUME_NAME_BYTES {
+        Some(format!("it has {} bytes, more than {MAX_VOLUME_NAME_BYTES}", name.len()))
+    } else if name.starts_with('.') {
+        Some("it starts with '.'".to_owned())
+    } else {
+        name.chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+            .map(|c| format!("it holds {c:?}; a volume name holds A-Z, a-z, 0-9, '.', '_' and '-' only"))
+    };
+    match problem {
+        None => Ok(()),
+        Some(problem) => {
+            Err(Error::new(operation, ErrorKind::InvalidInput, format!("volume name {name:?}: {problem}")))
+        }
+    }
+}
+
+/// Making, reading, growing and removing volumes in a host's storage pools.
+///
+/// Errors every operation may return: `NotFound` when the host has no pool
+/// of that name (the message names it and the pools the host has);
+/// `InvalidInput` when the volume's name fails [`validate_volume_name`];
+/// `Unsupported` when the pool keeps no files vmlet can attach (the message
+/// names the pool's type); `Permanent` when the pool exists but is not
+/// running (the message says how to start it); `Transient` when the back
+/// end did not answer in time or the connection was lost;
+/// `PermissionDenied` when the back end refuses vmlet's credentials.
+#[async_trait::async_trait]
+pub trait Volumes: Send + Sync {
+    /// Make the volume `request` describes, or return the one the pool
+    /// already holds under that name when it has `request.format` and at
+    /// least `request.capacity_bytes` (unchanged: never grown, never
+    /// shrunk), so that calling it again after a success or a crash
+    /// converges.
+    ///
+    /// Errors: `Conflict` when the pool holds a volume of that name in
+    /// another format or with a smaller capacity (the message names both
+    /// the volume's and the request's); `InvalidInput` for a capacity of 0
+    /// bytes; `QuotaExceeded` or `Permanent` when the pool has no room (the
+    /// back end's message); and those every operation may return.
+    async fn create_volume(&self, request: &VolumeRequest) -> Result<Volume>;
+
+    /// The volume named `name` in pool `pool`, or `None` when the pool has
+    /// none of that name.
+    ///
+    /// Errors: `Permanent` when the volume is in a format other than raw
+    /// or qcow2 (one vmlet did not make), and those every operation may
+    /// return.
+    async fn volume(&self, pool: &str, name: &str) -> Result<Option<Volume>>;
+
+    /// Remove the volume named `name` from pool `pool`, and its file; a
+    /// volume that does not exist is success. The caller makes sure that
+    /// no VM uses it.
+    ///
+    /// Errors: those every operation may return.
+    async fn delete_volume(&self, pool: &str, name: &str) -> Result<()>;
+
+    /// Grow the volume named `name` in pool `pool` to `capacity_bytes` (in
+    /// bytes, as the guest sees it) and return it; a volume that has exactly
+    /// that capacity already is returned unchanged. The new space takes no room up front. A running VM that
+    /// has the volume attached sees the new size only after the hypervisor
+    /// is told (a block resize) or after its next start.
+    ///
+    /// Errors: `NotFound` when the pool has no such volume; `InvalidInput`
+    /// when `capacity_bytes` is below the volume's capacity (volumes never
+    /// shrink: the guest's data would be cut off) or is 0; `Unsupported`
+    /// when the back end cannot grow volumes; `Permanent` when
+    /// the volume is in a format other than raw or qcow2; and those every
+    /// operation may return.
+    async fn resize_volume(&self, pool: &str, name: &str, capacity_bytes: u64) -> Result<Volume>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OP: &str = "test";
+
+    #[test]
+    fn a_provisioners_volume_name_is_valid() {
+        for name in ["default_data_0f8e1c2a-7b3d-4e5f-9a6b-1c2d3e4f5a6b", "a", "disk.img", "a-b_c.d", &"x".repeat(200)]
+        {
+            assert!(validate_volume_name(OP, name).is_ok(), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_name_that_could_leave_the_pool_or_hide_is_refused_naming_why() {
+        for (name, why) in [
+            ("", "empty"),
+            (".", "starts with '.'"),
+            ("..", "starts with '.'"),
+            (".hidden", "starts with '.'"),
+            ("../etc", "starts with '.'"),
+            ("a/b", "'/'"),
+            ("/abs", "'/'"),
+            ("a b", "' '"),
+            ("é", "'é'"),
+            ("a\0b", "'\\0'"),
+            ("a'b", "'\\''"),
+        ] {
+            let err = validate_volume_name(OP, name).expect_err(name);
+            assert_eq!(err.kind, ErrorKind::InvalidInput, "{name}");
+            assert!(err.message.contains(why), "{name}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn a_name_longer_than_200_bytes_is_refused_with_its_length() {
+        let err = validate_volume_name(OP, &"x".repeat(201)).expect_err("201 bytes");
+        assert_eq!(err.kind, ErrorKind::InvalidInput);
+        assert!(err.message.contains("201 bytes"), "{}", err.message);
+    }
+}
