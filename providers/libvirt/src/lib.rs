@@ -74,6 +74,7 @@ mod resize;
 mod restore;
 mod snapshot;
 mod stats;
+mod volumes;
 mod xml;
 
 pub use networks::{Attachment, OfferedNetwork};

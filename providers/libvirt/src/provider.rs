@@ -1002,6 +1002,13 @@ impl Provider for LibvirtProvider {
         Some(self)
     }
 
+    /// Volumes in the host's storage pools of files through libvirt's
+    /// storage API (see `volumes.rs`), on every driver (the test driver's
+    /// pools are in memory).
+    fn volumes(&self) -> Option<&dyn vmlet_provider::Volumes> {
+        Some(self)
+    }
+
     /// `virDomainUndefineFlags` with MANAGED_SAVE, SNAPSHOTS_METADATA,
     /// CHECKPOINTS_METADATA and NVRAM,
     /// fewer flags where the driver rejects them. Disk files are never deleted;

@@ -1,0 +1,442 @@
+//! Volumes ([`Volumes`]) in libvirt storage pools, made, grown and removed
+//! through libvirt's storage API (`virStorageVolCreateXML`,
+//! `virStorageVolResize`, `virStorageVolDelete`), so that libvirtd, not
+//! vmlet, touches the pool's files: this works on a remote connection too.
+//!
+//! Only pools whose volumes are files (`dir`, `fs`, `netfs`) are used; a
+//! volume's file is `<pool target>/<volume name>`. A new volume is sparse
+//! (`<allocation>` 0), mode 0600, in the requested format. A volume's format
+//! is what libvirt records in its XML (`<target><format type='…'/>`), never
+//! probed from the file, whose contents the guest writes.
+//!
+//! Every operation refreshes the pool first (`virStoragePoolRefresh`), so
+//! that files made or removed behind libvirtd are seen; a refresh libvirt
+//! refuses for now (another volume of the pool is being built) is skipped
+//! and libvirt's last view of the pool used. Each operation, refresh
+//! included, is given up with `Transient` after [`DEADLINE`].
+//!
+//! On the test driver (`test:///…`) pools and volumes live in libvirtd's
+//! memory only (`test:///default` has a `dir` pool named `default-pool`),
+//! and resizing is not implemented (`Unsupported`).
+
+use std::time::Duration;
+
+use tracing::instrument;
+use virt::connect::Connect;
+use virt::error::{Error as VirtError, ErrorNumber};
+use virt::storage_pool::StoragePool;
+use virt::storage_vol::StorageVol;
+use vmlet_provider::{validate_volume_name, DiskFormat, Error, ErrorKind, Result, Volume, VolumeRequest, Volumes};
+
+use crate::error::{from_libvirt, is_no_storage_pool, kind_of};
+use crate::provider::LibvirtProvider;
+use crate::xml::escape;
+
+/// How long one volume operation may take in libvirt: looking the pool up,
+/// refreshing it and the change itself (for qcow2, libvirtd runs qemu-img).
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The pool types whose volumes are files the hypervisor opens by path.
+const FILE_POOL_TYPES: [&str; 3] = ["dir", "fs", "netfs"];
+
+/// qcow2 sizes are whole 512-byte sectors: qemu-img rounds a new image's
+/// size up to one, and refuses to resize to any other size.
+const QCOW2_SECTOR: u64 = 512;
+
+#[async_trait::async_trait]
+impl Volumes for LibvirtProvider {
+    /// See [`Volumes::create_volume`]. A qcow2 capacity is rounded up to a
+    /// multiple of 512 bytes. A volume made meanwhile by another caller
+    /// counts as existing.
+    #[instrument(skip(self, request), fields(provider = "libvirt", volume.pool = %request.pool, volume.name = %request.name))]
+    async fn create_volume(&self, request: &VolumeRequest) -> Result<Volume> {
+        const OP: &str = "create volume";
+        validate_volume_name(OP, &request.name)?;
+        if request.capacity_bytes == 0 {
+            return Err(Error::new(OP, ErrorKind::InvalidInput, format!("volume {}: capacity 0 bytes", request.name)));
+        }
+        let request = VolumeRequest {
+            capacity_bytes: rounded_capacity(request.format, request.capacity_bytes),
+            ..request.clone()
+        };
+        self.blocking_within(OP, DEADLINE, move |_, conn| create(conn, &request)).await
+    }
+
+    /// See [`Volumes::volume`].
+    #[instrument(skip(self), fields(provider = "libvirt"))]
+    async fn volume(&self, pool: &str, name: &str) -> Result<Option<Volume>> {
+        const OP: &str = "read volume";
+        validate_volume_name(OP, name)?;
+        let (pool, name) = (pool.to_owned(), name.to_owned());
+        self.blocking_within(OP, DEADLINE, move |_, conn| {
+            let storage = open_pool(conn, OP, &pool)?;
+            lookup(&storage, OP, &name)?.map(|found| found.into_volume(OP, &pool, &name)).transpose()
+        })
+        .await
+    }
+
+    /// See [`Volumes::delete_volume`]: `virStorageVolDelete` without
+    /// wiping (the file is unlinked).
+    #[instrument(skip(self), fields(provider = "libvirt"))]
+    async fn delete_volume(&self, pool: &str, name: &str) -> Result<()> {
+        const OP: &str = "delete volume";
+        validate_volume_name(OP, name)?;
+        let (pool, name) = (pool.to_owned(), name.to_owned());
+        self.blocking_within(OP, DEADLINE, move |_, conn| {
+            let storage = open_pool(conn, OP, &pool)?;
+            let deleted = storage.lookup_storage_vol_by_name(&name).and_then(|volume| volume.delete(0));
+            match deleted {
+                Ok(()) => {
+                    tracing::info!(volume.pool = %pool, volume.name = %name, "volume deleted");
+                    Ok(())
+                }
+                Err(err) if is_no_volume(&err) => Ok(()),
+                Err(err) => Err(from_libvirt(OP, err)),
+            }
+        })
+        .await
+    }
+
+    /// See [`Volumes::resize_volume`]: `virStorageVolResize` to the new
+    /// capacity, without allocating it. A qcow2 capacity is rounded up to
+    /// a multiple of 512 bytes first. The test driver cannot resize
+    /// volumes: `Unsupported`.
+    #[instrument(skip(self), fields(provider = "libvirt"))]
+    async fn resize_volume(&self, pool: &str, name: &str, capacity_bytes: u64) -> Result<Volume> {
+        const OP: &str = "resize volume";
+        validate_volume_name(OP, name)?;
+        if capacity_bytes == 0 {
+            return Err(Error::new(OP, ErrorKind::InvalidInput, format!("volume {name}: capacity 0 bytes")));
+        }
+        let (pool, name) = (pool.to_owned(), name.to_owned());
+        self.blocking_within(OP, DEADLINE, move |_, conn| resize(conn, &pool, &name, capacity_bytes)).await
+    }
+}
+
+/// Make `request`'s volume unless the pool holds one of that name; either
+/// way, the volume if it matches the request.
+fn create(conn: &Connect, request: &VolumeRequest) -> Result<Volume> {
+    const OP: &str = "create volume";
+    let (pool_name, name) = (&request.pool, &request.name);
+    let pool = open_pool(conn, OP, pool_name)?;
+    let found = match lookup(&pool, OP, name)? {
+        Some(found) => found,
+        None => match StorageVol::create_xml(&pool, &volume_xml(request), 0) {
+            Ok(volume) => {
+                tracing::info!(
+                    volume.pool = %pool_name,
+                    volume.name = %name,
+                    volume.format = %request.format,
+                    volume.capacity_bytes = request.capacity_bytes,
+                    "volume created"
+                );
+                read(&volume).map_err(|err| from_libvirt(OP, err))?
+            }
+            // Made by another caller since the lookup?
+            Err(err) => lookup(&pool, OP, name)?.ok_or_else(|| from_libvirt(OP, err))?,
+        },
+    };
+    if found.format.as_deref() != Some(request.format.as_str()) || found.capacity < request.capacity_bytes {
+        let format = found.format.as_deref().unwrap_or("an unstated format");
+        return Err(Error::new(
+            OP,
+            ErrorKind::Conflict,
+            format!(
+                "pool {pool_name} holds a volume {name} in {format} of {} bytes; asked for one in {} of at least {} \
+                 bytes: delete that volume or ask for another name",
+                found.capacity, request.format, request.capacity_bytes
+            ),
+        ));
+    }
+    found.into_volume(OP, pool_name, name)
+}
+
+/// Grow volume `name` of pool `pool_name` to `capacity` bytes.
+fn resize(conn: &Connect, pool_name: &str, name: &str, capacity: u64) -> Result<Volume> {
+    const OP: &str = "resize volume";
+    let pool = open_pool(conn, OP, pool_name)?;
+    let Some(found) = lookup(&pool, OP, name)? else {
+        return Err(Error::new(OP, ErrorKind::NotFound, format!("pool {pool_name} holds no volume {name}")));
+    };
+    let current = found.into_volume(OP, pool_name, name)?;
+    let capacity = rounded_capacity(current.format, capacity);
+    if capacity < current.capacity_bytes {
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!(
+                "volume {name} of pool {pool_name} has {} bytes and cannot shrink to {capacity} bytes: volumes only \
+                 grow",
+                current.capacity_bytes
+            ),
+        ));
+    }
+    if capacity == current.capacity_bytes {
+        return Ok(current);
+    }
+    let resized = pool.lookup_storage_vol_by_name(name).and_then(|volume| {
+        volume.resize(capacity, 0)?;
+        read(&volume)
+    });
+    let found = resized.map_err(|err| from_libvirt(OP, err))?;
+    tracing::info!(
+        volume.pool = %pool_name,
+        volume.name = %name,
+        from_bytes = current.capacity_bytes,
+        to_bytes = found.capacity,
+        "volume grown"
+    );
+    found.into_volume(OP, pool_name, name)
+}
+
+/// `capacity` as the volume will have it: for qcow2 rounded up to whole
+/// sectors ([`QCOW2_SECTOR`]).
+fn rounded_capacity(format: DiskFormat, capacity: u64) -> u64 {
+    match format {
+        DiskFormat::Raw => capacity,
+        DiskFormat::Qcow2 => {
+            capacity.checked_next_multiple_of(QCOW2_SECTOR).unwrap_or(u64::MAX - u64::MAX % QCOW2_SECTOR)
+        }
+    }
+}
+
+/// Storage pool `name`, checked to keep files and to run, and refreshed.
+/// Errors: `NotFound` naming the pools the host has; `Unsupported` for a
+/// pool of other volumes; `Permanent` for a pool that is not running.
+fn open_pool(conn: &Connect, operation: &'static str, name: &str) -> Result<StoragePool> {
+    let pool = match conn.lookup_storage_pool_by_name(name) {
+        Ok(pool) => pool,
+        Err(err) if is_no_storage_pool(&err) => return Err(no_such_pool(conn, operation, name, err)),
+        Err(err) => return Err(from_libvirt(operation, err)),
+    };
+    let xml = pool.xml_desc(0).map_err(|err| from_libvirt(operation, err))?;
+    let kind = pool_type(&xml).map_err(|e| {
+        Error::new(operation, ErrorKind::Permanent, format!("libvirt's XML of storage pool {name} does not parse: {e}"))
+    })?;
+    if !FILE_POOL_TYPES.contains(&kind.as_deref().unwrap_or("")) {
+        return Err(Error::new(
+            operation,
+            ErrorKind::Unsupported,
+            format!(
+                "storage pool {name} is of type {}; vmlet makes volumes in pools of files only ({})",
+                kind.as_deref().unwrap_or("(none stated)"),
+                FILE_POOL_TYPES.join(", ")
+            ),
+        ));
+    }
+    if !pool.is_active().map_err(|err| from_libvirt(operation, err))? {
+        return Err(Error::new(
+            operation,
+            ErrorKind::Permanent,
+            format!(
+                "storage pool {name} is not running: start it (virsh pool-start {name}; pool-autostart keeps it so)"
+            ),
+        ));
+    }
+    if let Err(err) = pool.refresh(0) {
+        if kind_of(&err) == ErrorKind::Transient {
+            return Err(from_libvirt(operation, err));
+        }
+        tracing::debug!(pool = %name, error = %err, "storage pool not refreshed; libvirt's last view of it is used");
+    }
+    Ok(pool)
+}
+
+/// The `NotFound` error for a missing pool `name`, naming the pools the
+/// host has (or that they cannot be listed).
+fn no_such_pool(conn: &Connect, operation: &'static str, name: &str, err: VirtError) -> Error {
+    let pools = conn
+        .list_all_storage_pools(0)
+        .map(|pools| pools.iter().filter_map(|pool| pool.name().ok()).collect::<Vec<_>>());
+    let has = match pools {
+        Ok(mut names) if !names.is_empty() => {
+            names.sort();
+            format!("the host has {}", names.join(", "))
+        }
+        Ok(_) => "the host has none".to_owned(),
+        Err(list) => format!("the host's pools cannot be listed: {}", list.message()),
+    };
+    Error::new(operation, ErrorKind::NotFound, format!("no storage pool {name} on this host; {has}")).with_source(err)
+}
+
+/// What libvirt says of a volume, its format not checked yet.
+#[derive(Debug, PartialEq, Eq)]
+struct Found {
+    path: String,
+    capacity: u64,
+    allocation: u64,
+    /// `<target><format type>`; `None` when the XML states none.
+    format: Option<String>,
+}
+
+impl Found {
+    /// The volume `name` of pool `pool` this is. Errors: `Permanent` for a
+    /// format other than raw and qcow2 or a path that is no absolute file
+    /// path.
+    fn into_volume(self, operation: &'static str, pool: &str, name: &str) -> Result<Volume> {
+        let format = self.format.as_deref().and_then(DiskFormat::from_name).ok_or_else(|| {
+            Error::new(
+                operation,
+                ErrorKind::Permanent,
+                format!(
+                    "volume {name} of pool {pool} is in {}; vmlet uses raw and qcow2 volumes only",
+                    self.format.as_deref().unwrap_or("an unstated format")
+                ),
+            )
+        })?;
+        if !self.path.starts_with('/') {
+            return Err(Error::new(
+                operation,
+                ErrorKind::Permanent,
+                format!("volume {name} of pool {pool} is at {:?}, no absolute file path", self.path),
+            ));
+        }
+        Ok(Volume {
+            pool: pool.to_owned(),
+            name: name.to_owned(),
+            path: self.path,
+            capacity_bytes: self.capacity,
+            allocation_bytes: self.allocation,
+            format,
+        })
+    }
+}
+
+/// Volume `name` of `pool`, or `None` when it has none (or it went away
+/// while being read).
+fn lookup(pool: &StoragePool, operation: &'static str, name: &str) -> Result<Option<Found>> {
+    match pool.lookup_storage_vol_by_name(name).and_then(|volume| read(&volume)) {
+        Ok(found) => Ok(Some(found)),
+        Err(err) if is_no_volume(&err) => Ok(None),
+        Err(err) => Err(from_libvirt(operation, err)),
+    }
+}
+
+/// What libvirt says of `volume` (its info refreshes the volume's sizes).
+fn read(volume: &StorageVol) -> Result<Found, VirtError> {
+    let path = volume.path()?;
+    let info = volume.info()?;
+    let xml = volume.xml_desc(0)?;
+    Ok(Found { path, capacity: info.capacity, allocation: info.allocation, format: volume_format(&xml) })
+}
+
+/// True when `err` says the pool has no volume of the asked name.
+fn is_no_volume(err: &VirtError) -> bool {
+    err.code().is(ErrorNumber::NoStorageVolume)
+}
+
+/// The volume XML for `request` (`virStorageVolCreateXML`): a sparse file
+/// of its capacity in its format, mode 0600.
+fn volume_xml(request: &VolumeRequest) -> String {
+    format!(
+        "<volume>\n  <name>{}</name>\n  <capacity unit='bytes'>{}</capacity>\n  <allocation unit='bytes'>0</allocation>\n  \
+         <target>\n    <format type='{}'/>\n    <permissions>\n      <mode>0600</mode>\n    </permissions>\n  \
+         </target>\n</volume>\n",
+        escape(&request.name),
+        request.capacity_bytes,
+        request.format.as_str(),
+    )
+}
+
+/// `<volume><target><format type='…'/>` of a volume's XML; `None` when it
+/// states none or the XML does not parse (then the format is unknown, and
+/// the volume refused as such).
+fn volume_format(xml: &str) -> Option<String> {
+    let document = roxmltree::Document::parse(xml).ok()?;
+    let root = document.root_element();
+    let target = root.children().find(|c| c.has_tag_name("target"))?;
+    let format = target.children().find(|c| c.has_tag_name("format"))?;
+    format.attribute("type").map(str::to_owned)
+}
+
+/// `<pool type='…'>` of a pool's XML; `None` when it states none.
+fn pool_type(xml: &str) -> std::result::Result<Option<String>, roxmltree::Error> {
+    let document = roxmltree::Document::parse(xml)?;
+    Ok(document.root_element().attribute("type").map(str::to_owned))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(name: &str, capacity_bytes: u64, format: DiskFormat) -> VolumeRequest {
+        VolumeRequest { pool: "default".into(), name: name.into(), capacity_bytes, format }
+    }
+
+    #[test]
+    fn a_new_volume_is_a_sparse_file_of_its_capacity_in_its_format_mode_0600() {
+        let xml = volume_xml(&request("ns_claim_0f8e", 10 << 30, DiskFormat::Qcow2));
+        let document = roxmltree::Document::parse(&xml).expect("volume XML parses");
+        let root = document.root_element();
+        assert!(root.has_tag_name("volume"));
+        let text = |path: &[&str]| {
+            let mut node = root;
+            for name in path {
+                node = node.children().find(|c| c.has_tag_name(*name)).unwrap_or_else(|| panic!("{name} in {xml}"));
+            }
+            node
+        };
+        assert_eq!(text(&["name"]).text(), Some("ns_claim_0f8e"));
+        assert_eq!(text(&["capacity"]).text(), Some("10737418240"));
+        assert_eq!(text(&["capacity"]).attribute("unit"), Some("bytes"));
+        assert_eq!(text(&["allocation"]).text(), Some("0"));
+        assert_eq!(text(&["allocation"]).attribute("unit"), Some("bytes"));
+        assert_eq!(text(&["target", "permissions", "mode"]).text(), Some("0600"));
+        assert_eq!(volume_format(&xml).as_deref(), Some("qcow2"));
+        assert_eq!(volume_format(&volume_xml(&request("r", 1, DiskFormat::Raw))).as_deref(), Some("raw"));
+    }
+
+    #[test]
+    fn a_volume_name_is_escaped_in_its_xml() {
+        // Names are validated before, but the XML never depends on it.
+        let xml = volume_xml(&request("a<b>&'c", 1, DiskFormat::Raw));
+        let document = roxmltree::Document::parse(&xml).expect("volume XML parses");
+        let name = document.root_element().children().find(|c| c.has_tag_name("name")).expect("name");
+        assert_eq!(name.text(), Some("a<b>&'c"));
+    }
+
+    #[test]
+    fn the_format_is_read_from_the_volumes_target_only() {
+        // What libvirt 9's dir pool answers for a qcow2 volume.
+        let xml = "<volume type='file'>\n  <name>v</name>\n  <key>/p/v</key>\n  <source>\n  </source>\n  \
+                   <capacity unit='bytes'>1048576</capacity>\n  <allocation unit='bytes'>200704</allocation>\n  \
+                   <physical unit='bytes'>196616</physical>\n  <target>\n    <path>/p/v</path>\n    \
+                   <format type='qcow2'/>\n    <permissions>\n      <mode>0600</mode>\n      <owner>0</owner>\n      \
+                   <group>0</group>\n    </permissions>\n    <compat>1.1</compat>\n    <clusterSize \
+                   unit='B'>65536</clusterSize>\n    <features/>\n  </target>\n  <backingStore>\n    \
+                   <path>/p/base</path>\n    <format type='raw'/>\n  </backingStore>\n</volume>\n";
+        assert_eq!(volume_format(xml).as_deref(), Some("qcow2"));
+        let no_target_format = "<volume><name>v</name><backingStore><format type='raw'/></backingStore>\
+                                <target><path>/p/v</path></target></volume>";
+        assert_eq!(volume_format(no_target_format), None);
+        assert_eq!(volume_format("<volume><target><format type='vmdk'/>"), None);
+        assert_eq!(volume_format("<volume><target><format type='vmdk'/></target></volume>").as_deref(), Some("vmdk"));
+    }
+
+    #[test]
+    fn a_pools_type_is_its_root_attribute() {
+        assert_eq!(pool_type("<pool type='dir'><name>p</name></pool>").expect("parses").as_deref(), Some("dir"));
+        assert_eq!(pool_type("<pool><name>p</name></pool>").expect("parses"), None);
+        assert!(pool_type("<pool type='dir'>").is_err());
+    }
+
+    #[test]
+    fn a_qcow2_capacity_is_rounded_up_to_whole_sectors_and_a_raw_one_is_kept() {
+        assert_eq!(rounded_capacity(DiskFormat::Qcow2, 1), 512);
+        assert_eq!(rounded_capacity(DiskFormat::Qcow2, 512), 512);
+        assert_eq!(rounded_capacity(DiskFormat::Qcow2, 1000), 1024);
+        assert_eq!(rounded_capacity(DiskFormat::Raw, 1000), 1000);
+        assert_eq!(rounded_capacity(DiskFormat::Qcow2, u64::MAX), u64::MAX - 511);
+    }
+
+    #[test]
+    fn a_volume_in_a_format_vmlet_does_not_attach_is_refused_naming_it() {
+        let found = Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("vmdk".into()) };
+        let err = found.into_volume("test", "p", "v").expect_err("vmdk");
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(err.message.contains("vmdk"), "{}", err.message);
+        let found = Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("raw".into()) };
+        let volume = found.into_volume("test", "p", "v").expect("raw");
+        assert_eq!((volume.path.as_str(), volume.format), ("/p/v", DiskFormat::Raw));
+    }
+}
