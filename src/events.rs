@@ -68,6 +68,10 @@ pub enum Reason {
     MigrationFailed,
     /// A migration ended before it moved anything.
     MigrationCancelled,
+    /// A claim's volume was made and its PersistentVolume created.
+    ProvisioningSucceeded,
+    /// A claim of a vmlet StorageClass gets no volume (the note says why).
+    ProvisioningFailed,
 }
 
 impl Reason {
@@ -101,6 +105,8 @@ impl Reason {
             Reason::Migrated => "Migrated",
             Reason::MigrationFailed => "MigrationFailed",
             Reason::MigrationCancelled => "MigrationCancelled",
+            Reason::ProvisioningSucceeded => "ProvisioningSucceeded",
+            Reason::ProvisioningFailed => "ProvisioningFailed",
         }
     }
 
@@ -121,6 +127,7 @@ impl Reason {
                 | Reason::RestartRequired
                 | Reason::ResizeNotApplied
                 | Reason::MigrationFailed
+                | Reason::ProvisioningFailed
         )
     }
 }

@@ -206,6 +206,12 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
             shutdown.child_token(),
         ));
     }
+    tasks.spawn(vmlet::node::provisioner::run(
+        client.clone(),
+        config.namespace.clone(),
+        hosts.clone(),
+        shutdown.child_token(),
+    ));
     tasks.spawn(vmlet::node::release::run(
         client.clone(),
         hosts.clone(),

@@ -169,13 +169,12 @@ pub async fn chains(
 pub async fn data_disks(agent: &Agent, pod: &Pod, disks: &[VmDisk]) -> Result<Vec<DataDisk>, Unavailable> {
     let namespace = pod.namespace().unwrap_or_default();
     let node = agent.host.name.as_str();
-    let (roots, local) = (agent.storage.roots(), agent.storage.resolves_links());
     let mut resolved = Vec::with_capacity(disks.len());
     for planned in plan(disks, pod)? {
         let disk = match planned {
-            Planned::Claim { disk, claim } => claim_disk(&agent.client, &namespace, disk, claim, node, roots, local)
-                .await
-                .map_err(|e| Unavailable::NotReady(e.into()))?,
+            Planned::Claim { disk, claim } => {
+                claim_disk(agent, &namespace, disk, claim).await.map_err(|e| Unavailable::NotReady(e.into()))?
+            }
             Planned::HostImage { disk, path } => {
                 host_image_disk(agent.provider.as_ref(), &agent.storage, node, disk, path).await?
             }

@@ -18,6 +18,7 @@ mod migration;
 pub mod placement;
 pub mod pod_status;
 mod pods;
+pub mod provisioner;
 pub use pods::PLACED_ELSEWHERE;
 pub mod registration;
 pub mod release;

@@ -13,7 +13,7 @@
 use crate::storage::check_host_file;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::{Api, Client, ResourceExt};
-use vmlet_provider::{DataDisk, DiskFormat};
+use vmlet_provider::{DataDisk, DiskFormat, Provider};
 
 /// The image file in a volume's directory (as KubeVirt names it).
 pub const DISK_IMAGE: &str = "disk.img";
@@ -62,23 +62,30 @@ impl NotReady {
 }
 
 /// The data disk `disk` of a VM of `namespace` that claim `claim_name` holds,
-/// on host `node`, whose storage roots are `roots` (`local`: vmlet sees the
-/// host's files): the image in the claim's directory, raw. The caller made
-/// sure the claim is a volume of the VM's pod ([`super::disks`]).
-pub async fn claim_disk(
-    client: &Client,
+/// on the host of `agent`. A volume vmlet's provisioner made for the host's
+/// back end ([`super::provisioner`]) is the back end's volume in its pool,
+/// in the format it was made in; any other is the image in the claim's
+/// directory, raw, which must lie under the host's storage roots. The
+/// caller made sure the claim is a volume of the VM's pod ([`super::disks`]).
+pub(super) async fn claim_disk(
+    agent: &super::Agent,
     namespace: &str,
     disk: &str,
     claim_name: &str,
-    node: &str,
-    roots: &[String],
-    local: bool,
 ) -> Result<DataDisk, NotReady> {
-    let found = claim_directory(client, namespace, claim_name, node).await.map_err(|e| match e {
+    let (client, provider, node) = (&agent.client, agent.provider.as_ref(), agent.host.name.as_str());
+    let (roots, local) = (agent.storage.roots(), agent.storage.resolves_links());
+    let claim_error = |e| match e {
         ClaimError::Waiting(why) => NotReady::Waiting { disk: disk.to_owned(), claim: claim_name.to_owned(), why },
         ClaimError::Unusable(why) => NotReady::Unusable { disk: disk.to_owned(), why },
         ClaimError::Kube { what, source } => NotReady::Kube { what, source },
-    })?;
+    };
+    let bound = bound_volume(client, namespace, claim_name, node).await.map_err(claim_error)?;
+    let provisioner = super::provisioner::provisioner_name(provider.kind());
+    if let Some(csi) = bound.pv.spec.as_ref().and_then(|s| s.csi.as_ref()).filter(|csi| csi.driver == provisioner) {
+        return provisioned_disk(provider, disk, &bound.name, &csi.volume_handle, node).await;
+    }
+    let found = directory_of(bound).map_err(claim_error)?;
     let path = format!("{}/{DISK_IMAGE}", found.dir.trim_end_matches('/'));
     if let Err(why) = check_host_file(roots, local, &path).await {
         return Err(NotReady::Unusable {
@@ -98,6 +105,43 @@ pub async fn claim_disk(
         create_bytes: found.capacity_bytes,
         backing_chain: Vec::new(),
     })
+}
+
+/// The disk `disk` from the provisioned PersistentVolume `pv_name` whose CSI
+/// handle is `handle` (`<node>/<pool>/<volume>`): the volume's file, in the
+/// format the back end made it in (never read from the file), standing alone.
+async fn provisioned_disk(
+    provider: &dyn Provider,
+    disk: &str,
+    pv_name: &str,
+    handle: &str,
+    node: &str,
+) -> Result<DataDisk, NotReady> {
+    let unusable = |why: String| NotReady::Unusable { disk: disk.to_owned(), why };
+    let Some((on, pool, name)) = super::provisioner::parse_handle(handle) else {
+        return Err(unusable(format!(
+            "PersistentVolume {pv_name}: volumeHandle {handle:?} is no <node>/<pool>/<volume>"
+        )));
+    };
+    if on != node {
+        return Err(unusable(format!("PersistentVolume {pv_name}'s volume lives on host {on}, not {node}")));
+    }
+    let Some(volumes) = provider.volumes() else {
+        return Err(unusable(format!("the {} back end of host {node} has no volumes", provider.kind())));
+    };
+    match volumes.volume(pool, name).await {
+        Ok(Some(volume)) => Ok(DataDisk {
+            name: disk.to_owned(),
+            path: volume.path,
+            format: volume.format,
+            create_bytes: None,
+            backing_chain: Vec::new(),
+        }),
+        Ok(None) => {
+            Err(unusable(format!("PersistentVolume {pv_name}'s volume {name} is not in pool {pool} on {node}")))
+        }
+        Err(e) => Err(unusable(format!("PersistentVolume {pv_name}: {e}"))),
+    }
 }
 
 /// A claim's directory on a host ([`claim_directory`]).
@@ -131,17 +175,25 @@ pub enum ClaimError {
     },
 }
 
-/// The directory on host `node` of claim `claim_name` of `namespace`: the
-/// PersistentVolume bound to it must name that very claim (its `claimRef`
-/// UID), be a Filesystem `local` or `hostPath` volume, and its node affinity
-/// (if any) must include `node`. The caller checks the directory against its
-/// roots.
-pub async fn claim_directory(
+/// The PersistentVolume bound to a claim ([`bound_volume`]).
+pub struct BoundVolume {
+    /// The PersistentVolume's name.
+    pub name: String,
+    /// The PersistentVolume.
+    pub pv: PersistentVolume,
+    /// The claim's capacity in bytes, when known.
+    pub capacity_bytes: Option<u64>,
+}
+
+/// The PersistentVolume bound to claim `claim_name` of `namespace`, usable on
+/// host `node`: it must name that very claim (its `claimRef` UID), and its
+/// node affinity (if any) must include `node`.
+pub async fn bound_volume(
     client: &Client,
     namespace: &str,
     claim_name: &str,
     node: &str,
-) -> Result<ClaimDirectory, ClaimError> {
+) -> Result<BoundVolume, ClaimError> {
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
     let volumes: Api<PersistentVolume> = Api::all(client.clone());
     let kube = |what: String| move |source| ClaimError::Kube { what, source };
@@ -164,21 +216,6 @@ pub async fn claim_directory(
             "PersistentVolume {volume_name} is not bound to claim {namespace}/{claim_name} (its claimRef names another)"
         )));
     }
-    if spec.volume_mode.as_deref() == Some("Block") {
-        return Err(ClaimError::Unusable(format!(
-            "PersistentVolume {volume_name} has volumeMode Block; vmlet uses Filesystem volumes (a directory) on libvirt"
-        )));
-    }
-    let dir = match (&spec.local, &spec.host_path) {
-        (Some(local), _) => local.path.clone(),
-        (None, Some(host_path)) => host_path.path.clone(),
-        _ => {
-            return Err(ClaimError::Unusable(format!(
-                "PersistentVolume {volume_name} is neither local nor hostPath; on libvirt vmlet needs a directory on \
-                 the VM's host: use a local PersistentVolume"
-            )))
-        }
-    };
     if !affinity_allows(&pv, node) {
         return Err(ClaimError::Unusable(format!(
             "PersistentVolume {volume_name} is on another host (its node affinity does not include {node})"
@@ -191,7 +228,44 @@ pub async fn claim_directory(
         .and_then(|c| c.get("storage"))
         .or_else(|| spec.capacity.as_ref().and_then(|c| c.get("storage")))
         .and_then(|q| crate::quantity::parse_bytes(&q.0).ok());
-    Ok(ClaimDirectory { volume: volume_name, dir, capacity_bytes })
+    Ok(BoundVolume { name: volume_name, pv, capacity_bytes })
+}
+
+/// The directory of a bound volume: a Filesystem `local` or `hostPath`
+/// volume (made by the cluster's administrators). The caller checks it
+/// against its roots.
+fn directory_of(bound: BoundVolume) -> Result<ClaimDirectory, ClaimError> {
+    let BoundVolume { name, pv, capacity_bytes } = bound;
+    let spec = pv.spec.unwrap_or_default();
+    if spec.volume_mode.as_deref() == Some("Block") {
+        return Err(ClaimError::Unusable(format!(
+            "PersistentVolume {name} has volumeMode Block; vmlet uses Filesystem volumes (a directory) on libvirt"
+        )));
+    }
+    let dir = match (spec.local, spec.host_path) {
+        (Some(local), _) => local.path,
+        (None, Some(host_path)) => host_path.path,
+        _ => {
+            return Err(ClaimError::Unusable(format!(
+                "PersistentVolume {name} is neither local nor hostPath nor made by vmlet's provisioner; on libvirt \
+                 vmlet needs a volume on the VM's host: use a StorageClass of provisioner libvirt.vmlet.io, or a \
+                 local PersistentVolume"
+            )))
+        }
+    };
+    Ok(ClaimDirectory { volume: name, dir, capacity_bytes })
+}
+
+/// The directory on host `node` of claim `claim_name` of `namespace`
+/// ([`bound_volume`], then a `local` or `hostPath` volume). The caller
+/// checks the directory against its roots.
+pub async fn claim_directory(
+    client: &Client,
+    namespace: &str,
+    claim_name: &str,
+    node: &str,
+) -> Result<ClaimDirectory, ClaimError> {
+    directory_of(bound_volume(client, namespace, claim_name, node).await?)
 }
 
 /// Whether `pv`'s required node affinity (if any) selects node `node` by its

@@ -1,0 +1,521 @@
+//! Dynamic provisioning of VM data disks: PersistentVolumeClaims of a
+//! StorageClass whose `provisioner` is a back end's (`<kind>.vmlet.io`,
+//! e.g. `libvirt.vmlet.io`) get a volume in a storage pool of the host the
+//! scheduler picked, and a PersistentVolume bound to them.
+//!
+//! It follows the external-provisioner protocol of sig-storage
+//! (<https://github.com/kubernetes-csi/external-provisioner>,
+//! <https://kubernetes.io/docs/concepts/storage/dynamic-provisioning/>):
+//!
+//! - **Claim → volume.** A claim that is not bound, of a class with
+//!   `volumeBindingMode: WaitForFirstConsumer`, waits until kube-scheduler
+//!   writes the node it picked for the claim's first pod into the annotation
+//!   [`SELECTED_NODE`]. The process that serves that node makes the volume
+//!   `<namespace>_<claim>_<claim uid>` in the class's `pool` (parameter
+//!   `format`: `raw`, the default, or `qcow2`), of the claim's requested
+//!   size, through the host's back end ([`vmlet_provider::Volumes`]). The
+//!   names are vmlet's: neither the tenant nor the claim picks a file.
+//! - **Volume → PersistentVolume** `pvc-<claim uid>`: pre-bound to the
+//!   claim (`claimRef` with its UID), with the class's reclaim policy, the
+//!   claim's access modes and volume mode, node affinity to the host, and a
+//!   CSI source (`driver` = the provisioner, `volumeHandle` =
+//!   `<node>/<pool>/<volume>`) that no kubelet mounts (the driver's
+//!   `CSIDriver` says `attachRequired: false`; the node agent reads the
+//!   handle, [`super::volumes`]). kube-controller-manager's PV controller
+//!   then binds the claim. A pool of one host gives `ReadWriteOnce` (and
+//!   `ReadWriteOncePod`) only: a claim asking for more is refused with a
+//!   Warning Event.
+//! - **Release → deletion.** A PersistentVolume of `Delete` policy carries
+//!   the finalizer [`FINALIZER`]. Once its claim is gone (phase `Released`),
+//!   the volume is deleted from the pool, and then the PersistentVolume.
+//!   `Retain` keeps both.
+//!
+//! Everything is idempotent (names derive from the claim's UID), so a pass
+//! cut short by a crash or a timeout is simply run again. A claim whose
+//! class is not vmlet's, or whose selected node another process serves, is
+//! left alone.
+
+use super::Hosts;
+use crate::events::{EventSink, Reason};
+use crate::quantity;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{
+    CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference,
+    PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec, VolumeNodeAffinity,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, instrument, warn};
+use vmlet_provider::{DiskFormat, VolumeRequest, MAX_VOLUME_NAME_BYTES};
+
+/// The annotation in which kube-scheduler names the node it picked for a
+/// claim of a `WaitForFirstConsumer` class.
+pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+/// The annotation that names the provisioner of a PersistentVolume.
+pub const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
+/// The finalizer that holds a PersistentVolume of `Delete` policy until its
+/// volume is deleted from the pool.
+pub const FINALIZER: &str = "vmlet.io/volume";
+/// How long a claim that cannot be provisioned waits before the next try,
+/// unless it changes first.
+const RETRY: Duration = Duration::from_secs(30);
+
+/// The provisioner name of a back end of kind `kind` (`libvirt` →
+/// `libvirt.vmlet.io`): StorageClasses name it, and PersistentVolumes' CSI
+/// sources carry it as their driver.
+pub fn provisioner_name(kind: &str) -> String {
+    format!("{kind}.vmlet.io")
+}
+
+/// A failed pass; it runs again after a backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An API request failed.
+    #[error("{action} {object}: {source}")]
+    Kube {
+        /// What was being done.
+        action: &'static str,
+        /// The object (`namespace/name`, or a PersistentVolume's name).
+        object: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The back end failed.
+    #[error(transparent)]
+    Provider(#[from] vmlet_provider::Error),
+}
+
+struct Context {
+    client: Client,
+    hosts: Hosts,
+    events: EventSink,
+}
+
+/// Run the claim and PersistentVolume controllers of this process's hosts
+/// (claims of `namespace` only, when set) until `shutdown`.
+pub async fn run(client: Client, namespace: Option<String>, hosts: Hosts, shutdown: CancellationToken) {
+    let claims: Api<PersistentVolumeClaim> = match &namespace {
+        Some(namespace) => Api::namespaced(client.clone(), namespace),
+        None => Api::all(client.clone()),
+    };
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    let events = EventSink::new(client.clone(), "vmlet-provisioner");
+    let ctx = Arc::new(Context { client, hosts, events });
+    info!("volume provisioner starting");
+    let stop = shutdown.clone();
+    let claims = Controller::new(claims, watcher::Config::default())
+        .graceful_shutdown_on(async move { stop.cancelled().await })
+        .run(provision, |claim, error, _| retry("claim", &claim.name_any(), error), ctx.clone())
+        .for_each(|_| async {});
+    let released = Controller::new(volumes, watcher::Config::default())
+        .graceful_shutdown_on(async move { shutdown.cancelled().await })
+        .run(reclaim, |volume, error, _| retry("PersistentVolume", &volume.name_any(), error), ctx)
+        .for_each(|_| async {});
+    tokio::join!(claims, released);
+}
+
+fn retry(kind: &str, name: &str, error: &Error) -> Action {
+    warn!(kind, name, %error, "provisioner pass failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// What a claim asks of the provisioner, read from it and its class.
+#[derive(Debug, PartialEq)]
+struct Wanted {
+    node: String,
+    pool: String,
+    format: DiskFormat,
+    capacity_bytes: u64,
+}
+
+/// Why a claim of a vmlet class gets no volume now: the Warning Event's note.
+type Refusal = String;
+
+/// Read what `claim` of `class` (whose provisioner is `provisioner`) asks
+/// for. `Ok(None)`: nothing to do (not ours, bound, or no node picked yet).
+fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<Wanted>, Refusal> {
+    let spec = claim.spec.as_ref();
+    if spec.and_then(|s| s.volume_name.as_deref()).is_some_and(|v| !v.is_empty())
+        || claim.metadata.deletion_timestamp.is_some()
+    {
+        return Ok(None);
+    }
+    let class_name = class.name_any();
+    if class.volume_binding_mode.as_deref() != Some("WaitForFirstConsumer") {
+        return Err(format!(
+            "StorageClass {class_name} binds Immediate; vmlet makes a VM's volume on the host the scheduler picks \
+             for the VM: set volumeBindingMode: WaitForFirstConsumer"
+        ));
+    }
+    let Some(node) = claim.annotations().get(SELECTED_NODE) else { return Ok(None) };
+    let parameters = class.parameters.clone().unwrap_or_default();
+    let pool = parameters.get("pool").filter(|p| !p.is_empty()).ok_or_else(|| {
+        format!("StorageClass {class_name} names no pool: set parameters.pool to a storage pool of the hosts")
+    })?;
+    if let Some(key) = parameters.keys().find(|k| !matches!(k.as_str(), "pool" | "format")) {
+        return Err(format!("StorageClass {class_name}: unknown parameter {key:?}; vmlet reads pool and format"));
+    }
+    let format = match parameters.get("format").map(String::as_str) {
+        None | Some("raw") => DiskFormat::Raw,
+        Some("qcow2") => DiskFormat::Qcow2,
+        Some(other) => {
+            return Err(format!("StorageClass {class_name}: parameters.format {other:?}: use raw or qcow2"));
+        }
+    };
+    let modes = spec.and_then(|s| s.access_modes.clone()).unwrap_or_default();
+    if let Some(mode) = modes.iter().find(|m| !matches!(m.as_str(), "ReadWriteOnce" | "ReadWriteOncePod")) {
+        return Err(format!(
+            "spec.accessModes {mode}: a volume in pool {pool} lives on one host; ask for ReadWriteOnce"
+        ));
+    }
+    let request = spec.and_then(|s| s.resources.as_ref()).and_then(|r| r.requests.as_ref());
+    let size = request.and_then(|r| r.get("storage")).ok_or("spec.resources.requests.storage is not set")?;
+    let capacity_bytes = quantity::parse_bytes(&size.0)
+        .map_err(|e| format!("spec.resources.requests.storage {:?}: {e}", size.0))?
+        .max(1);
+    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes }))
+}
+
+/// The volume name of `claim`: `<namespace>_<claim>_<uid>`, or
+/// `<namespace>_<uid>` when that would be too long for a pool.
+fn volume_name(namespace: &str, claim: &str, uid: &str) -> String {
+    let full = format!("{namespace}_{claim}_{uid}");
+    if full.len() <= MAX_VOLUME_NAME_BYTES {
+        full
+    } else {
+        format!("{namespace}_{uid}")
+    }
+}
+
+#[instrument(skip_all, fields(claim.namespace = claim.namespace().unwrap_or_default(), claim.name = %claim.name_any()))]
+async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let Some(class_name) = claim.spec.as_ref().and_then(|s| s.storage_class_name.clone()) else {
+        return Ok(Action::await_change());
+    };
+    let namespace = claim.namespace().unwrap_or_default();
+    let object = format!("{namespace}/{}", claim.name_any());
+    let kube = |action| {
+        let object = object.clone();
+        move |source| Error::Kube { action, object, source }
+    };
+    let classes: Api<StorageClass> = Api::all(ctx.client.clone());
+    let Some(class) = classes.get_opt(&class_name).await.map_err(kube("read the StorageClass of"))? else {
+        return Ok(Action::requeue(RETRY));
+    };
+    if !class.provisioner.ends_with(".vmlet.io") {
+        return Ok(Action::await_change());
+    }
+    let wanted = match wanted(&claim, &class) {
+        Ok(Some(wanted)) => wanted,
+        Ok(None) => return Ok(Action::await_change()),
+        Err(refusal) => return Ok(refuse_if_ours(&claim, &ctx, &refusal)),
+    };
+    let Some(host) = ctx.hosts.get(&wanted.node) else { return Ok(Action::await_change()) };
+    let provisioner = provisioner_name(host.provider.kind());
+    if class.provisioner != provisioner {
+        return Ok(Action::await_change());
+    }
+    let Some(volumes) = host.provider.volumes() else {
+        let note = format!("host {} ({} back end) cannot make volumes", wanted.node, host.provider.kind());
+        ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &note);
+        return Ok(Action::requeue(RETRY));
+    };
+    let uid = claim.uid().unwrap_or_default();
+    let pv_name = format!("pvc-{uid}");
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    if pvs.get_opt(&pv_name).await.map_err(kube("look for the PersistentVolume of"))?.is_some() {
+        return Ok(Action::await_change());
+    }
+    let request = VolumeRequest {
+        pool: wanted.pool.clone(),
+        name: volume_name(&namespace, &claim.name_any(), &uid),
+        capacity_bytes: wanted.capacity_bytes,
+        format: wanted.format,
+    };
+    let volume = match volumes.create_volume(&request).await {
+        Ok(volume) => volume,
+        Err(e) if e.kind == vmlet_provider::ErrorKind::Transient => return Err(e.into()),
+        Err(e) => {
+            ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &e.to_string());
+            return Ok(Action::requeue(RETRY));
+        }
+    };
+    let pv = persistent_volume(
+        &claim,
+        &class,
+        &provisioner,
+        &wanted.node,
+        &volume.pool,
+        &volume.name,
+        volume.capacity_bytes,
+    );
+    match pvs.create(&PostParams::default(), &pv).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => return Err(kube("create the PersistentVolume of")(e)),
+    }
+    info!(node = %wanted.node, pool = %volume.pool, volume = %volume.name, bytes = volume.capacity_bytes, pv = %pv_name, "volume provisioned");
+    let note =
+        format!("made volume {} in pool {} on {} as PersistentVolume {pv_name}", volume.name, volume.pool, wanted.node);
+    ctx.events.publish(claim.as_ref(), Reason::ProvisioningSucceeded, &note);
+    Ok(Action::await_change())
+}
+
+/// Publish `refusal` on `claim`, a claim of one of vmlet's classes, unless
+/// another process serves the node picked for it.
+fn refuse_if_ours(claim: &PersistentVolumeClaim, ctx: &Context, refusal: &str) -> Action {
+    // One process reports: the one serving the picked node, or any when
+    // none is picked yet (an Immediate class).
+    let node = claim.annotations().get(SELECTED_NODE);
+    if node.is_some_and(|node| ctx.hosts.get(node).is_none()) {
+        return Action::await_change();
+    }
+    warn!(refusal, "claim not provisioned");
+    ctx.events.publish(claim, Reason::ProvisioningFailed, refusal);
+    Action::requeue(RETRY)
+}
+
+/// The PersistentVolume of `claim` for the volume `volume` in `pool` on
+/// `node`, of `capacity_bytes`.
+fn persistent_volume(
+    claim: &PersistentVolumeClaim,
+    class: &StorageClass,
+    provisioner: &str,
+    node: &str,
+    pool: &str,
+    volume: &str,
+    capacity_bytes: u64,
+) -> PersistentVolume {
+    let spec = claim.spec.clone().unwrap_or_default();
+    let reclaim = class.reclaim_policy.clone().unwrap_or_else(|| "Delete".to_owned());
+    let finalizers = (reclaim == "Delete").then(|| vec![FINALIZER.to_owned()]);
+    PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(format!("pvc-{}", claim.uid().unwrap_or_default())),
+            annotations: Some(BTreeMap::from([(PROVISIONED_BY.to_owned(), provisioner.to_owned())])),
+            finalizers,
+            ..ObjectMeta::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some(BTreeMap::from([("storage".to_owned(), Quantity(capacity_bytes.to_string()))])),
+            access_modes: spec.access_modes.clone().or_else(|| Some(vec!["ReadWriteOnce".to_owned()])),
+            volume_mode: spec.volume_mode.clone(),
+            storage_class_name: Some(class.name_any()),
+            persistent_volume_reclaim_policy: Some(reclaim),
+            claim_ref: Some(ObjectReference {
+                api_version: Some("v1".to_owned()),
+                kind: Some("PersistentVolumeClaim".to_owned()),
+                namespace: claim.namespace(),
+                name: Some(claim.name_any()),
+                uid: claim.uid(),
+                ..ObjectReference::default()
+            }),
+            csi: Some(CSIPersistentVolumeSource {
+                driver: provisioner.to_owned(),
+                volume_handle: format!("{node}/{pool}/{volume}"),
+                ..CSIPersistentVolumeSource::default()
+            }),
+            node_affinity: Some(VolumeNodeAffinity {
+                required: Some(NodeSelector {
+                    node_selector_terms: vec![NodeSelectorTerm {
+                        match_expressions: Some(vec![NodeSelectorRequirement {
+                            key: "kubernetes.io/hostname".to_owned(),
+                            operator: "In".to_owned(),
+                            values: Some(vec![node.to_owned()]),
+                        }]),
+                        ..NodeSelectorTerm::default()
+                    }],
+                }),
+            }),
+            ..PersistentVolumeSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The node, pool and volume of a PersistentVolume's CSI `volumeHandle`
+/// (`<node>/<pool>/<volume>`); `None` for any other shape.
+pub fn parse_handle(handle: &str) -> Option<(&str, &str, &str)> {
+    let mut parts = handle.splitn(3, '/');
+    let (node, pool, volume) = (parts.next()?, parts.next()?, parts.next()?);
+    (![node, pool, volume].iter().any(|p| p.is_empty()) && !volume.contains('/')).then_some((node, pool, volume))
+}
+
+#[instrument(skip_all, fields(pv = %pv.name_any()))]
+async fn reclaim(pv: Arc<PersistentVolume>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let Some(csi) = pv.spec.as_ref().and_then(|s| s.csi.as_ref()) else { return Ok(Action::await_change()) };
+    let Some((node, pool, volume)) = parse_handle(&csi.volume_handle) else { return Ok(Action::await_change()) };
+    let Some(host) = ctx.hosts.get(node) else { return Ok(Action::await_change()) };
+    let provisioner = provisioner_name(host.provider.kind());
+    let ours = pv.annotations().get(PROVISIONED_BY) == Some(&provisioner) && csi.driver == provisioner;
+    if !ours || !pv.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    let name = pv.name_any();
+    let kube = |action| {
+        let object = name.clone();
+        move |source| Error::Kube { action, object, source }
+    };
+    let phase = pv.status.as_ref().and_then(|s| s.phase.as_deref());
+    let released = matches!(phase, Some("Released" | "Failed" | "Available"));
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    if pv.metadata.deletion_timestamp.is_none() {
+        if released {
+            pvs.delete(&name, &DeleteParams::default()).await.map_err(kube("delete the released PersistentVolume"))?;
+        }
+        return Ok(Action::await_change());
+    }
+    if !released {
+        // Deleted while bound: pv-protection holds it; the volume stays.
+        return Ok(Action::await_change());
+    }
+    if let Some(volumes) = host.provider.volumes() {
+        volumes.delete_volume(pool, volume).await?;
+        info!(node, pool, volume, "volume deleted");
+    }
+    let finalizers: Vec<&String> = pv.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+    let patch = serde_json::json!({"metadata": {"resourceVersion": pv.resource_version(), "finalizers": finalizers}});
+    pvs.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(kube("remove the finalizer of"))?;
+    Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn class(json: serde_json::Value) -> StorageClass {
+        let mut base = serde_json::json!({"metadata": {"name": "vmlet-local"}, "provisioner": "libvirt.vmlet.io",
+            "volumeBindingMode": "WaitForFirstConsumer", "parameters": {"pool": "vms"}});
+        merge(&mut base, json);
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn claim(json: serde_json::Value) -> PersistentVolumeClaim {
+        let mut base = serde_json::json!({
+            "metadata": {"name": "data", "namespace": "team-a", "uid": "0f8e1c2a-7b3d-4e5f-9a6b-1c2d3e4f5a6b",
+                         "annotations": {SELECTED_NODE: "host-a"}},
+            "spec": {"storageClassName": "vmlet-local", "accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": "1Gi"}}}});
+        merge(&mut base, json);
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn merge(base: &mut serde_json::Value, patch: serde_json::Value) {
+        match (base, patch) {
+            (serde_json::Value::Object(base), serde_json::Value::Object(patch)) => {
+                for (key, value) in patch {
+                    merge(base.entry(key).or_insert(serde_json::Value::Null), value);
+                }
+            }
+            (base, patch) => *base = patch,
+        }
+    }
+
+    #[test]
+    fn a_claim_with_a_picked_node_wants_its_size_in_the_class_pool_and_format() {
+        let wanted = wanted(&claim(serde_json::json!({})), &class(serde_json::json!({}))).unwrap();
+        assert_eq!(
+            wanted,
+            Some(Wanted {
+                node: "host-a".into(),
+                pool: "vms".into(),
+                format: DiskFormat::Raw,
+                capacity_bytes: 1 << 30
+            })
+        );
+        let qcow2 = class(serde_json::json!({"parameters": {"format": "qcow2"}}));
+        assert_eq!(wanted_format(&qcow2), DiskFormat::Qcow2);
+    }
+
+    fn wanted_format(class: &StorageClass) -> DiskFormat {
+        wanted(&claim(serde_json::json!({})), class).unwrap().unwrap().format
+    }
+
+    #[test]
+    fn a_bound_claim_or_one_without_a_picked_node_waits_quietly() {
+        let bound = claim(serde_json::json!({"spec": {"volumeName": "pvc-x"}}));
+        assert_eq!(wanted(&bound, &class(serde_json::json!({}))), Ok(None));
+        let unpicked = claim(serde_json::json!({"metadata": {"annotations": null}}));
+        assert_eq!(wanted(&unpicked, &class(serde_json::json!({}))), Ok(None));
+    }
+
+    #[test]
+    fn refusals_name_the_field_and_the_fix() {
+        let immediate = class(serde_json::json!({"volumeBindingMode": "Immediate"}));
+        assert!(wanted(&claim(serde_json::json!({})), &immediate)
+            .unwrap_err()
+            .ends_with("set volumeBindingMode: WaitForFirstConsumer"));
+        let no_pool = class(serde_json::json!({"parameters": {"pool": ""}}));
+        assert!(wanted(&claim(serde_json::json!({})), &no_pool).unwrap_err().contains("set parameters.pool"));
+        let vmdk = class(serde_json::json!({"parameters": {"format": "vmdk"}}));
+        assert_eq!(
+            wanted(&claim(serde_json::json!({})), &vmdk).unwrap_err(),
+            "StorageClass vmlet-local: parameters.format \"vmdk\": use raw or qcow2"
+        );
+        let shared = claim(serde_json::json!({"spec": {"accessModes": ["ReadWriteMany"]}}));
+        assert_eq!(
+            wanted(&shared, &class(serde_json::json!({}))).unwrap_err(),
+            "spec.accessModes ReadWriteMany: a volume in pool vms lives on one host; ask for ReadWriteOnce"
+        );
+        let typo = class(serde_json::json!({"parameters": {"poool": "x"}}));
+        assert!(wanted(&claim(serde_json::json!({})), &typo).unwrap_err().contains("unknown parameter \"poool\""));
+    }
+
+    #[test]
+    fn the_persistent_volume_is_pre_bound_pinned_to_the_host_and_names_the_volume() {
+        let claim = claim(serde_json::json!({}));
+        let pv = persistent_volume(
+            &claim,
+            &class(serde_json::json!({})),
+            "libvirt.vmlet.io",
+            "host-a",
+            "vms",
+            "v1",
+            1 << 30,
+        );
+        let json = serde_json::to_value(&pv).unwrap();
+        assert_eq!(json["metadata"]["name"], "pvc-0f8e1c2a-7b3d-4e5f-9a6b-1c2d3e4f5a6b");
+        assert_eq!(json["metadata"]["finalizers"], serde_json::json!([FINALIZER]));
+        assert_eq!(json["spec"]["claimRef"]["uid"], "0f8e1c2a-7b3d-4e5f-9a6b-1c2d3e4f5a6b");
+        assert_eq!(
+            json["spec"]["csi"],
+            serde_json::json!({"driver": "libvirt.vmlet.io", "volumeHandle": "host-a/vms/v1"})
+        );
+        assert_eq!(json["spec"]["capacity"]["storage"], "1073741824");
+        assert_eq!(json["spec"]["persistentVolumeReclaimPolicy"], "Delete");
+        assert_eq!(
+            json["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"],
+            serde_json::json!(["host-a"])
+        );
+        let retain = persistent_volume(
+            &claim,
+            &class(serde_json::json!({"reclaimPolicy": "Retain"})),
+            "libvirt.vmlet.io",
+            "host-a",
+            "vms",
+            "v1",
+            1,
+        );
+        assert_eq!(retain.metadata.finalizers, None, "Retain keeps the volume: no finalizer");
+    }
+
+    #[test]
+    fn volume_names_are_the_claims_and_handles_parse_back() {
+        assert_eq!(volume_name("team-a", "data", "u-1"), "team-a_data_u-1");
+        assert_eq!(volume_name("team-a", &"c".repeat(253), "u-1"), "team-a_u-1");
+        assert_eq!(parse_handle("host-a/vms/team-a_data_u-1"), Some(("host-a", "vms", "team-a_data_u-1")));
+        for bad in ["host-a/vms", "host-a//v", "/vms/v", "host-a/vms/a/b", ""] {
+            assert_eq!(parse_handle(bad), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! Dynamically provisioned data disks, through the real API server,
+//! kube-scheduler's volume binding (`WaitForFirstConsumer`, the
+//! `volume.kubernetes.io/selected-node` annotation), kube-controller-manager's
+//! PV controller, vmlet's provisioner and a real QEMU guest on libvirtd with
+//! a real libvirt `dir` storage pool.
+//!
+//! A claim of a `libvirt.vmlet.io` StorageClass gets a volume in the pool of
+//! the host the scheduler picked and a PersistentVolume bound to it; the
+//! guest sees the disk by its name at the claim's size and keeps its writes
+//! across a stop and start; deleting the VM and then the claim deletes the
+//! volume from the pool and the PersistentVolume. A claim of another
+//! namespace that names that PersistentVolume gets nothing.
+
+mod common;
+
+use common::deadline::{output_within, VIRSH};
+use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, repo, storage_root, Host, TestEnv};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::ResourceExt;
+use serde_json::json;
+use std::process::Command;
+
+/// `virsh -c <uri> <args>`: (success, trimmed stdout, or stderr on failure).
+fn virsh(args: &[&str]) -> (bool, String) {
+    let out = output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(args), VIRSH);
+    let text = if out.status.success() { &out.stdout } else { &out.stderr };
+    (out.status.success(), String::from_utf8_lossy(text).trim().to_owned())
+}
+
+/// The test's own `dir` storage pool on libvirtd and StorageClass, both
+/// named after the namespace; removed on drop (the pool with whatever
+/// volumes are left in it).
+struct Pool {
+    name: String,
+}
+
+impl Pool {
+    fn new(env: &TestEnv) -> Pool {
+        let name = env.ns.clone();
+        let dir = storage_root(env).join("pool");
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.display().to_string();
+        for args in [&["pool-define-as", name.as_str(), "dir", "--target", &target][..], &["pool-start", name.as_str()]]
+        {
+            let (ok, out) = virsh(args);
+            assert!(ok, "virsh {args:?}: {out}");
+        }
+        Pool { name }
+    }
+
+    /// The volume names in the pool, sorted (`virsh vol-list`'s first column,
+    /// below its header).
+    fn volumes(&self) -> Vec<String> {
+        let (ok, out) = virsh(&["pool-refresh", &self.name]);
+        assert!(ok, "virsh pool-refresh {}: {out}", self.name);
+        let (ok, out) = virsh(&["vol-list", &self.name]);
+        assert!(ok, "virsh vol-list {}: {out}", self.name);
+        let rows = out.lines().skip_while(|l| !l.starts_with("---")).skip(1);
+        let mut names: Vec<String> = rows.filter_map(|l| l.split_whitespace().next()).map(str::to_owned).collect();
+        names.sort();
+        names
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // The pool's directory goes with the test's storage root.
+        let _ = virsh(&["pool-destroy", &self.name]);
+        let _ = virsh(&["pool-undefine", &self.name]);
+        let cluster = common::cluster();
+        let mut kubectl = Command::new(cluster.bin.join("kubectl"));
+        kubectl.env("KUBECONFIG", &cluster.kubeconfig);
+        kubectl.args(["delete", &format!("storageclass/{}", self.name), "--ignore-not-found", "--wait=false"]);
+        let _ = output_within(&mut kubectl, common::kubectl_deadline(&["delete"]));
+    }
+}
+
+/// A guest script that prints the device (`vdb`) whose virtio serial is
+/// `name` (the test guest has no udev to make `/dev/disk/by-id`).
+fn device_named(name: &str) -> String {
+    format!(
+        r#"for d in /sys/block/vd*; do if [ "$(cat $d/serial 2>/dev/null)" = {name} ]; then echo ${{d##*/}}; fi; done"#
+    )
+}
+
+async fn exec_stdout(env: &TestEnv, pod: &str, script: &str) -> String {
+    env.wait_for(&format!("the guest of {pod} to run {script:?}"), || {
+        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script]);
+        async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()) }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_claim() {
+    let mut env = TestEnv::new("provision").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    let node = env.node("q");
+    env.wait_node_ready(&node).await;
+    let pool = Pool::new(&env);
+
+    // The shipped CSIDriver (the first object of deploy/storage.yaml), and
+    // the test's class on its pool.
+    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
+    let driver = shipped.split("\n---\n").next().unwrap();
+    assert!(driver.contains("kind: CSIDriver"), "{driver}");
+    let applied = env.apply(driver);
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
+        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name},
+        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"});
+    let applied = env.apply(&class.to_string());
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "data"},
+        "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .unwrap();
+    let claim = claims.create(&PostParams::default(), &claim).await.unwrap();
+    let uid = claim.uid().unwrap();
+    assert_eq!(pool.volumes(), Vec::<String>::new(), "nothing before a VM uses the claim");
+
+    let mut spec = guest_vm_spec(&guest);
+    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    env.apply_vm("web", spec);
+    env.wait_vm_phase("web", "Running").await;
+
+    // The claim is bound to vmlet's PersistentVolume for a volume of
+    // vmlet's name, in the pool, on the VM's host.
+    let volume = format!("{}_data_{uid}", env.ns);
+    assert_eq!(pool.volumes(), vec![volume.clone()]);
+    let bound = claims.get("data").await.unwrap();
+    let pv_name = format!("pvc-{uid}");
+    assert_eq!(bound.spec.as_ref().unwrap().volume_name.as_deref(), Some(pv_name.as_str()));
+    let pvs: Api<PersistentVolume> = Api::all(env.client.clone());
+    let pv = pvs.get(&pv_name).await.unwrap();
+    let csi = pv.spec.as_ref().unwrap().csi.clone().unwrap();
+    assert_eq!(
+        (csi.driver.as_str(), csi.volume_handle),
+        ("libvirt.vmlet.io", format!("{node}/{}/{volume}", pool.name))
+    );
+    assert_eq!(pv.annotations().get("pv.kubernetes.io/provisioned-by").map(String::as_str), Some("libvirt.vmlet.io"));
+
+    // The guest sees a 1 GiB disk by its name, and keeps what it writes.
+    let pod = env.pod_of("web").await;
+    let size = format!("cat /sys/block/$({})/size", device_named("data"));
+    assert_eq!(exec_stdout(&env, &pod, &size).await, (1u64 << 30 >> 9).to_string(), "512-byte sectors of 1 GiB");
+    let mark = format!("kept-{}", env.ns);
+    let write = format!(
+        "dev=$({}) && printf '%s\\n' {mark} | dd of=/dev/$dev bs=512 count=1 conv=sync,fsync 2>/dev/null && echo ok",
+        device_named("data")
+    );
+    assert_eq!(exec_stdout(&env, &pod, &write).await, "ok");
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    let read = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
+    assert_eq!(exec_stdout(&env, &pod, &read).await, mark);
+
+    // Another namespace's claim that names the PersistentVolume binds to
+    // nothing: the PersistentVolume is bound to this claim's UID.
+    let intruder = TestEnv::new("provision-b").await;
+    let stolen: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "stolen"},
+        "spec": {"storageClassName": pool.name, "volumeName": pv_name, "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .unwrap();
+    let intruder_claims: Api<PersistentVolumeClaim> = Api::namespaced(intruder.client.clone(), &intruder.ns);
+    intruder_claims.create(&PostParams::default(), &stolen).await.unwrap();
+
+    // Deleting the VM, then the claim: the volume leaves the pool and the
+    // PersistentVolume goes.
+    env.kubectl(&["delete", "virtualmachine/web", "--wait=true"]);
+    claims.delete("data", &DeleteParams::default()).await.unwrap();
+    env.wait_for("the PersistentVolume to be gone", || {
+        let pvs = pvs.clone();
+        let pv_name = pv_name.clone();
+        async move { pvs.get_opt(&pv_name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    assert_eq!(pool.volumes(), Vec::<String>::new());
+    let stolen = intruder_claims.get("stolen").await.unwrap();
+    assert_ne!(stolen.status.and_then(|s| s.phase).as_deref(), Some("Bound"), "the other namespace got nothing");
+    drop(intruder);
+    drop(env);
+}
