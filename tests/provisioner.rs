@@ -7,7 +7,8 @@
 //! A claim of a `libvirt.vmlet.io` StorageClass gets a volume in the pool of
 //! the host the scheduler picked and a PersistentVolume bound to it; the
 //! guest sees the disk by its name at the claim's size and keeps its writes
-//! across a stop and start; deleting the VM and then the claim deletes the
+//! across a stop and start, and a qcow2 header it writes into its raw volume
+//! is never read as one; deleting the VM and then the claim deletes the
 //! volume from the pool and the PersistentVolume. A claim of another
 //! namespace that names that PersistentVolume gets nothing.
 
@@ -82,6 +83,24 @@ fn device_named(name: &str) -> String {
     format!(
         r#"for d in /sys/block/vd*; do if [ "$(cat $d/serial 2>/dev/null)" = {name} ]; then echo ${{d##*/}}; fi; done"#
     )
+}
+
+/// The first 4 KiB of a qcow2 image whose header names `backing` (raw) as
+/// its backing file, made with qemu-img in `dir` (without opening `backing`).
+fn qcow2_header_naming(backing: &str, dir: &std::path::Path) -> Vec<u8> {
+    let file = dir.join("forged-header.qcow2");
+    let path = file.display().to_string();
+    let out = output_within(
+        Command::new("qemu-img").args(["create", "-q", "-u", "-f", "qcow2", "-b", backing, "-F", "raw", &path, "1M"]),
+        std::time::Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "qemu-img create: {}", String::from_utf8_lossy(&out.stderr));
+    let mut bytes = std::fs::read(&file).unwrap();
+    std::fs::remove_file(&file).unwrap();
+    bytes.truncate(4096);
+    let at = bytes.windows(backing.len()).position(|w| w == backing.as_bytes());
+    assert!(at.is_some(), "the header names {backing} within its first 4 KiB");
+    bytes
 }
 
 async fn exec_stdout(env: &TestEnv, pod: &str, script: &str) -> String {
@@ -163,6 +182,50 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     let read = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
     assert_eq!(exec_stdout(&env, &pod, &read).await, mark);
 
+    // The guest writes a qcow2 header naming /etc/passwd as backing file
+    // into its raw volume: after a stop and start the volume is still raw
+    // (its format is the pool's record, never read from the file), QEMU
+    // opens nothing else, and the guest reads back its own bytes.
+    let header = qcow2_header_naming("/etc/passwd", &storage_root(&env));
+    let octal: String = header.iter().map(|b| format!("\\{b:03o}")).collect();
+    let write = format!("dev=$({}) && printf '{octal}' > /dev/$dev && sync && echo ok", device_named("data"));
+    assert_eq!(exec_stdout(&env, &pod, &write).await, "ok");
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let domain = format!("{}_web", env.ns);
+    let (ok, xml) = virsh(&["dumpxml", &domain]);
+    assert!(ok, "{xml}");
+    let volume_path = format!("{}/{volume}", storage_root(&env).join("pool").display());
+    let disk = format!("<driver name='qemu' type='raw'/>\n      <source file='{volume_path}' index=");
+    assert!(xml.contains(&disk), "{disk} in {xml}");
+    assert!(!xml.contains("/etc/passwd"), "{xml}");
+    let pid = std::fs::read_to_string(format!("/run/libvirt/qemu/{domain}.pid")).unwrap();
+    let cmdline =
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", pid.trim())).unwrap()).replace('\0', " ");
+    assert!(!cmdline.contains("/etc/passwd") && cmdline.contains(&volume_path), "{cmdline}");
+    let pod = env.pod_of("web").await;
+    let magic = format!("head -c 3 /dev/$({})", device_named("data"));
+    assert_eq!(exec_stdout(&env, &pod, &magic).await, "QFI", "the guest's own bytes, as raw");
+
+    // A new VM defined on the claim (libvirt's pool now calls the file
+    // qcow2, from the guest's header) still gets it raw.
+    env.kubectl(&["delete", "virtualmachine/web", "--wait=true"]);
+    assert!(virsh(&["pool-refresh", &pool.name]).0);
+    let (ok, pool_says) = virsh(&["vol-dumpxml", &volume, "--pool", &pool.name]);
+    assert!(ok && pool_says.contains("<format type='qcow2'/>"), "libvirt probes the header: {pool_says}");
+    let mut spec = guest_vm_spec(&guest);
+    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    env.apply_vm("web2", spec);
+    env.wait_vm_phase("web2", "Running").await;
+    let (ok, xml) = virsh(&["dumpxml", &format!("{}_web2", env.ns)]);
+    assert!(ok, "{xml}");
+    assert!(xml.contains(&disk), "{disk} in {xml}");
+    assert!(!xml.contains("/etc/passwd"), "{xml}");
+    let pod = env.pod_of("web2").await;
+    assert_eq!(exec_stdout(&env, &pod, &magic).await, "QFI", "the new VM reads the same raw bytes");
+
     // Another namespace's claim that names the PersistentVolume binds to
     // nothing: the PersistentVolume is bound to this claim's UID.
     let intruder = TestEnv::new("provision-b").await;
@@ -177,7 +240,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
 
     // Deleting the VM, then the claim: the volume leaves the pool and the
     // PersistentVolume goes.
-    env.kubectl(&["delete", "virtualmachine/web", "--wait=true"]);
+    env.kubectl(&["delete", "virtualmachine/web2", "--wait=true"]);
     claims.delete("data", &DeleteParams::default()).await.unwrap();
     env.wait_for("the PersistentVolume to be gone", || {
         let pvs = pvs.clone();

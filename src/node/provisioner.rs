@@ -19,7 +19,9 @@
 //!   claim (`claimRef` with its UID), with the class's reclaim policy, the
 //!   claim's access modes and volume mode, node affinity to the host, and a
 //!   CSI source (`driver` = the provisioner, `volumeHandle` =
-//!   `<node>/<pool>/<volume>`) that no kubelet mounts (the driver's
+//!   `<node>/<pool>/<volume>`, and the format it was made in as the
+//!   volume attribute [`FORMAT_ATTRIBUTE`]: the pool's own idea of a file's
+//!   format is probed from the guest's bytes) that no kubelet mounts (the driver's
 //!   `CSIDriver` says `attachRequired: false`; the node agent reads the
 //!   handle, [`super::volumes`]). kube-controller-manager's PV controller
 //!   then binds the claim. A pool of one host gives `ReadWriteOnce` (and
@@ -62,6 +64,9 @@ use vmlet_provider::{DiskFormat, VolumeRequest, MAX_VOLUME_NAME_BYTES};
 pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// The annotation that names the provisioner of a PersistentVolume.
 pub const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
+/// The CSI volume attribute in which a PersistentVolume states the format
+/// its volume was made in (`raw`, `qcow2`): what the disk is attached in.
+pub const FORMAT_ATTRIBUTE: &str = "format";
 /// The finalizer that holds a PersistentVolume of `Delete` policy until its
 /// volume is deleted from the pool.
 pub const FINALIZER: &str = "vmlet.io/volume";
@@ -250,15 +255,7 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
             return Ok(Action::requeue(RETRY));
         }
     };
-    let pv = persistent_volume(
-        &claim,
-        &class,
-        &provisioner,
-        &wanted.node,
-        &volume.pool,
-        &volume.name,
-        volume.capacity_bytes,
-    );
+    let pv = persistent_volume(&claim, &class, &provisioner, &wanted, &volume.name, volume.capacity_bytes);
     match pvs.create(&PostParams::default(), &pv).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {}
@@ -285,17 +282,17 @@ fn refuse_if_ours(claim: &PersistentVolumeClaim, ctx: &Context, refusal: &str) -
     Action::requeue(RETRY)
 }
 
-/// The PersistentVolume of `claim` for the volume `volume` in `pool` on
-/// `node`, of `capacity_bytes`.
+/// The PersistentVolume of `claim` for the volume `volume` that `wanted`
+/// asked for, of `capacity_bytes`.
 fn persistent_volume(
     claim: &PersistentVolumeClaim,
     class: &StorageClass,
     provisioner: &str,
-    node: &str,
-    pool: &str,
+    wanted: &Wanted,
     volume: &str,
     capacity_bytes: u64,
 ) -> PersistentVolume {
+    let (node, pool) = (wanted.node.as_str(), wanted.pool.as_str());
     let spec = claim.spec.clone().unwrap_or_default();
     let reclaim = class.reclaim_policy.clone().unwrap_or_else(|| "Delete".to_owned());
     let finalizers = (reclaim == "Delete").then(|| vec![FINALIZER.to_owned()]);
@@ -323,6 +320,10 @@ fn persistent_volume(
             csi: Some(CSIPersistentVolumeSource {
                 driver: provisioner.to_owned(),
                 volume_handle: format!("{node}/{pool}/{volume}"),
+                volume_attributes: Some(BTreeMap::from([(
+                    FORMAT_ATTRIBUTE.to_owned(),
+                    wanted.format.as_str().to_owned(),
+                )])),
                 ..CSIPersistentVolumeSource::default()
             }),
             node_affinity: Some(VolumeNodeAffinity {
@@ -474,22 +475,17 @@ mod tests {
     #[test]
     fn the_persistent_volume_is_pre_bound_pinned_to_the_host_and_names_the_volume() {
         let claim = claim(serde_json::json!({}));
-        let pv = persistent_volume(
-            &claim,
-            &class(serde_json::json!({})),
-            "libvirt.vmlet.io",
-            "host-a",
-            "vms",
-            "v1",
-            1 << 30,
-        );
+        let wanted =
+            Wanted { node: "host-a".into(), pool: "vms".into(), format: DiskFormat::Qcow2, capacity_bytes: 1 << 30 };
+        let pv = persistent_volume(&claim, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30);
         let json = serde_json::to_value(&pv).unwrap();
         assert_eq!(json["metadata"]["name"], "pvc-0f8e1c2a-7b3d-4e5f-9a6b-1c2d3e4f5a6b");
         assert_eq!(json["metadata"]["finalizers"], serde_json::json!([FINALIZER]));
         assert_eq!(json["spec"]["claimRef"]["uid"], "0f8e1c2a-7b3d-4e5f-9a6b-1c2d3e4f5a6b");
         assert_eq!(
             json["spec"]["csi"],
-            serde_json::json!({"driver": "libvirt.vmlet.io", "volumeHandle": "host-a/vms/v1"})
+            serde_json::json!({"driver": "libvirt.vmlet.io", "volumeHandle": "host-a/vms/v1",
+                               "volumeAttributes": {"format": "qcow2"}})
         );
         assert_eq!(json["spec"]["capacity"]["storage"], "1073741824");
         assert_eq!(json["spec"]["persistentVolumeReclaimPolicy"], "Delete");
@@ -497,15 +493,8 @@ mod tests {
             json["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"],
             serde_json::json!(["host-a"])
         );
-        let retain = persistent_volume(
-            &claim,
-            &class(serde_json::json!({"reclaimPolicy": "Retain"})),
-            "libvirt.vmlet.io",
-            "host-a",
-            "vms",
-            "v1",
-            1,
-        );
+        let retain_class = class(serde_json::json!({"reclaimPolicy": "Retain"}));
+        let retain = persistent_volume(&claim, &retain_class, "libvirt.vmlet.io", &wanted, "v1", 1);
         assert_eq!(retain.metadata.finalizers, None, "Retain keeps the volume: no finalizer");
     }
 

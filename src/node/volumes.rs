@@ -11,7 +11,7 @@
 //! bound yet only waits.
 
 use crate::storage::check_host_file;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeClaim};
 use kube::{Api, Client, ResourceExt};
 use vmlet_provider::{DataDisk, DiskFormat, Provider};
 
@@ -83,7 +83,7 @@ pub(super) async fn claim_disk(
     let bound = bound_volume(client, namespace, claim_name, node).await.map_err(claim_error)?;
     let provisioner = super::provisioner::provisioner_name(provider.kind());
     if let Some(csi) = bound.pv.spec.as_ref().and_then(|s| s.csi.as_ref()).filter(|csi| csi.driver == provisioner) {
-        return provisioned_disk(provider, disk, &bound.name, &csi.volume_handle, node).await;
+        return provisioned_disk(provider, disk, &bound.name, csi, node).await;
     }
     let found = directory_of(bound).map_err(claim_error)?;
     let path = format!("{}/{DISK_IMAGE}", found.dir.trim_end_matches('/'));
@@ -107,20 +107,30 @@ pub(super) async fn claim_disk(
     })
 }
 
-/// The disk `disk` from the provisioned PersistentVolume `pv_name` whose CSI
-/// handle is `handle` (`<node>/<pool>/<volume>`): the volume's file, in the
-/// format the back end made it in (never read from the file), standing alone.
+/// The disk `disk` from the provisioned PersistentVolume `pv_name`, whose
+/// CSI source `csi` names the volume (`volumeHandle`
+/// `<node>/<pool>/<volume>`) and the format vmlet's provisioner made it in
+/// (`volumeAttributes.format`): the volume's file, in that format, standing
+/// alone. The pool's own idea of the format is never used: libvirt probes
+/// it from the file, which the guest writes.
 async fn provisioned_disk(
     provider: &dyn Provider,
     disk: &str,
     pv_name: &str,
-    handle: &str,
+    csi: &CSIPersistentVolumeSource,
     node: &str,
 ) -> Result<DataDisk, NotReady> {
     let unusable = |why: String| NotReady::Unusable { disk: disk.to_owned(), why };
+    let handle = csi.volume_handle.as_str();
     let Some((on, pool, name)) = super::provisioner::parse_handle(handle) else {
         return Err(unusable(format!(
             "PersistentVolume {pv_name}: volumeHandle {handle:?} is no <node>/<pool>/<volume>"
+        )));
+    };
+    let stated = csi.volume_attributes.as_ref().and_then(|a| a.get(super::provisioner::FORMAT_ATTRIBUTE));
+    let Some(format) = stated.and_then(|f| DiskFormat::from_name(f)) else {
+        return Err(unusable(format!(
+            "PersistentVolume {pv_name} states no format vmlet attaches (csi.volumeAttributes.format: {stated:?})"
         )));
     };
     if on != node {
@@ -133,7 +143,7 @@ async fn provisioned_disk(
         Ok(Some(volume)) => Ok(DataDisk {
             name: disk.to_owned(),
             path: volume.path,
-            format: volume.format,
+            format,
             create_bytes: None,
             backing_chain: Vec::new(),
         }),

@@ -46,9 +46,13 @@ pub struct Volume {
     /// writes; below `capacity_bytes` for a sparse raw file or a qcow2
     /// image, above it by a qcow2 image's metadata at most).
     pub allocation_bytes: u64,
-    /// How the hypervisor reads the file, as the back end records it (never
-    /// probed from the file's contents, which the guest writes).
-    pub format: DiskFormat,
+    /// The format the pool reports for the file; `None` for one other than
+    /// raw and qcow2. libvirt's `dir` pools read it from the file's header at
+    /// every refresh, so for a volume a guest has written it is whatever the
+    /// guest wrote (a qcow2 header in a raw volume makes it "qcow2"): never
+    /// open a disk in this format. The provisioner keeps the format it asked
+    /// for in the PersistentVolume, and the node agent uses that.
+    pub format: Option<DiskFormat>,
 }
 
 /// Whether `name` may name a volume: 1 to [`MAX_VOLUME_NAME_BYTES`] bytes of
@@ -106,9 +110,7 @@ pub trait Volumes: Send + Sync {
     /// The volume named `name` in pool `pool`, or `None` when the pool has
     /// none of that name.
     ///
-    /// Errors: `Permanent` when the volume is in a format other than raw
-    /// or qcow2 (one vmlet did not make), and those every operation may
-    /// return.
+    /// Errors: those every operation may return.
     async fn volume(&self, pool: &str, name: &str) -> Result<Option<Volume>>;
 
     /// Remove the volume named `name` from pool `pool`, and its file; a

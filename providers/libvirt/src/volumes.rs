@@ -159,7 +159,7 @@ fn resize(conn: &Connect, pool_name: &str, name: &str, capacity: u64) -> Result<
         return Err(Error::new(OP, ErrorKind::NotFound, format!("pool {pool_name} holds no volume {name}")));
     };
     let current = found.into_volume(OP, pool_name, name)?;
-    let capacity = rounded_capacity(current.format, capacity);
+    let capacity = rounded_capacity(current.format.unwrap_or(DiskFormat::Raw), capacity);
     if capacity < current.capacity_bytes {
         return Err(Error::new(
             OP,
@@ -270,20 +270,11 @@ struct Found {
 }
 
 impl Found {
-    /// The volume `name` of pool `pool` this is. Errors: `Permanent` for a
-    /// format other than raw and qcow2 or a path that is no absolute file
-    /// path.
+    /// The volume `name` of pool `pool` this is, its format as libvirt
+    /// reports it (`None` for one other than raw and qcow2). Errors:
+    /// `Permanent` for a path that is no absolute file path.
     fn into_volume(self, operation: &'static str, pool: &str, name: &str) -> Result<Volume> {
-        let format = self.format.as_deref().and_then(DiskFormat::from_name).ok_or_else(|| {
-            Error::new(
-                operation,
-                ErrorKind::Permanent,
-                format!(
-                    "volume {name} of pool {pool} is in {}; vmlet uses raw and qcow2 volumes only",
-                    self.format.as_deref().unwrap_or("an unstated format")
-                ),
-            )
-        })?;
+        let format = self.format.as_deref().and_then(DiskFormat::from_name);
         if !self.path.starts_with('/') {
             return Err(Error::new(
                 operation,
@@ -430,13 +421,15 @@ mod tests {
     }
 
     #[test]
-    fn a_volume_in_a_format_vmlet_does_not_attach_is_refused_naming_it() {
+    fn a_format_other_than_raw_or_qcow2_is_reported_as_none_not_refused() {
+        // libvirt's dir pools probe a file's format: a guest that writes a
+        // vmdk header into its raw volume must not make the volume unusable.
         let found = Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("vmdk".into()) };
-        let err = found.into_volume("test", "p", "v").expect_err("vmdk");
-        assert_eq!(err.kind, ErrorKind::Permanent);
-        assert!(err.message.contains("vmdk"), "{}", err.message);
+        assert_eq!(found.into_volume("test", "p", "v").expect("vmdk").format, None);
         let found = Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("raw".into()) };
         let volume = found.into_volume("test", "p", "v").expect("raw");
-        assert_eq!((volume.path.as_str(), volume.format), ("/p/v", DiskFormat::Raw));
+        assert_eq!((volume.path.as_str(), volume.format), ("/p/v", Some(DiskFormat::Raw)));
+        let relative = Found { path: "v".into(), capacity: 1, allocation: 0, format: Some("raw".into()) };
+        assert_eq!(relative.into_volume("test", "p", "v").unwrap_err().kind, ErrorKind::Permanent);
     }
 }

@@ -95,11 +95,12 @@ fn assert_on_host(uri: &str, volume: &Volume) {
         volume.pool
     );
     let xml = virsh(uri, &["vol-dumpxml", "--pool", &volume.pool, &volume.name]);
-    assert!(xml.contains(&format!("<format type='{}'/>", volume.format)), "{xml}");
+    let format = volume.format.expect("a format vmlet made");
+    assert!(xml.contains(&format!("<format type='{format}'/>")), "{xml}");
     assert!(xml.contains(&format!("<capacity unit='bytes'>{}</capacity>", volume.capacity_bytes)), "{xml}");
     assert!(xml.contains("<mode>0600</mode>"), "{xml}");
-    assert_eq!(qemu_img_info(&volume.path, volume.format), (volume.format.as_str().to_owned(), volume.capacity_bytes));
-    if volume.format == DiskFormat::Raw {
+    assert_eq!(qemu_img_info(&volume.path, format), (format.as_str().to_owned(), volume.capacity_bytes));
+    if format == DiskFormat::Raw {
         let len = std::fs::metadata(&volume.path).expect("the raw volume's file").len();
         assert_eq!(len, volume.capacity_bytes, "{}", volume.path);
     }
@@ -116,12 +117,12 @@ async fn volumes_in_a_dir_pool_are_made_grown_and_removed_through_libvirt() {
     // Made in each format, sparse, where the pool keeps its files.
     let raw = volumes.create_volume(&request(p, "ns_claim_raw", 64 * MIB, DiskFormat::Raw)).await.expect("raw");
     assert_eq!(raw.path, format!("{}/ns_claim_raw", pool.dir));
-    assert_eq!((raw.capacity_bytes, raw.format), (64 * MIB, DiskFormat::Raw));
+    assert_eq!((raw.capacity_bytes, raw.format), (64 * MIB, Some(DiskFormat::Raw)));
     assert!(raw.allocation_bytes < raw.capacity_bytes, "{raw:?}");
     assert_on_host(&uri, &raw);
     let qcow2 = volumes.create_volume(&request(p, "ns_claim_qcow2", 32 * MIB, DiskFormat::Qcow2)).await.expect("qcow2");
     assert_eq!(qcow2.path, format!("{}/ns_claim_qcow2", pool.dir));
-    assert_eq!((qcow2.capacity_bytes, qcow2.format), (32 * MIB, DiskFormat::Qcow2));
+    assert_eq!((qcow2.capacity_bytes, qcow2.format), (32 * MIB, Some(DiskFormat::Qcow2)));
     assert_on_host(&uri, &qcow2);
 
     // Again: the same volume; a smaller request too.
@@ -186,7 +187,7 @@ async fn volumes_on_the_test_driver_live_in_its_in_memory_pool() {
     let made = volumes.create_volume(&request("default-pool", "ns_claim_uid", 8 * MIB, DiskFormat::Qcow2)).await;
     let made = made.expect("create");
     assert_eq!(made.path, "/default-pool/ns_claim_uid");
-    assert_eq!((made.capacity_bytes, made.format), (8 * MIB, DiskFormat::Qcow2));
+    assert_eq!((made.capacity_bytes, made.format), (8 * MIB, Some(DiskFormat::Qcow2)));
     let again = volumes.create_volume(&request("default-pool", "ns_claim_uid", 8 * MIB, DiskFormat::Qcow2)).await;
     assert_eq!(again.expect("create again"), made);
     let err = volumes.create_volume(&request("default-pool", "ns_claim_uid", 8 * MIB, DiskFormat::Raw)).await;
