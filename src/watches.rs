@@ -22,10 +22,12 @@ use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::Controller;
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -45,7 +47,44 @@ pub struct Watches {
     pub vms: Store<VirtualMachine>,
     /// Pods bound to this process's nodes, and VM pods of the namespaces served.
     pub pods: Store<Pod>,
+    /// Set once the VirtualMachine watch has completed its first list.
+    vms_listed: Listed,
+    /// Set once the pod watch has completed its first list.
+    pods_listed: Listed,
     routes: Arc<Routes>,
+}
+
+/// Whether a watch has completed its first list, awaited by any number of
+/// controllers.
+///
+/// Not `Store::wait_until_ready`: kube-runtime 5.0 keeps a single waker for
+/// all of a store's waiters (`utils/delayed_init.rs`: every waiter polls the
+/// same `futures::channel::oneshot::Receiver`, which remembers only the last
+/// waker), so when the list completes only the controller that looked last
+/// wakes; the others, whose `Controller` waits for the store before running
+/// anything, wait for some later event of theirs — forever if none comes.
+#[derive(Clone)]
+struct Listed {
+    tx: Arc<watch::Sender<bool>>,
+}
+
+impl Listed {
+    fn new() -> Self {
+        Listed { tx: Arc::new(watch::Sender::new(false)) }
+    }
+
+    fn set(&self) {
+        self.tx.send_if_modified(|listed| !std::mem::replace(listed, true));
+    }
+
+    /// Wait for the first list; `false` if `shutdown` came first.
+    async fn wait(&self, shutdown: &CancellationToken) -> bool {
+        let mut rx = self.tx.subscribe();
+        tokio::select! {
+            listed = rx.wait_for(|listed| *listed) => listed.is_ok(),
+            _ = shutdown.cancelled() => false,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -68,7 +107,13 @@ impl Watches {
     pub fn new(config: &Config) -> (Self, Writers) {
         let (vms, vm_writer) = reflector::store();
         let (pods, pod_writer) = reflector::store();
-        let watches = Watches { vms, pods, routes: Arc::new(Routes::default()) };
+        let watches = Watches {
+            vms,
+            pods,
+            vms_listed: Listed::new(),
+            pods_listed: Listed::new(),
+            routes: Arc::new(Routes::default()),
+        };
         for host in &config.hosts {
             let rx = watches.subscribe_node(&host.name);
             watches.routes.pending.lock().expect("routes poisoned").insert(host.name.clone(), rx);
@@ -92,13 +137,10 @@ impl Watches {
         let router = watches.clone();
         let vm_loop = vm_events.for_each(move |event| {
             match event {
-                Ok(event) => {
-                    for vm in touched(&event) {
-                        router.route_vm(vm);
-                    }
-                }
-                // Retried with backoff by the watcher; until its first list
-                // completes, the store is not ready and the controller waits.
+                Ok(event) => router.on_vm_event(&event),
+                // Retried with kube's DefaultBackoff (0.8 s doubling to
+                // 30 s); until its first list completes, the controllers over
+                // the store wait (see `Listed`).
                 Err(error) => warn!(%error, "VirtualMachine watch failed; retrying"),
             }
             std::future::ready(())
@@ -121,13 +163,7 @@ impl Watches {
         let router = watches.clone();
         let pod_loop = pod_events.for_each(move |event| {
             match event {
-                Ok(event) => {
-                    // A change that removed a pod from the store (see
-                    // `only_kept`) concerns nobody here.
-                    for pod in touched(&event).into_iter().filter(|p| keep(p)) {
-                        router.route_pod(pod);
-                    }
-                }
+                Ok(event) => router.on_pod_event(&event, &*keep),
                 Err(error) => warn!(%error, "pod watch failed; retrying"),
             }
             std::future::ready(())
@@ -139,6 +175,43 @@ impl Watches {
                 _ = shutdown.cancelled() => {}
             }
         });
+    }
+
+    /// A controller over the VirtualMachine cache, once the watch has listed
+    /// every VM (`None` if `shutdown` comes first). Every controller over the
+    /// shared caches starts here, never from `Controller::for_stream` on the
+    /// store directly (see [`Listed`]).
+    pub async fn vm_controller(&self, shutdown: &CancellationToken) -> Option<Controller<VirtualMachine>> {
+        self.vms_listed.wait(shutdown).await.then(|| Controller::for_stream(no_objects(), self.vms.clone()))
+    }
+
+    /// A controller over the pod cache, once the watch has listed every pod
+    /// kept (`None` if `shutdown` comes first); see [`Watches::vm_controller`].
+    pub async fn pod_controller(&self, shutdown: &CancellationToken) -> Option<Controller<Pod>> {
+        self.pods_listed.wait(shutdown).await.then(|| Controller::for_stream(no_objects(), self.pods.clone()))
+    }
+
+    /// A VirtualMachine watch event, after the store has applied it: route it,
+    /// and at the end of a list release the controllers waiting for it.
+    fn on_vm_event(&self, event: &watcher::Event<VirtualMachine>) {
+        for vm in touched(event) {
+            self.route_vm(vm);
+        }
+        if matches!(event, watcher::Event::InitDone) {
+            self.vms_listed.set();
+        }
+    }
+
+    /// A pod watch event, after the store has applied it (see
+    /// [`Watches::on_vm_event`]). A change that removed a pod from the store
+    /// (see `only_kept`) concerns nobody here.
+    fn on_pod_event(&self, event: &watcher::Event<Pod>, keep: &dyn Fn(&Pod) -> bool) {
+        for pod in touched(event).into_iter().filter(|p| keep(p)) {
+            self.route_pod(pod);
+        }
+        if matches!(event, watcher::Event::InitDone) {
+            self.pods_listed.set();
+        }
     }
 
     /// The queue input of node `name`'s agent: the pods bound to it, and the
@@ -288,5 +361,98 @@ mod tests {
         assert_eq!(touched(&watcher::Event::Apply(pod.clone())).len(), 1);
         assert_eq!(touched(&watcher::Event::Delete(pod)).len(), 1);
         assert!(touched(&watcher::Event::<Pod>::InitDone).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod readiness {
+    use super::*;
+    use crate::testing::VmBuilder;
+    use kube::runtime::controller::Action;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    /// Three controllers over the shared VirtualMachine store, as the
+    /// VirtualMachine controller, the release loop and (once) the
+    /// EndpointSlice controller are: every one must run once the watch has
+    /// listed, whichever of them looked at the store last before the list
+    /// completed.
+    #[tokio::test]
+    async fn every_controller_over_the_shared_store_runs_once_the_watch_has_listed() {
+        let config =
+            Config::from_yaml("hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}]", &["libvirt"])
+                .unwrap();
+        let (watches, mut writers) = Watches::new(&config);
+        let shutdown = CancellationToken::new();
+        let passes: Vec<Arc<AtomicUsize>> = (0..3).map(|_| Arc::default()).collect();
+        for count in &passes {
+            let triggers = watches.vm_triggers();
+            let (watches, shutdown, count) = (watches.clone(), shutdown.clone(), count.clone());
+            tokio::spawn(async move {
+                let Some(controller) = watches.vm_controller(&shutdown).await else { return };
+                controller
+                    .reconcile_on(triggers)
+                    .run(
+                        |_vm, count: Arc<AtomicUsize>| async move {
+                            count.fetch_add(1, Ordering::SeqCst);
+                            Ok::<_, std::convert::Infallible>(Action::await_change())
+                        },
+                        |_, _, _| Action::await_change(),
+                        count,
+                    )
+                    .for_each(|_| async {})
+                    .await
+            });
+        }
+        let settle = || async {
+            for _ in 0..20 {
+                tokio::task::yield_now().await;
+            }
+        };
+        settle().await;
+        // The watch's first list, as the reflector applies it and the
+        // dispatcher routes it; the controllers, woken by the VM's entry,
+        // look at the store again before the list completes.
+        let vm = VmBuilder::new("web").build();
+        for event in [watcher::Event::Init, watcher::Event::InitApply(vm)] {
+            writers.vms.apply_watcher_event(&event);
+            watches.on_vm_event(&event);
+        }
+        // ...after the controllers' queues have taken that entry in.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        writers.vms.apply_watcher_event(&watcher::Event::InitDone);
+        watches.on_vm_event(&watcher::Event::InitDone);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while passes.iter().any(|c| c.load(Ordering::SeqCst) == 0) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let passes: Vec<usize> = passes.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+        shutdown.cancel();
+        assert!(passes.iter().all(|&n| n == 1), "passes per controller: {passes:?}");
+    }
+
+    /// The pod watch releases its controllers at the end of its list; until
+    /// then they wait, and shutdown ends the wait.
+    #[tokio::test]
+    async fn pod_controllers_wait_for_the_pod_list_or_for_shutdown() {
+        let config =
+            Config::from_yaml("hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}]", &["libvirt"])
+                .unwrap();
+        let (watches, _writers) = Watches::new(&config);
+        let waiter = |shutdown: CancellationToken| {
+            let watches = watches.clone();
+            tokio::spawn(async move { watches.pod_controller(&shutdown).await.is_some() })
+        };
+        let (stopped, listed) = (CancellationToken::new(), CancellationToken::new());
+        let (stopping, listing) = (waiter(stopped.clone()), waiter(listed.clone()));
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!stopping.is_finished() && !listing.is_finished(), "no controller before the list");
+        stopped.cancel();
+        assert!(!stopping.await.unwrap(), "shutdown ends the wait without a controller");
+        watches.on_pod_event(&watcher::Event::Init, &|_| true);
+        watches.on_pod_event(&watcher::Event::InitDone, &|_| true);
+        assert!(listing.await.unwrap(), "the end of the list starts the controller");
     }
 }

@@ -36,13 +36,13 @@ use crate::v1alpha1::{DeletionPolicy, Migration, MigrationPhase, VirtualMachine,
 use crate::vmpod::{
     migration_target_pod, new_pod_name, pod_for_vm, resize_annotations, vm_amounts, ResizeNeeded, CONTAINER_NAME,
 };
-use crate::watches::{no_objects, Triggers, Watches};
+use crate::watches::{Triggers, Watches};
 use crate::written::Written;
 use decide::Step;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Action;
 use kube::{Api, Client, Resource, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,7 +103,8 @@ pub async fn run(
         expected: expected::Expected::default(),
     });
     info!("VirtualMachine controller starting");
-    Controller::for_stream(no_objects(), watches.vms.clone())
+    let Some(controller) = watches.vm_controller(&shutdown).await else { return };
+    controller
         .reconcile_on(triggers)
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
         .run(reconcile, error_policy, ctx)

@@ -32,11 +32,10 @@ pub mod volumes;
 
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
-use crate::watches::{no_objects, Watches};
+use crate::watches::Watches;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
-use kube::runtime::Controller;
 use kube::{Api, Client};
 use registration::Readiness;
 use std::collections::{HashMap, HashSet};
@@ -212,11 +211,19 @@ pub async fn run(
         config.state_dir.clone(),
         shutdown.clone(),
     );
-    let pods = Controller::for_stream(no_objects(), watches.pods.clone())
-        .reconcile_on(watches.node_triggers(&host.name))
-        .graceful_shutdown_on(cancelled(shutdown.clone()))
-        .run(pods::reconcile, pods::error_policy, agent.clone())
-        .for_each(|_| async {});
+    let pods = {
+        let (watches, agent, shutdown) = (watches.clone(), agent.clone(), shutdown.clone());
+        let triggers = watches.node_triggers(&host.name);
+        async move {
+            let Some(controller) = watches.pod_controller(&shutdown).await else { return };
+            controller
+                .reconcile_on(triggers)
+                .graceful_shutdown_on(cancelled(shutdown.clone()))
+                .run(pods::reconcile, pods::error_policy, agent)
+                .for_each(|_| async {})
+                .await
+        }
+    };
     let loops = tokio::spawn(async move { tokio::join!(pods, recorder) });
 
     // When the host answers again after an outage, its pods are synced at

@@ -12,9 +12,9 @@ use super::{console, Hosts};
 use crate::controller::release_finalizer;
 use crate::events::{EventSink, Reason};
 use crate::v1alpha1::{DeletionPolicy, VirtualMachine, FINALIZER};
-use crate::watches::{no_objects, Triggers, Watches};
+use crate::watches::{Triggers, Watches};
 use futures::StreamExt;
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Action;
 use kube::{Api, Client, ResourceExt};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -50,7 +50,8 @@ pub async fn run(
         watches: watches.clone(),
         state_dir,
     });
-    Controller::for_stream(no_objects(), watches.vms.clone())
+    let Some(controller) = watches.vm_controller(&shutdown).await else { return };
+    controller
         .reconcile_on(triggers)
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
         .run(reconcile, error_policy, releaser)
