@@ -27,6 +27,7 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
@@ -54,6 +55,10 @@ pub struct Watches {
     routes: Arc<Routes>,
 }
 
+/// How long a controller waits for a watch's first list before it says so
+/// (and again at each such interval).
+const NOT_LISTED_WARNING: Duration = Duration::from_secs(30);
+
 /// Whether a watch has completed its first list, awaited by any number of
 /// controllers.
 ///
@@ -65,24 +70,34 @@ pub struct Watches {
 /// anything, wait for some later event of theirs — forever if none comes.
 #[derive(Clone)]
 struct Listed {
+    watch: &'static str,
     tx: Arc<watch::Sender<bool>>,
 }
 
 impl Listed {
-    fn new() -> Self {
-        Listed { tx: Arc::new(watch::Sender::new(false)) }
+    fn new(watch: &'static str) -> Self {
+        Listed { watch, tx: Arc::new(watch::Sender::new(false)) }
     }
 
     fn set(&self) {
         self.tx.send_if_modified(|listed| !std::mem::replace(listed, true));
     }
 
-    /// Wait for the first list; `false` if `shutdown` came first.
+    /// Wait for the first list; `false` if `shutdown` came first. Warns every
+    /// [`NOT_LISTED_WARNING`] while it waits.
     async fn wait(&self, shutdown: &CancellationToken) -> bool {
         let mut rx = self.tx.subscribe();
-        tokio::select! {
-            listed = rx.wait_for(|listed| *listed) => listed.is_ok(),
-            _ = shutdown.cancelled() => false,
+        let started = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                listed = rx.wait_for(|listed| *listed) => return listed.is_ok(),
+                _ = shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(NOT_LISTED_WARNING) => warn!(
+                    watch = self.watch,
+                    waited_s = started.elapsed().as_secs(),
+                    "watch has not completed its first list; the controllers over its cache wait for it"
+                ),
+            }
         }
     }
 }
@@ -110,8 +125,8 @@ impl Watches {
         let watches = Watches {
             vms,
             pods,
-            vms_listed: Listed::new(),
-            pods_listed: Listed::new(),
+            vms_listed: Listed::new("VirtualMachine"),
+            pods_listed: Listed::new("Pod"),
             routes: Arc::new(Routes::default()),
         };
         for host in &config.hosts {
@@ -140,7 +155,7 @@ impl Watches {
                 Ok(event) => router.on_vm_event(&event),
                 // Retried with kube's DefaultBackoff (0.8 s doubling to
                 // 30 s); until its first list completes, the controllers over
-                // the store wait (see `Listed`).
+                // the store wait (see `Listed`, which warns if that is long).
                 Err(error) => warn!(%error, "VirtualMachine watch failed; retrying"),
             }
             std::future::ready(())
@@ -370,7 +385,6 @@ mod readiness {
     use crate::testing::VmBuilder;
     use kube::runtime::controller::Action;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Duration;
 
     /// Three controllers over the shared VirtualMachine store, as the
     /// VirtualMachine controller, the release loop and (once) the
