@@ -42,8 +42,8 @@ impl ClusterObjects {
         objects
     }
 
-    /// A 64 MiB local PersistentVolume of the class at `dir` on `node`, and
-    /// a claim `claim` of the test's namespace for it.
+    /// A 64 MiB local PersistentVolume of the class at `dir` on `node`, reserved
+    /// for (`claimRef`) a claim `claim` of the test's namespace, and that claim.
     async fn volume_and_claim(&mut self, env: &TestEnv, suffix: &str, dir: &Path, node: &str, claim: &str) {
         std::fs::create_dir_all(dir).unwrap();
         let name = if suffix.is_empty() { self.name.clone() } else { format!("{}-{suffix}", self.name) };
@@ -53,6 +53,9 @@ impl ClusterObjects {
             "spec": {
                 "capacity": {"storage": "64Mi"}, "accessModes": ["ReadWriteOnce"],
                 "persistentVolumeReclaimPolicy": "Retain", "storageClassName": self.name,
+                // Reserved for its claim: two volumes of one class and size
+                // would otherwise go to whichever claim binds first.
+                "claimRef": {"namespace": env.ns, "name": claim},
                 "local": {"path": dir},
                 "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
                     {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}},
