@@ -12,7 +12,7 @@
 mod common;
 
 use common::deadline::{output_within, VIRSH};
-use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
+use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use serde_json::json;
 use std::path::Path;
 use std::process::Command;
@@ -46,24 +46,6 @@ fn qemu_img(args: &[&str]) {
 
 fn path_of(path: &Path) -> String {
     path.display().to_string()
-}
-
-/// What the guest of `pod` prints for `script`, once it runs it.
-async fn exec_stdout(env: &TestEnv, pod: &str, script: &str) -> String {
-    env.wait_for(&format!("the guest of {pod} to run {script:?}"), || {
-        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script]);
-        async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()) }
-    })
-    .await
-}
-
-/// A guest script that prints the device (`vdb`) whose virtio serial is
-/// `name`: the serial udev names `/dev/disk/by-id/virtio-<name>` after (the
-/// test guest has no udev, so it reads the kernel's attribute).
-fn device_named(name: &str) -> String {
-    format!(
-        r#"for d in /sys/block/vd*; do if [ "$(cat $d/serial 2>/dev/null)" = {name} ]; then echo ${{d##*/}}; fi; done"#
-    )
 }
 
 /// The reason and message the container of VM `vm`'s pod waits with, once
@@ -121,14 +103,14 @@ async fn host_images_attach_in_spec_order_in_their_own_format_by_name_and_keep_t
     }
 
     // The guest finds each disk by its name, in spec order.
-    assert_eq!(exec_stdout(&env, &pod, &device_named("data")).await, "vdb");
-    assert_eq!(exec_stdout(&env, &pod, &device_named("scratch")).await, "vdc");
+    assert_eq!(env.exec_stdout(&pod, &device_named("data")).await, "vdb");
+    assert_eq!(env.exec_stdout(&pod, &device_named("scratch")).await, "vdc");
     let mark = format!("kept-{}", env.ns);
     let write = format!(
         "dev=$({}) && printf '%s\\n' {mark} | dd of=/dev/$dev bs=512 count=1 conv=sync,fsync 2>/dev/null && echo ok",
         device_named("data")
     );
-    assert_eq!(exec_stdout(&env, &pod, &write).await, "ok");
+    assert_eq!(env.exec_stdout(&pod, &write).await, "ok");
 
     // Stop and start: the image keeps what was written (in the overlay).
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
@@ -137,7 +119,7 @@ async fn host_images_attach_in_spec_order_in_their_own_format_by_name_and_keep_t
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
     let read = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
-    assert_eq!(exec_stdout(&env, &pod, &read).await, mark);
+    assert_eq!(env.exec_stdout(&pod, &read).await, mark);
 
     // The overlay's header rewritten while the VM is off, as anyone who can
     // write the file as raw could: the start is refused, naming the field,
@@ -165,7 +147,7 @@ async fn host_images_attach_in_spec_order_in_their_own_format_by_name_and_keep_t
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
     let read_base = format!("dd if=/dev/$({}) bs=512 skip=1 count=1 2>/dev/null | head -n 1", device_named("data"));
-    assert_eq!(exec_stdout(&env, &pod, &read_base).await, base_mark);
+    assert_eq!(env.exec_stdout(&pod, &read_base).await, base_mark);
     drop(env);
     let _ = std::fs::remove_dir_all(root);
 }

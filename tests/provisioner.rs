@@ -15,7 +15,7 @@
 mod common;
 
 use common::deadline::{output_within, VIRSH};
-use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, repo, storage_root, Host, TestEnv};
+use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, repo, storage_root, Host, TestEnv};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::ResourceExt;
@@ -77,14 +77,6 @@ impl Drop for Pool {
     }
 }
 
-/// A guest script that prints the device (`vdb`) whose virtio serial is
-/// `name` (the test guest has no udev to make `/dev/disk/by-id`).
-fn device_named(name: &str) -> String {
-    format!(
-        r#"for d in /sys/block/vd*; do if [ "$(cat $d/serial 2>/dev/null)" = {name} ]; then echo ${{d##*/}}; fi; done"#
-    )
-}
-
 /// The first 4 KiB of a qcow2 image whose header names `backing` (raw) as
 /// its backing file, made with qemu-img in `dir` (without opening `backing`).
 fn qcow2_header_naming(backing: &str, dir: &std::path::Path) -> Vec<u8> {
@@ -101,14 +93,6 @@ fn qcow2_header_naming(backing: &str, dir: &std::path::Path) -> Vec<u8> {
     let at = bytes.windows(backing.len()).position(|w| w == backing.as_bytes());
     assert!(at.is_some(), "the header names {backing} within its first 4 KiB");
     bytes
-}
-
-async fn exec_stdout(env: &TestEnv, pod: &str, script: &str) -> String {
-    env.wait_for(&format!("the guest of {pod} to run {script:?}"), || {
-        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script]);
-        async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()) }
-    })
-    .await
 }
 
 #[tokio::test]
@@ -167,20 +151,20 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     // The guest sees a 1 GiB disk by its name, and keeps what it writes.
     let pod = env.pod_of("web").await;
     let size = format!("cat /sys/block/$({})/size", device_named("data"));
-    assert_eq!(exec_stdout(&env, &pod, &size).await, (1u64 << 30 >> 9).to_string(), "512-byte sectors of 1 GiB");
+    assert_eq!(env.exec_stdout(&pod, &size).await, (1u64 << 30 >> 9).to_string(), "512-byte sectors of 1 GiB");
     let mark = format!("kept-{}", env.ns);
     let write = format!(
         "dev=$({}) && printf '%s\\n' {mark} | dd of=/dev/$dev bs=512 count=1 conv=sync,fsync 2>/dev/null && echo ok",
         device_named("data")
     );
-    assert_eq!(exec_stdout(&env, &pod, &write).await, "ok");
+    assert_eq!(env.exec_stdout(&pod, &write).await, "ok");
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
     env.wait_vm_phase("web", "Stopped").await;
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
     let read = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
-    assert_eq!(exec_stdout(&env, &pod, &read).await, mark);
+    assert_eq!(env.exec_stdout(&pod, &read).await, mark);
 
     // The guest writes a qcow2 header naming /etc/passwd as backing file
     // into its raw volume: after a stop and start the volume is still raw
@@ -189,7 +173,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     let header = qcow2_header_naming("/etc/passwd", &storage_root(&env));
     let octal: String = header.iter().map(|b| format!("\\{b:03o}")).collect();
     let write = format!("dev=$({}) && printf '{octal}' > /dev/$dev && sync && echo ok", device_named("data"));
-    assert_eq!(exec_stdout(&env, &pod, &write).await, "ok");
+    assert_eq!(env.exec_stdout(&pod, &write).await, "ok");
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
     env.wait_vm_phase("web", "Stopped").await;
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
@@ -207,7 +191,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     assert!(!cmdline.contains("/etc/passwd") && cmdline.contains(&volume_path), "{cmdline}");
     let pod = env.pod_of("web").await;
     let magic = format!("head -c 3 /dev/$({})", device_named("data"));
-    assert_eq!(exec_stdout(&env, &pod, &magic).await, "QFI", "the guest's own bytes, as raw");
+    assert_eq!(env.exec_stdout(&pod, &magic).await, "QFI", "the guest's own bytes, as raw");
 
     // A new VM defined on the claim (libvirt's pool now calls the file
     // qcow2, from the guest's header) still gets it raw.
@@ -224,7 +208,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     assert!(xml.contains(&disk), "{disk} in {xml}");
     assert!(!xml.contains("/etc/passwd"), "{xml}");
     let pod = env.pod_of("web2").await;
-    assert_eq!(exec_stdout(&env, &pod, &magic).await, "QFI", "the new VM reads the same raw bytes");
+    assert_eq!(env.exec_stdout(&pod, &magic).await, "QFI", "the new VM reads the same raw bytes");
 
     // Another namespace's claim that names the PersistentVolume binds to
     // nothing: the PersistentVolume is bound to this claim's UID.

@@ -85,14 +85,6 @@ impl Drop for ClusterObjects {
     }
 }
 
-async fn exec_stdout(env: &TestEnv, pod: &str, script: &str) -> String {
-    env.wait_for(&format!("the guest of {pod} to run {script:?}"), || {
-        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script]);
-        async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()) }
-    })
-    .await
-}
-
 #[tokio::test]
 async fn a_vm_with_a_claim_starts_where_its_volume_is_keeps_its_writes_and_holds_the_claim() {
     let mut env = TestEnv::new("volumes").await;
@@ -121,7 +113,7 @@ async fn a_vm_with_a_claim_starts_where_its_volume_is_keeps_its_writes_and_holds
     let pod = env.pod_of("web").await;
     let mark = format!("kept-{}", env.ns);
     let write = format!("printf '%s\\n' {mark} | dd of=/dev/vdb bs=512 count=1 conv=sync,fsync 2>/dev/null && echo ok");
-    assert_eq!(exec_stdout(&env, &pod, &write).await, "ok");
+    assert_eq!(env.exec_stdout(&pod, &write).await, "ok");
 
     // Stop and start: the disk keeps what was written.
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
@@ -130,7 +122,7 @@ async fn a_vm_with_a_claim_starts_where_its_volume_is_keeps_its_writes_and_holds
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
     let read = "dd if=/dev/vdb bs=512 count=1 2>/dev/null | head -n 1";
-    assert_eq!(exec_stdout(&env, &pod, read).await, mark);
+    assert_eq!(env.exec_stdout(&pod, read).await, mark);
 
     // Deleting the claim while the VM runs is held by Kubernetes.
     claims.delete("data", &DeleteParams::default()).await.expect("delete the claim");
@@ -138,7 +130,7 @@ async fn a_vm_with_a_claim_starts_where_its_volume_is_keeps_its_writes_and_holds
     assert!(held.metadata.deletion_timestamp.is_some());
     assert!(held.finalizers().iter().any(|f| f == "kubernetes.io/pvc-protection"), "{:?}", held.finalizers());
     env.wait_vm_phase("web", "Running").await;
-    assert_eq!(exec_stdout(&env, &pod, read).await, mark, "the VM runs on with its disk");
+    assert_eq!(env.exec_stdout(&pod, read).await, mark, "the VM runs on with its disk");
 
     // Once the VM stops, the claim goes.
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);

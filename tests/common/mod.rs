@@ -490,6 +490,18 @@ impl TestEnv {
         Api::namespaced(self.client.clone(), &self.ns)
     }
 
+    /// What the guest of `pod` prints for the shell script `script`
+    /// (`kubectl exec <pod> -- sh -c <script>`, trimmed), once it runs it:
+    /// retried until it succeeds (the guest agent answers some seconds
+    /// after the VM runs).
+    pub async fn exec_stdout(&self, pod: &str, script: &str) -> String {
+        self.wait_for(&format!("the guest of {pod} to run {script:?}"), || {
+            let out = self.kubectl_output(&["exec", pod, "--", "sh", "-c", script]);
+            async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned()) }
+        })
+        .await
+    }
+
     /// Poll `check` every 250 ms until it returns `Some`, up to [`DEADLINE`];
     /// on timeout, panic naming `what` and showing vmlet's log tail.
     pub async fn wait_for<T, F, Fut>(&self, what: &str, mut check: F) -> T
@@ -642,4 +654,13 @@ impl Drop for TestEnv {
             self.cleanup_kubectl(&["delete", "node", node, "--wait=false"]);
         }
     }
+}
+
+/// A guest script that prints the device (`vdb`) whose virtio serial is
+/// `name`: the serial udev names `/dev/disk/by-id/virtio-<name>` after (the
+/// test guest has no udev, so it reads the kernel's attribute).
+pub fn device_named(name: &str) -> String {
+    format!(
+        r#"for d in /sys/block/vd*; do if [ "$(cat $d/serial 2>/dev/null)" = {name} ]; then echo ${{d##*/}}; fi; done"#
+    )
 }
