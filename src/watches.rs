@@ -206,6 +206,12 @@ impl Watches {
         self.pods_listed.wait(shutdown).await.then(|| Controller::for_stream(no_objects(), self.pods.clone()))
     }
 
+    /// Wait until both watches have listed (`false` if `shutdown` comes
+    /// first): for a controller that reads both caches but watches neither.
+    pub async fn wait_listed(&self, shutdown: &CancellationToken) -> bool {
+        self.vms_listed.wait(shutdown).await && self.pods_listed.wait(shutdown).await
+    }
+
     /// A VirtualMachine watch event, after the store has applied it: route it,
     /// and at the end of a list release the controllers waiting for it.
     fn on_vm_event(&self, event: &watcher::Event<VirtualMachine>) {

@@ -101,6 +101,11 @@ pub async fn run(
             now.union(&before).map(|name| ObjectRef::new(name).within(&namespace)).collect();
         futures::stream::iter(refs)
     });
+    // A slice written before the caches hold every VM and pod would take
+    // endpoints away (after a vmlet restart) until their events came.
+    if !watches.wait_listed(&shutdown).await {
+        return;
+    }
     let ctx = Arc::new(Context { client, watches, written: Mutex::default() });
     info!("EndpointSlice controller for VMs' selector-less Services starting");
     Controller::new(services, watcher::Config::default())
@@ -148,13 +153,6 @@ async fn reconcile(service: Arc<Service>, ctx: Arc<Context>) -> Result<Action, E
         })
         .collect();
     let wrote = ctx.written.lock().expect("written poisoned").contains(&key);
-    if !wrote && pods.is_empty() {
-        // Nothing written by this process yet and no endpoint to offer: the
-        // VM and pod watches may not have listed yet (a vmlet restart), and
-        // an empty slice now would take every endpoint away for that time.
-        // Their first events queue this Service again.
-        return Ok(Action::await_change());
-    }
     match desired_slice(&service, &pods) {
         Some(slice) => {
             let params = PatchParams::apply(FIELD_MANAGER).force();
