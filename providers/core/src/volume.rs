@@ -120,19 +120,24 @@ pub trait Volumes: Send + Sync {
     /// Errors: those every operation may return.
     async fn delete_volume(&self, pool: &str, name: &str) -> Result<()>;
 
-    /// Grow the volume named `name` in pool `pool` to `capacity_bytes` (in
-    /// bytes, as the guest sees it) and return it; a volume that has exactly
-    /// that capacity already is returned unchanged. The new space takes no room up front. A running VM that
-    /// has the volume attached sees the new size only after the hypervisor
-    /// is told (a block resize) or after its next start.
+    /// Grow the volume named `name` in pool `pool`, which was made in
+    /// `format`, to `capacity_bytes` (in bytes, as the guest sees it), and
+    /// return it; a volume that has exactly that capacity already is
+    /// returned unchanged. A running VM of the host that has the volume
+    /// attached grows it live through the hypervisor (libvirt:
+    /// `virDomainBlockResize`), which reads the file in the format the VM
+    /// was given, and its guest sees the new size at once. Otherwise the
+    /// back end grows the file, taking no room up front.
     ///
     /// Errors: `NotFound` when the pool has no such volume; `InvalidInput`
     /// when `capacity_bytes` is below the volume's capacity (volumes never
-    /// shrink: the guest's data would be cut off) or is 0; `Unsupported`
-    /// when the back end cannot grow volumes; `Permanent` when
-    /// the volume is in a format other than raw or qcow2; and those every
+    /// shrink: the guest's data would be cut off) or is 0; `Conflict` when no
+    /// VM runs on it and the back end would read the file in another format
+    /// than `format` (a guest wrote another format's header into it);
+    /// `Unsupported` when the back end cannot grow volumes; and those every
     /// operation may return.
-    async fn resize_volume(&self, pool: &str, name: &str, capacity_bytes: u64) -> Result<Volume>;
+    async fn resize_volume(&self, pool: &str, name: &str, format: DiskFormat, capacity_bytes: u64)
+        -> Result<Volume>;
 }
 
 #[cfg(test)]

@@ -5,9 +5,11 @@
 //!
 //! Only pools whose volumes are files (`dir`, `fs`, `netfs`) are used; a
 //! volume's file is `<pool target>/<volume name>`. A new volume is sparse
-//! (`<allocation>` 0), mode 0600, in the requested format. A volume's format
-//! is what libvirt records in its XML (`<target><format type='…'/>`), never
-//! probed from the file, whose contents the guest writes.
+//! (`<allocation>` 0), mode 0600, in the requested format. The format a
+//! volume reports ([`Volume::format`]) is libvirt's view: its `dir` pools
+//! probe it from the file's header at every refresh, and the guest writes
+//! that header, so it is never used to open or grow a disk; callers pass
+//! the format they made the volume in.
 //!
 //! Every operation refreshes the pool first (`virStoragePoolRefresh`), so
 //! that files made or removed behind libvirtd are seen; a refresh libvirt
@@ -97,19 +99,20 @@ impl Volumes for LibvirtProvider {
         .await
     }
 
-    /// See [`Volumes::resize_volume`]: `virStorageVolResize` to the new
-    /// capacity, without allocating it. A qcow2 capacity is rounded up to
-    /// a multiple of 512 bytes first. The test driver cannot resize
-    /// volumes: `Unsupported`.
+    /// See [`Volumes::resize_volume`]: `virDomainBlockResize` on the running
+    /// domain of this host that has the volume's file as a disk, else
+    /// `virStorageVolResize`, without allocating the new space. A qcow2
+    /// capacity is rounded up to a multiple of 512 bytes first. The test
+    /// driver cannot resize volumes: `Unsupported`.
     #[instrument(skip(self), fields(provider = "libvirt"))]
-    async fn resize_volume(&self, pool: &str, name: &str, capacity_bytes: u64) -> Result<Volume> {
+    async fn resize_volume(&self, pool: &str, name: &str, format: DiskFormat, capacity_bytes: u64) -> Result<Volume> {
         const OP: &str = "resize volume";
         validate_volume_name(OP, name)?;
         if capacity_bytes == 0 {
             return Err(Error::new(OP, ErrorKind::InvalidInput, format!("volume {name}: capacity 0 bytes")));
         }
         let (pool, name) = (pool.to_owned(), name.to_owned());
-        self.blocking_within(OP, DEADLINE, move |_, conn| resize(conn, &pool, &name, capacity_bytes)).await
+        self.blocking_within(OP, DEADLINE, move |_, conn| resize(conn, &pool, &name, format, capacity_bytes)).await
     }
 }
 
@@ -151,15 +154,19 @@ fn create(conn: &Connect, request: &VolumeRequest) -> Result<Volume> {
     found.into_volume(OP, pool_name, name)
 }
 
-/// Grow volume `name` of pool `pool_name` to `capacity` bytes.
-fn resize(conn: &Connect, pool_name: &str, name: &str, capacity: u64) -> Result<Volume> {
+/// Grow volume `name` of pool `pool_name`, made in `format`, to `capacity`
+/// bytes: live through the running domain that has its file open (QEMU
+/// grows the file in the format the domain gives it and tells the guest),
+/// else through the pool, which reads the file in the format it probes, so
+/// only while that is `format`.
+fn resize(conn: &Connect, pool_name: &str, name: &str, format: DiskFormat, capacity: u64) -> Result<Volume> {
     const OP: &str = "resize volume";
     let pool = open_pool(conn, OP, pool_name)?;
     let Some(found) = lookup(&pool, OP, name)? else {
         return Err(Error::new(OP, ErrorKind::NotFound, format!("pool {pool_name} holds no volume {name}")));
     };
     let current = found.into_volume(OP, pool_name, name)?;
-    let capacity = rounded_capacity(current.format.unwrap_or(DiskFormat::Raw), capacity);
+    let capacity = rounded_capacity(format, capacity);
     if capacity < current.capacity_bytes {
         return Err(Error::new(
             OP,
@@ -174,19 +181,58 @@ fn resize(conn: &Connect, pool_name: &str, name: &str, capacity: u64) -> Result<
     if capacity == current.capacity_bytes {
         return Ok(current);
     }
-    let resized = pool.lookup_storage_vol_by_name(name).and_then(|volume| {
-        volume.resize(capacity, 0)?;
-        read(&volume)
-    });
-    let found = resized.map_err(|err| from_libvirt(OP, err))?;
+    let how = if let Some((domain, target)) = running_domain_with(conn, &current.path)? {
+        domain
+            .block_resize(&target, capacity, virt::sys::VIR_DOMAIN_BLOCK_RESIZE_BYTES)
+            .map_err(|err| from_libvirt(OP, err))?;
+        "live"
+    } else {
+        if current.format != Some(format) {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Conflict,
+                format!(
+                    "volume {name} of pool {pool_name} was made {format}, but libvirt now reads its file as {} (its \
+                     guest wrote that header), and would grow it so; it grows while its VM runs",
+                    current.format.map_or("another format", DiskFormat::as_str)
+                ),
+            ));
+        }
+        pool.lookup_storage_vol_by_name(name)
+            .and_then(|volume| volume.resize(capacity, 0))
+            .map_err(|err| from_libvirt(OP, err))?;
+        "offline"
+    };
+    let _ = pool.refresh(0);
+    let found = lookup(&pool, OP, name)?.ok_or_else(|| {
+        Error::new(OP, ErrorKind::NotFound, format!("volume {name} of pool {pool_name} went away while it grew"))
+    })?;
     tracing::info!(
         volume.pool = %pool_name,
         volume.name = %name,
         from_bytes = current.capacity_bytes,
         to_bytes = found.capacity,
+        how,
         "volume grown"
     );
     found.into_volume(OP, pool_name, name)
+}
+
+/// The running domain of `conn` that has the file `path` as a disk, and
+/// that disk's target (`vdb`); `None` when none has.
+fn running_domain_with(conn: &Connect, path: &str) -> Result<Option<(virt::domain::Domain, String)>> {
+    const OP: &str = "resize volume";
+    let domains = conn
+        .list_all_domains(virt::sys::VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+        .map_err(|err| from_libvirt(OP, err))?;
+    for domain in domains {
+        // A domain that stopped meanwhile has no live XML: not the one.
+        let Ok(xml) = domain.xml_desc(0) else { continue };
+        if let Some(disk) = crate::xml::disks(&xml).into_iter().find(|d| d.source.as_deref() == Some(path)) {
+            return Ok(Some((domain, disk.target)));
+        }
+    }
+    Ok(None)
 }
 
 /// `capacity` as the volume will have it: for qcow2 rounded up to whole

@@ -143,18 +143,18 @@ async fn volumes_in_a_dir_pool_are_made_grown_and_removed_through_libvirt() {
     assert!(err.message.contains(&(64 * MIB).to_string()) && err.message.contains(&(128 * MIB).to_string()), "{err}");
 
     // Grown in place, never shrunk.
-    let grown = volumes.resize_volume(p, "ns_claim_qcow2", 48 * MIB).await.expect("grow qcow2");
+    let grown = volumes.resize_volume(p, "ns_claim_qcow2", DiskFormat::Qcow2, 48 * MIB).await.expect("grow qcow2");
     assert_eq!((grown.path.as_str(), grown.capacity_bytes), (qcow2.path.as_str(), 48 * MIB));
     assert_on_host(&uri, &grown);
-    let grown = volumes.resize_volume(p, "ns_claim_raw", 96 * MIB).await.expect("grow raw");
+    let grown = volumes.resize_volume(p, "ns_claim_raw", DiskFormat::Raw, 96 * MIB).await.expect("grow raw");
     assert_eq!(grown.capacity_bytes, 96 * MIB);
     assert_on_host(&uri, &grown);
-    let same = volumes.resize_volume(p, "ns_claim_raw", 96 * MIB).await.expect("the same size again");
+    let same = volumes.resize_volume(p, "ns_claim_raw", DiskFormat::Raw, 96 * MIB).await.expect("the same size again");
     assert_eq!(same.capacity_bytes, 96 * MIB);
-    let err = volumes.resize_volume(p, "ns_claim_raw", 32 * MIB).await.expect_err("shrink");
+    let err = volumes.resize_volume(p, "ns_claim_raw", DiskFormat::Raw, 32 * MIB).await.expect_err("shrink");
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
     assert_eq!(qemu_img_info(&raw.path, DiskFormat::Raw).1, 96 * MIB);
-    let err = volumes.resize_volume(p, "ns_claim_none", 32 * MIB).await.expect_err("missing volume");
+    let err = volumes.resize_volume(p, "ns_claim_none", DiskFormat::Raw, 32 * MIB).await.expect_err("missing volume");
     assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
 
     // Removed, twice.
@@ -199,7 +199,7 @@ async fn volumes_on_the_test_driver_live_in_its_in_memory_pool() {
     assert!(err.message.contains("no-such-pool") && err.message.contains("default-pool"), "{err}");
 
     // The test driver has no virStorageVolResize.
-    let err = volumes.resize_volume("default-pool", "ns_claim_uid", 16 * MIB).await.expect_err("resize");
+    let err = volumes.resize_volume("default-pool", "ns_claim_uid", DiskFormat::Raw, 16 * MIB).await.expect_err("resize");
     assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
 
     volumes.delete_volume("default-pool", "ns_claim_uid").await.expect("delete");
