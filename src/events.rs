@@ -72,6 +72,11 @@ pub enum Reason {
     ProvisioningSucceeded,
     /// A claim of a vmlet StorageClass gets no volume (the note says why).
     ProvisioningFailed,
+    /// A claim's volume grew to the size the claim asks for (as
+    /// external-resizer reports it).
+    VolumeResizeSuccessful,
+    /// A claim's volume could not grow (the note says why).
+    VolumeResizeFailed,
 }
 
 impl Reason {
@@ -107,6 +112,8 @@ impl Reason {
             Reason::MigrationCancelled => "MigrationCancelled",
             Reason::ProvisioningSucceeded => "ProvisioningSucceeded",
             Reason::ProvisioningFailed => "ProvisioningFailed",
+            Reason::VolumeResizeSuccessful => "VolumeResizeSuccessful",
+            Reason::VolumeResizeFailed => "VolumeResizeFailed",
         }
     }
 
@@ -128,6 +135,7 @@ impl Reason {
                 | Reason::ResizeNotApplied
                 | Reason::MigrationFailed
                 | Reason::ProvisioningFailed
+                | Reason::VolumeResizeFailed
         )
     }
 }

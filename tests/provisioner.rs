@@ -8,7 +8,8 @@
 //! the host the scheduler picked and a PersistentVolume bound to it; the
 //! guest sees the disk by its name at the claim's size and keeps its writes
 //! across a stop and start, and a qcow2 header it writes into its raw volume
-//! is never read as one; deleting the VM and then the claim deletes the
+//! is never read as one; growing the claim grows the running VM's disk live
+//! (and never as the qcow2 the pool probes); deleting the VM and then the claim deletes the
 //! volume from the pool and the PersistentVolume. A claim of another
 //! namespace that names that PersistentVolume gets nothing.
 
@@ -17,7 +18,7 @@ mod common;
 use common::deadline::{output_within, VIRSH};
 use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, repo, storage_root, Host, TestEnv};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use serde_json::json;
 use std::process::Command;
@@ -95,6 +96,24 @@ fn qcow2_header_naming(backing: &str, dir: &std::path::Path) -> Vec<u8> {
     bytes
 }
 
+/// Ask for `size` in claim `data`.
+async fn grow(claims: &Api<PersistentVolumeClaim>, size: &str) {
+    let patch = json!({"spec": {"resources": {"requests": {"storage": size}}}});
+    claims.patch("data", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+}
+
+/// Wait until claim `data` reports `bytes` in `status.capacity`.
+async fn wait_claim_capacity(env: &TestEnv, claims: &Api<PersistentVolumeClaim>, bytes: u64) {
+    env.wait_for(&format!("claim data to report {bytes} bytes"), || {
+        let claims = claims.clone();
+        async move {
+            let capacity = claims.get("data").await.ok()?.status?.capacity?;
+            (capacity.get("storage")?.0 == bytes.to_string()).then_some(())
+        }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_claim() {
     let mut env = TestEnv::new("provision").await;
@@ -113,7 +132,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
     let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
         "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name},
-        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"});
+        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete", "allowVolumeExpansion": true});
     let applied = env.apply(&class.to_string());
     assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
@@ -209,6 +228,40 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     assert!(!xml.contains("/etc/passwd"), "{xml}");
     let pod = env.pod_of("web2").await;
     assert_eq!(env.exec_stdout(&pod, &magic).await, "QFI", "the new VM reads the same raw bytes");
+
+    // The tenant grows the claim: the running VM's disk grows live, in the
+    // format its domain states (the pool's probe says qcow2), and the guest
+    // sees 2 GiB at once.
+    grow(&claims, "2Gi").await;
+    wait_claim_capacity(&env, &claims, 2 << 30).await;
+    let pv = pvs.get(&pv_name).await.unwrap();
+    assert_eq!(pv.spec.unwrap().capacity.unwrap()["storage"].0, (2u64 << 30).to_string());
+    let size = format!("cat /sys/block/$({})/size", device_named("data"));
+    assert_eq!(env.exec_stdout(&pod, &size).await, (2u64 << 30 >> 9).to_string(), "512-byte sectors of 2 GiB");
+    assert_eq!(env.exec_stdout(&pod, &magic).await, "QFI", "grown as raw: the guest's bytes are where they were");
+    assert_eq!(std::fs::metadata(&volume_path).unwrap().len(), 2 << 30);
+
+    // Stopped, the pool would grow the file as the qcow2 it probes: the
+    // claim is marked infeasible and the file keeps its size; once the VM
+    // runs again, the volume grows live.
+    env.kubectl(&["scale", "virtualmachine/web2", "--replicas=0"]);
+    env.wait_vm_phase("web2", "Stopped").await;
+    grow(&claims, "3Gi").await;
+    env.wait_for("the claim's resize to be marked infeasible", || {
+        let claims = claims.clone();
+        async move {
+            let status = claims.get("data").await.ok()?.status?;
+            let marked = status.allocated_resource_statuses?.get("storage")?.as_str() == "ControllerResizeInfeasible";
+            marked.then_some(())
+        }
+    })
+    .await;
+    assert_eq!(std::fs::metadata(&volume_path).unwrap().len(), 2 << 30, "nothing grown as qcow2");
+    env.kubectl(&["scale", "virtualmachine/web2", "--replicas=1"]);
+    env.wait_vm_phase("web2", "Running").await;
+    wait_claim_capacity(&env, &claims, 3 << 30).await;
+    let pod = env.pod_of("web2").await;
+    assert_eq!(env.exec_stdout(&pod, &size).await, (3u64 << 30 >> 9).to_string(), "512-byte sectors of 3 GiB");
 
     // Another namespace's claim that names the PersistentVolume binds to
     // nothing: the PersistentVolume is bound to this claim's UID.

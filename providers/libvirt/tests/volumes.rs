@@ -157,6 +157,25 @@ async fn volumes_in_a_dir_pool_are_made_grown_and_removed_through_libvirt() {
     let err = volumes.resize_volume(p, "ns_claim_none", DiskFormat::Raw, 32 * MIB).await.expect_err("missing volume");
     assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
 
+    // A guest that writes a qcow2 header into its raw volume makes the pool
+    // read the file as qcow2: growing it offline is refused, not done as qcow2.
+    let header = std::env::temp_dir().join(format!("vmlet-header-{}.qcow2", std::process::id()));
+    let made =
+        output_within(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&header).arg("1G"), QEMU_IMG);
+    assert!(made.status.success(), "qemu-img create: {}", String::from_utf8_lossy(&made.stderr));
+    let bytes = std::fs::read(&header).expect("read the header");
+    std::fs::remove_file(&header).expect("remove the header");
+    {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new().write(true).open(&raw.path).expect("open the raw volume");
+        file.write_all(&bytes[..512]).expect("write the guest's header");
+    }
+    assert_eq!(volumes.volume(p, "ns_claim_raw").await.expect("read").and_then(|v| v.format), Some(DiskFormat::Qcow2));
+    let err = volumes.resize_volume(p, "ns_claim_raw", DiskFormat::Raw, 128 * MIB).await.expect_err("probed qcow2");
+    assert_eq!(err.kind, ErrorKind::Conflict, "{err}");
+    assert!(err.message.contains("raw") && err.message.contains("qcow2"), "{err}");
+    assert_eq!(std::fs::metadata(&raw.path).expect("stat").len(), 96 * MIB, "the file was left as it was");
+
     // Removed, twice.
     for name in ["ns_claim_raw", "ns_claim_qcow2"] {
         volumes.delete_volume(p, name).await.expect("delete");
@@ -199,7 +218,8 @@ async fn volumes_on_the_test_driver_live_in_its_in_memory_pool() {
     assert!(err.message.contains("no-such-pool") && err.message.contains("default-pool"), "{err}");
 
     // The test driver has no virStorageVolResize.
-    let err = volumes.resize_volume("default-pool", "ns_claim_uid", DiskFormat::Raw, 16 * MIB).await.expect_err("resize");
+    let err =
+        volumes.resize_volume("default-pool", "ns_claim_uid", DiskFormat::Qcow2, 16 * MIB).await.expect_err("resize");
     assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
 
     volumes.delete_volume("default-pool", "ns_claim_uid").await.expect("delete");

@@ -27,6 +27,8 @@
 //!   then binds the claim. A pool of one host gives `ReadWriteOnce` (and
 //!   `ReadWriteOncePod`) only: a claim asking for more is refused with a
 //!   Warning Event.
+//! - **Growth.** A bound claim of an `allowVolumeExpansion` class that asks
+//!   for more gets its volume grown, live on a running VM ([`expansion`]).
 //! - **Release → deletion.** A PersistentVolume of `Delete` policy carries
 //!   the finalizer [`FINALIZER`]. Once its claim is gone (phase `Released`),
 //!   the volume is deleted from the pool, and then the PersistentVolume.
@@ -36,6 +38,8 @@
 //! cut short by a crash or a timeout is simply run again. A claim whose
 //! class is not vmlet's, or whose selected node another process serves, is
 //! left alone.
+
+mod expansion;
 
 use super::Hosts;
 use crate::events::{EventSink, Reason};
@@ -219,6 +223,9 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
     };
     if !class.provisioner.ends_with(".vmlet.io") {
         return Ok(Action::await_change());
+    }
+    if let Some(pv_name) = claim.spec.as_ref().and_then(|s| s.volume_name.as_deref()).filter(|v| !v.is_empty()) {
+        return expansion::expand(&claim, &class, pv_name, &ctx).await;
     }
     let wanted = match wanted(&claim, &class) {
         Ok(Some(wanted)) => wanted,
@@ -506,5 +513,39 @@ mod tests {
         for bad in ["host-a/vms", "host-a//v", "/vms/v", "host-a/vms/a/b", ""] {
             assert_eq!(parse_handle(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_bound_claim_asking_for_more_grows_its_own_volume_in_the_stated_format() {
+        let wanted =
+            Wanted { node: "host-a".into(), pool: "vms".into(), format: DiskFormat::Qcow2, capacity_bytes: 1 << 30 };
+        let small = claim(serde_json::json!({}));
+        let pv = persistent_volume(&small, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30);
+        let grown = claim(serde_json::json!({"spec": {"resources": {"requests": {"storage": "2Gi"}}}}));
+        assert_eq!(
+            expansion::growth(&grown, &pv, "libvirt.vmlet.io"),
+            Ok(Some(expansion::Growth {
+                node: "host-a".into(),
+                pool: "vms".into(),
+                volume: "v1".into(),
+                format: DiskFormat::Qcow2,
+                requested_bytes: 2 << 30,
+                current_bytes: 1 << 30,
+            }))
+        );
+        assert_eq!(expansion::growth(&small, &pv, "libvirt.vmlet.io"), Ok(None), "the request fits");
+        assert_eq!(expansion::growth(&grown, &pv, "nova.vmlet.io"), Ok(None), "another provisioner's volume");
+        let other = claim(serde_json::json!({"metadata": {"uid": "11111111-2222-3333-4444-555555555555"},
+                                              "spec": {"resources": {"requests": {"storage": "2Gi"}}}}));
+        assert_eq!(expansion::growth(&other, &pv, "libvirt.vmlet.io"), Ok(None), "bound to another claim");
+        let mut unstated = pv.clone();
+        unstated.spec.as_mut().unwrap().csi.as_mut().unwrap().volume_attributes = None;
+        assert_eq!(
+            expansion::growth(&grown, &unstated, "libvirt.vmlet.io").unwrap_err(),
+            format!(
+                "PersistentVolume {} states no format (csi.volumeAttributes.format) to grow its volume in",
+                pv.name_any()
+            )
+        );
     }
 }
