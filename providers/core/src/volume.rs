@@ -136,8 +136,7 @@ pub trait Volumes: Send + Sync {
     /// than `format` (a guest wrote another format's header into it);
     /// `Unsupported` when the back end cannot grow volumes; and those every
     /// operation may return.
-    async fn resize_volume(&self, pool: &str, name: &str, format: DiskFormat, capacity_bytes: u64)
-        -> Result<Volume>;
+    async fn resize_volume(&self, pool: &str, name: &str, format: DiskFormat, capacity_bytes: u64) -> Result<Volume>;
 }
 
 #[cfg(test)]

@@ -156,75 +156,79 @@ fn create(conn: &Connect, request: &VolumeRequest) -> Result<Volume> {
 
 /// Grow volume `name` of pool `pool_name`, made in `format`, to `capacity`
 /// bytes: live through the running domain that has its file open (QEMU
-/// grows the file in the format the domain gives it and tells the guest),
-/// else through the pool, which reads the file in the format it probes, so
-/// only while that is `format`.
+/// reads and grows the file in the format the domain states, and tells the
+/// guest), else through the pool, which reads the file in the format it
+/// probes, so only while that is `format`. The size it has now is read the
+/// same way, never from a header the pool probed in another format.
 fn resize(conn: &Connect, pool_name: &str, name: &str, format: DiskFormat, capacity: u64) -> Result<Volume> {
     const OP: &str = "resize volume";
     let pool = open_pool(conn, OP, pool_name)?;
     let Some(found) = lookup(&pool, OP, name)? else {
         return Err(Error::new(OP, ErrorKind::NotFound, format!("pool {pool_name} holds no volume {name}")));
     };
-    let current = found.into_volume(OP, pool_name, name)?;
+    let mut volume = found.into_volume(OP, pool_name, name)?;
     let capacity = rounded_capacity(format, capacity);
-    if capacity < current.capacity_bytes {
-        return Err(Error::new(
-            OP,
-            ErrorKind::InvalidInput,
-            format!(
-                "volume {name} of pool {pool_name} has {} bytes and cannot shrink to {capacity} bytes: volumes only \
-                 grow",
-                current.capacity_bytes
-            ),
-        ));
-    }
-    if capacity == current.capacity_bytes {
-        return Ok(current);
-    }
-    let how = if let Some((domain, target)) = running_domain_with(conn, &current.path)? {
-        domain
-            .block_resize(&target, capacity, virt::sys::VIR_DOMAIN_BLOCK_RESIZE_BYTES)
-            .map_err(|err| from_libvirt(OP, err))?;
-        "live"
-    } else {
-        if current.format != Some(format) {
+    let live = running_domain_with(conn, &volume.path)?;
+    let current = match &live {
+        Some((domain, target)) => domain.block_info(target, 0).map_err(|err| from_libvirt(OP, err))?.capacity,
+        None if volume.format == Some(format) => volume.capacity_bytes,
+        None => {
             return Err(Error::new(
                 OP,
                 ErrorKind::Conflict,
                 format!(
                     "volume {name} of pool {pool_name} was made {format}, but libvirt now reads its file as {} (its \
-                     guest wrote that header), and would grow it so; it grows while its VM runs",
-                    current.format.map_or("another format", DiskFormat::as_str)
+                     guest wrote that header) and would grow it so; it grows while its VM runs",
+                    volume.format.map_or("another format", DiskFormat::as_str)
                 ),
             ));
         }
-        pool.lookup_storage_vol_by_name(name)
-            .and_then(|volume| volume.resize(capacity, 0))
-            .map_err(|err| from_libvirt(OP, err))?;
-        "offline"
     };
-    let _ = pool.refresh(0);
-    let found = lookup(&pool, OP, name)?.ok_or_else(|| {
-        Error::new(OP, ErrorKind::NotFound, format!("volume {name} of pool {pool_name} went away while it grew"))
-    })?;
+    if capacity < current {
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!(
+                "volume {name} of pool {pool_name} has {current} bytes and cannot shrink to {capacity} bytes: volumes \
+                 only grow"
+            ),
+        ));
+    }
+    volume.capacity_bytes = capacity;
+    if capacity == current {
+        return Ok(volume);
+    }
+    let how = match live {
+        Some((domain, target)) => {
+            domain
+                .block_resize(&target, capacity, virt::sys::VIR_DOMAIN_BLOCK_RESIZE_BYTES)
+                .map_err(|err| from_libvirt(OP, err))?;
+            "live"
+        }
+        None => {
+            pool.lookup_storage_vol_by_name(name)
+                .and_then(|found| found.resize(capacity, 0))
+                .map_err(|err| from_libvirt(OP, err))?;
+            "offline"
+        }
+    };
     tracing::info!(
         volume.pool = %pool_name,
         volume.name = %name,
-        from_bytes = current.capacity_bytes,
-        to_bytes = found.capacity,
+        from_bytes = current,
+        to_bytes = capacity,
         how,
         "volume grown"
     );
-    found.into_volume(OP, pool_name, name)
+    Ok(volume)
 }
 
 /// The running domain of `conn` that has the file `path` as a disk, and
 /// that disk's target (`vdb`); `None` when none has.
 fn running_domain_with(conn: &Connect, path: &str) -> Result<Option<(virt::domain::Domain, String)>> {
     const OP: &str = "resize volume";
-    let domains = conn
-        .list_all_domains(virt::sys::VIR_CONNECT_LIST_DOMAINS_ACTIVE)
-        .map_err(|err| from_libvirt(OP, err))?;
+    let domains =
+        conn.list_all_domains(virt::sys::VIR_CONNECT_LIST_DOMAINS_ACTIVE).map_err(|err| from_libvirt(OP, err))?;
     for domain in domains {
         // A domain that stopped meanwhile has no live XML: not the one.
         let Ok(xml) = domain.xml_desc(0) else { continue };
