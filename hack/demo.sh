@@ -184,6 +184,7 @@ PKI=$(dirname "$KUBECONFIG")/pki
 cat >"$DEMO/vmlet.yaml" <<YAML
 # Written by hack/demo.sh: three libvirt test-driver hosts$( ((QEMU)) && echo " and the local libvirtd").
 namespace: $NS
+trustedNamespaces: [$NS]    # the demo's guest boots a kernel from a host path; tenants use VirtualMachineImages
 stateDir: $DEMO/state
 kubeletApi:                 # the API server verifies it against the cluster CA
   listen: 127.0.0.1:10250

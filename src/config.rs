@@ -111,6 +111,13 @@ pub struct Config {
     /// ([`crate::clouds`]).
     #[serde(default)]
     pub clouds: Vec<crate::clouds::CloudHostsConfig>,
+    /// Namespaces whose VMs may name host files themselves: `spec.image` as
+    /// a path, `spec.kernelBoot`, `spec.disks[].hostImage` (still only under
+    /// the host's storage roots). Every other namespace boots images of the
+    /// catalogue (`VirtualMachineImage`) and gets disks from claims, as
+    /// KubeVirt keeps hostDisk to administrators. Default: none.
+    #[serde(default)]
+    pub trusted_namespaces: Vec<String>,
 }
 
 /// One hypervisor host.
@@ -369,6 +376,18 @@ impl Config {
         }
         for (i, cloud) in self.clouds.iter().enumerate() {
             cloud.validate(i, known_providers)?;
+        }
+        for (i, namespace) in self.trusted_namespaces.iter().enumerate() {
+            let label = namespace.len() <= 63
+                && namespace.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                && namespace.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                && namespace.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+            if !label {
+                return invalid(
+                    format!("trustedNamespaces[{i}]"),
+                    format!("{namespace:?} is no namespace name (a DNS label: a-z, 0-9 and '-', at most 63)"),
+                );
+            }
         }
         if self.lease_duration_seconds < 10 {
             return invalid(

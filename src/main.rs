@@ -14,7 +14,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use vmlet::config::{Config, HostConfig};
-use vmlet::v1alpha1::{VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineSnapshot};
+use vmlet::v1alpha1::{
+    VirtualMachine, VirtualMachineBackup, VirtualMachineImage, VirtualMachineRestore, VirtualMachineSnapshot,
+};
 use vmlet_provider::Provider;
 
 mod cloud_hosts;
@@ -58,6 +60,7 @@ fn crds_yaml() -> Result<String, serde_yaml::Error> {
         VirtualMachineBackup::crd(),
         VirtualMachineRestore::crd(),
         VirtualMachineSnapshot::crd(),
+        VirtualMachineImage::crd(),
     ];
     let documents: Result<Vec<String>, _> = crds.iter().map(serde_yaml::to_string).collect();
     Ok(documents?.join("---\n"))

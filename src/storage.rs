@@ -122,6 +122,13 @@ pub enum NotAllowed {
     /// hypervisor would open too) is not.
     #[error("names the backing file {:?}, which {}", .0.file, .0.why)]
     Backing(Box<BackingFile>),
+    /// The VM's namespace may not name host files at all (it is not in
+    /// vmlet's `trustedNamespaces`).
+    #[error("is a host file, which namespace {namespace} may not name")]
+    Untrusted {
+        /// The VM's namespace.
+        namespace: String,
+    },
 }
 
 /// A backing file that is not allowed ([`NotAllowed::Backing`]).
@@ -136,13 +143,7 @@ pub struct BackingFile {
 
 /// A VM file outside its host's storage roots: what the pod's status message
 /// and the Warning Event say, naming the field, the path, the roots and the fix.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "{field} {path:?} {why}; host {host} allows files only under its storage roots {roots}. Move the file under \
-     one of them, set {field} to its new path and delete this pod so that it is made again, or ask the host's \
-     administrator to add a directory to the host's storageRoots in vmlet's config",
-    roots = list(.roots)
-)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StorageRefusal {
     /// The field naming the file.
     pub field: StorageField,
@@ -155,6 +156,33 @@ pub struct StorageRefusal {
     /// The host's storage roots.
     pub roots: Vec<String>,
 }
+
+impl fmt::Display for StorageRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (field, path) = (&self.field, &self.path);
+        if let NotAllowed::Untrusted { namespace } = &self.why {
+            return write!(
+                f,
+                "{field} {path:?} names a file of host {}, which only namespaces an administrator lists in \
+                 trustedNamespaces of vmlet's config may do, and namespace {namespace} is not one of them: boot an \
+                 image of the catalogue instead (kubectl get virtualmachineimages; spec.image: <name>) and take data \
+                 disks from PersistentVolumeClaims",
+                self.host
+            );
+        }
+        write!(
+            f,
+            "{field} {path:?} {}; host {} allows files only under its storage roots {}. Move the file under one of \
+             them, set {field} to its new path and delete this pod so that it is made again, or ask the host's \
+             administrator to add a directory to the host's storageRoots in vmlet's config",
+            self.why,
+            self.host,
+            list(&self.roots)
+        )
+    }
+}
+
+impl std::error::Error for StorageRefusal {}
 
 /// `[a, b]`, or a note that there are none.
 fn list(roots: &[String]) -> String {
@@ -209,6 +237,8 @@ pub struct StorageRoots {
     /// What `spec.image` names on this host's backend: only a host path is
     /// checked against the roots (a catalog image is the back end's business).
     image: ImageReference,
+    /// The namespaces whose VMs may name host files themselves.
+    trusted: Vec<String>,
 }
 
 impl StorageRoots {
@@ -225,6 +255,7 @@ impl StorageRoots {
                 local,
                 ignored: vec![],
                 image: ImageReference::HostPath,
+                trusted: Vec::new(),
             };
         }
         let mut roots = Vec::new();
@@ -245,6 +276,7 @@ impl StorageRoots {
             local,
             ignored,
             image: ImageReference::HostPath,
+            trusted: Vec::new(),
         }
     }
 
@@ -255,6 +287,37 @@ impl StorageRoots {
     pub fn with_image_reference(mut self, image: ImageReference) -> StorageRoots {
         self.image = image;
         self
+    }
+
+    /// These roots, with VMs of `namespaces` (vmlet's `trustedNamespaces`)
+    /// allowed to name host files themselves ([`StorageRoots::check_trust`]).
+    #[must_use]
+    pub fn with_trusted_namespaces(mut self, namespaces: &[String]) -> StorageRoots {
+        self.trusted = namespaces.to_vec();
+        self
+    }
+
+    /// Decide whether `spec` (as its VirtualMachine gives it, before a
+    /// catalogue image is resolved), with the data disks `disks`, may name
+    /// the host files it names: only a VM of a trusted namespace may (the
+    /// files are then checked against the roots as well). A catalogue name
+    /// in `spec.image` (no leading `/`) names no file.
+    /// Errors: the first host file named, as a [`StorageRefusal`] with
+    /// [`NotAllowed::Untrusted`].
+    pub fn check_trust(&self, spec: &VmSpec, disks: &[VmDisk]) -> Result<(), Box<StorageRefusal>> {
+        if self.trusted.contains(&spec.namespace) {
+            return Ok(());
+        }
+        let named = self
+            .files_of(spec, disks)
+            .into_iter()
+            .find(|(field, path)| *field != StorageField::Image || !crate::v1alpha1::is_catalogue_name(path));
+        match named {
+            None => Ok(()),
+            Some((field, path)) => {
+                Err(self.refusal(field, path, NotAllowed::Untrusted { namespace: spec.namespace.clone() }))
+            }
+        }
     }
 
     /// The roots, as configured or reported.
@@ -573,6 +636,36 @@ mod tests {
 
     fn allowed(roots: &StorageRoots, spec: &VmSpec) -> bool {
         roots.check(spec, &[], |_| Resolution::Unseen).is_ok()
+    }
+
+    #[test]
+    fn only_trusted_namespaces_name_host_files_and_a_catalogue_name_is_none() {
+        let roots = configured(&[IMAGES]);
+        let image = with_image("/var/lib/libvirt/images/web.qcow2");
+        let refused = *roots.check_trust(&image, &[]).expect_err("team-a is not trusted");
+        assert_eq!(refused.why, NotAllowed::Untrusted { namespace: "team-a".into() });
+        assert!(
+            refused.to_string().starts_with(
+                "spec.image \"/var/lib/libvirt/images/web.qcow2\" names a file of host host-a, which only namespaces \
+                 an administrator lists in trustedNamespaces of vmlet's config may do, and namespace team-a is not \
+                 one of them: boot an image of the catalogue instead"
+            ),
+            "{refused}"
+        );
+        let kernel = with_kernel("/var/lib/libvirt/images/vmlinuz", None);
+        assert_eq!(roots.check_trust(&kernel, &[]).expect_err("kernel").field, StorageField::Kernel);
+        let disks: Vec<VmDisk> = serde_json::from_value(serde_json::json!([
+            {"name": "logs", "hostImage": {"path": "/var/lib/libvirt/images/logs.raw"}}]))
+        .unwrap();
+        assert_eq!(
+            roots.check_trust(&vm(), &disks).expect_err("host image").field,
+            StorageField::HostImage { disk: "logs".into() }
+        );
+        assert!(roots.check_trust(&with_image("debian-12"), &[]).is_ok(), "a catalogue name names no file");
+        assert!(roots.check_trust(&vm(), &[]).is_ok());
+        let trusted = roots.with_trusted_namespaces(&["team-a".to_owned()]);
+        assert!(trusted.check_trust(&image, &disks).is_ok());
+        assert!(trusted.check_trust(&kernel, &[]).is_ok());
     }
 
     #[test]

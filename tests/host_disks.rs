@@ -48,22 +48,6 @@ fn path_of(path: &Path) -> String {
     path.display().to_string()
 }
 
-/// The reason and message the container of VM `vm`'s pod waits with, once
-/// it waits with `reason`.
-async fn wait_waiting(env: &TestEnv, vm: &str, reason: &str) -> String {
-    let pod = env.pod_of(vm).await;
-    let pods = env.pods();
-    env.wait_for(&format!("the pod of VM {vm} to wait with reason {reason}"), || {
-        let (pods, pod) = (pods.clone(), pod.clone());
-        async move {
-            let status = pods.get_opt(&pod).await.ok()??.status?;
-            let waiting = status.container_statuses?.first()?.state.clone()?.waiting?;
-            (waiting.reason.as_deref() == Some(reason)).then(|| waiting.message.unwrap_or_default())
-        }
-    })
-    .await
-}
-
 #[tokio::test]
 async fn host_images_attach_in_spec_order_in_their_own_format_by_name_and_keep_their_writes() {
     let mut env = TestEnv::new("hostdisk").await;
@@ -128,7 +112,7 @@ async fn host_images_attach_in_spec_order_in_their_own_format_by_name_and_keep_t
     env.wait_vm_phase("web", "Stopped").await;
     qemu_img(&["rebase", "-u", "-b", "/etc/passwd", "-F", "raw", &path_of(&data)]);
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
-    let message = wait_waiting(&env, "web", "InvalidSpec").await;
+    let message = env.wait_waiting("web", "InvalidSpec").await;
     assert!(
         message.contains(&format!(
             "spec.disks[data].hostImage.path {}: the header of {:?} names the backing file \"/etc/passwd\" (raw), \
@@ -185,12 +169,12 @@ async fn host_images_outside_the_storage_root_are_refused_and_a_missing_one_wait
 
     let field = "spec.disks[data].hostImage.path";
     let roots = format!("storage roots [{}]", root.display());
-    let message = wait_waiting(&env, "passwd", "StorageNotAllowed").await;
+    let message = env.wait_waiting("passwd", "StorageNotAllowed").await;
     assert!(message.starts_with(&format!("{field} \"/etc/passwd\" is not under a storage root;")), "{message}");
     assert!(message.contains(&roots), "{message}");
-    let message = wait_waiting(&env, "linked", "StorageNotAllowed").await;
+    let message = env.wait_waiting("linked", "StorageNotAllowed").await;
     assert!(message.starts_with(&format!("{field} {:?} resolves to \"/etc/passwd\"", path_of(&innocent))), "{message}");
-    let message = wait_waiting(&env, "backing", "StorageNotAllowed").await;
+    let message = env.wait_waiting("backing", "StorageNotAllowed").await;
     assert!(
         message.starts_with(&format!(
             "{field} {:?} names the backing file \"/etc/passwd\", which is not under a storage root;",
@@ -198,7 +182,7 @@ async fn host_images_outside_the_storage_root_are_refused_and_a_missing_one_wait
         )),
         "{message}"
     );
-    let message = wait_waiting(&env, "boot", "StorageNotAllowed").await;
+    let message = env.wait_waiting("boot", "StorageNotAllowed").await;
     assert!(
         message.starts_with(&format!(
             "spec.image {:?} names the backing file \"/etc/passwd\", which is not under a storage root;",
@@ -206,7 +190,7 @@ async fn host_images_outside_the_storage_root_are_refused_and_a_missing_one_wait
         )),
         "{message}"
     );
-    let message = wait_waiting(&env, "later", "HostImageNotFound").await;
+    let message = env.wait_waiting("later", "HostImageNotFound").await;
     assert!(message.starts_with(&format!("{field}: there is no file {:?}", path_of(&missing))), "{message}");
     assert!(message.contains("vmlet never makes host images"), "{message}");
 

@@ -48,6 +48,9 @@ pub enum NotReady {
     /// A host image.
     #[error(transparent)]
     HostImage(#[from] host_images::NotReady),
+    /// The catalogue image `spec.image` names.
+    #[error(transparent)]
+    Image(#[from] super::images::NotReady),
     /// The disk does not match the VM's pod (it was added or changed after
     /// the pod was made), or names both sources or none (only an object that
     /// bypassed the API server's rule).
@@ -66,6 +69,7 @@ impl NotReady {
         match self {
             NotReady::Claim(not_ready) => not_ready.reason(),
             NotReady::HostImage(not_ready) => not_ready.reason(),
+            NotReady::Image(not_ready) => not_ready.reason(),
             NotReady::Mismatch { .. } => "VolumeNotUsable",
         }
     }
@@ -74,6 +78,7 @@ impl NotReady {
     pub fn recheck(&self) -> Duration {
         match self {
             NotReady::HostImage(not_ready) => not_ready.recheck(),
+            NotReady::Image(not_ready) => not_ready.recheck(),
             NotReady::Claim(_) => Duration::from_secs(5),
             NotReady::Mismatch { .. } => Duration::from_secs(60),
         }

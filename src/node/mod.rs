@@ -13,6 +13,7 @@ pub mod decide;
 pub mod directory;
 pub mod disks;
 pub mod host_images;
+pub mod images;
 pub mod lease;
 mod migration;
 pub mod placement;
@@ -192,7 +193,9 @@ pub async fn run(
         host: host.clone(),
         watches: watches.clone(),
         hosts: hosts.clone(),
-        storage: storage::roots_for(&host, &info).with_image_reference(provider.image_reference()),
+        storage: storage::roots_for(&host, &info)
+            .with_image_reference(provider.image_reference())
+            .with_trusted_namespaces(&config.trusted_namespaces),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
         backoff: Default::default(),

@@ -421,13 +421,28 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
             if let Err(not_ready) = super::host_images::check_supported(provider.as_ref(), disks) {
                 return Ok(Started::DisksNotReady(not_ready.into()));
             }
-            if let Err(refusal) = agent.storage.check_on_host(&vm.spec, disks).await {
+            // Host files only from trusted namespaces, judged on the VM's
+            // own spec; then a catalogue image becomes its files here, and
+            // every file must lie under the roots.
+            if let Err(refusal) = agent.storage.check_trust(&vm.spec, disks) {
+                return Ok(Started::Refused(refusal));
+            }
+            let (kind, reference) = (provider.kind(), provider.image_reference());
+            let resolved = match super::images::resolve(&agent.client, kind, reference, &vm.spec).await {
+                Ok(resolved) => resolved,
+                Err(super::images::Error::NotReady(not_ready)) => return Ok(Started::DisksNotReady(not_ready.into())),
+                Err(super::images::Error::Kube { source, .. }) => {
+                    return Err(Error::Kube { action: "read the catalogue image of", pod: pod.name_any(), source })
+                }
+            };
+            if let Err(refusal) = agent.storage.check_on_host(&resolved, disks).await {
                 return Ok(Started::Refused(refusal));
             }
             let mut spec = match super::cloud_init::with_cloud_init(&agent.client, vm).await {
                 Ok(spec) => spec,
                 Err(missing) => return Ok(Started::CloudInitMissing(missing)),
             };
+            (spec.image, spec.kernel_boot) = (resolved.image, resolved.kernel_boot);
             let chains = super::disks::chains(agent, pod, &spec, disks).await;
             (spec.image_backing_chain, spec.disks) = match chains {
                 Ok(chains) => chains,

@@ -7,8 +7,10 @@
 //! object fails at the API server with a message naming the field.
 
 mod backup;
+mod image;
 mod snapshot;
 pub use backup::*;
+pub use image::*;
 pub use snapshot::*;
 
 use k8s_openapi::api::core::v1::{Affinity, Toleration};
@@ -75,9 +77,11 @@ pub struct VirtualMachineSpec {
     #[serde(default)]
     pub resize_policy: ResizePolicy,
 
-    /// Boot disk: a path (or volume name) that the backend resolves on the host,
-    /// e.g. `/var/lib/libvirt/images/web.qcow2`. Without it the VM boots with no
-    /// disk.
+    /// Boot disk: the name of a `VirtualMachineImage` of the catalogue
+    /// (`debian-12`), or on Nova a Glance image the cloud's `images` allow.
+    /// A host path (`/var/lib/libvirt/images/web.qcow2`) only in namespaces
+    /// listed in vmlet's `trustedNamespaces`. Without it the VM boots with
+    /// no disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 4096), regex(pattern = r"^[^\x00-\x1f\x7f]+$"))]
     pub image: Option<String>,

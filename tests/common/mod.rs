@@ -255,6 +255,10 @@ pub struct TestEnv {
     nodes: Vec<String>,
     /// Port of this vmlet's kubelet API on 127.0.0.1.
     pub kubelet_port: u16,
+    /// Whether the test's namespace is left out of vmlet's
+    /// `trustedNamespaces` (set before `start_vmlet`): its VMs may then name
+    /// no host file and boot only catalogue images. Default: trusted.
+    pub untrusted: bool,
 }
 
 impl TestEnv {
@@ -267,7 +271,7 @@ impl TestEnv {
         namespaces.create(&PostParams::default(), &namespace).await.expect("create namespace");
         let dir = repo().join("target/it").join(&ns);
         std::fs::create_dir_all(&dir).unwrap();
-        TestEnv { ns, client, dir, vmlet: None, controller: None, nodes: vec![], kubelet_port: 0 }
+        TestEnv { ns, client, dir, vmlet: None, controller: None, nodes: vec![], kubelet_port: 0, untrusted: false }
     }
 
     /// The node name of a host suffix.
@@ -354,6 +358,7 @@ impl TestEnv {
         let pki = cluster().kubeconfig.parent().unwrap().join("pki");
         json!({
             "namespace": self.ns,
+            "trustedNamespaces": if self.untrusted { json!([]) } else { json!([self.ns]) },
             "controller": controller,
             "stateDir": self.dir.join("state"),
             "kubeletPort": port,
@@ -519,6 +524,22 @@ impl TestEnv {
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
+    }
+
+    /// The message the container of VM `vm`'s pod waits with, once it
+    /// waits with `reason`.
+    pub async fn wait_waiting(&self, vm: &str, reason: &str) -> String {
+        let pod = self.pod_of(vm).await;
+        let pods = self.pods();
+        self.wait_for(&format!("the pod of VM {vm} to wait with reason {reason}"), || {
+            let (pods, pod) = (pods.clone(), pod.clone());
+            async move {
+                let status = pods.get_opt(&pod).await.ok()??.status?;
+                let waiting = status.container_statuses?.first()?.state.clone()?.waiting?;
+                (waiting.reason.as_deref() == Some(reason)).then(|| waiting.message.unwrap_or_default())
+            }
+        })
+        .await
     }
 
     /// Wait until VM `name` reports `phase`; returns it.
