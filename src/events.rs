@@ -77,6 +77,8 @@ pub enum Reason {
     VolumeResizeSuccessful,
     /// A claim's volume could not grow (the note says why).
     VolumeResizeFailed,
+    /// The node did not admit a VM pod bound to it (its placement fields).
+    Rejected,
 }
 
 impl Reason {
@@ -114,6 +116,7 @@ impl Reason {
             Reason::ProvisioningFailed => "ProvisioningFailed",
             Reason::VolumeResizeSuccessful => "VolumeResizeSuccessful",
             Reason::VolumeResizeFailed => "VolumeResizeFailed",
+            Reason::Rejected => "Rejected",
         }
     }
 
@@ -136,6 +139,7 @@ impl Reason {
                 | Reason::MigrationFailed
                 | Reason::ProvisioningFailed
                 | Reason::VolumeResizeFailed
+                | Reason::Rejected
         )
     }
 }

@@ -154,18 +154,7 @@ pub fn pod_for_vm(
     }
 
     let mut tolerations = spec.tolerations.clone().unwrap_or_default();
-    tolerations.push(virtual_node_toleration());
-    // A VM outlives vmlet outages: without these, the taint manager would evict the
-    // pod 300 s after the node goes NotReady, and the returning agent would read the
-    // deletion as a stop.
-    for key in ["node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"] {
-        tolerations.push(Toleration {
-            key: Some(key.to_owned()),
-            operator: Some("Exists".to_owned()),
-            effect: Some("NoExecute".to_owned()),
-            ..Toleration::default()
-        });
-    }
+    tolerations.extend(vm_pod_tolerations());
 
     Ok(Pod {
         metadata: ObjectMeta {
@@ -239,6 +228,25 @@ fn claim_volumes(vm: &VirtualMachine) -> Option<Vec<Volume>> {
         })
         .collect();
     (!volumes.is_empty()).then_some(volumes)
+}
+
+/// The tolerations vmlet gives every VM pod beside the VM's own: of the
+/// virtual-node taint ([`virtual_node_toleration`]), and of the NoExecute
+/// `node.kubernetes.io/not-ready` and `unreachable` taints (a VM outlives
+/// vmlet outages: without them, the taint manager would evict the pod 300 s
+/// after the node goes NotReady, and the returning agent would read the
+/// deletion as a stop).
+pub fn vm_pod_tolerations() -> Vec<Toleration> {
+    let mut tolerations = vec![virtual_node_toleration()];
+    for key in ["node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"] {
+        tolerations.push(Toleration {
+            key: Some(key.to_owned()),
+            operator: Some("Exists".to_owned()),
+            effect: Some("NoExecute".to_owned()),
+            ..Toleration::default()
+        });
+    }
+    tolerations
 }
 
 /// The toleration of vmlet's virtual-node taint

@@ -13,9 +13,14 @@ use std::time::{Duration, Instant};
 /// How long a created pod is expected to show up in the watch.
 pub const EXPECTED_FOR: Duration = Duration::from_secs(10);
 
-/// `namespace/name` of a created pod → when it was created.
+/// How long a pod name the controller found taken is remembered: until a
+/// pass has named another pod in the VM's status.
+pub const TAKEN_FOR: Duration = Duration::from_secs(60);
+
+/// `namespace/name` of a created pod → when it was created; and of a name
+/// whose create found a pod there already → when.
 #[derive(Default)]
-pub struct Expected(Mutex<HashMap<String, Instant>>);
+pub struct Expected(Mutex<HashMap<String, Instant>>, Mutex<HashMap<String, Instant>>);
 
 impl Expected {
     /// Remember that pod `name` of `namespace` was created just now.
@@ -37,6 +42,22 @@ impl Expected {
         map.get(&format!("{namespace}/{name}")).is_some_and(|created| created.elapsed() < EXPECTED_FOR)
     }
 
+    /// Remember that the controller's create of pod `name` of `namespace`
+    /// (the name it had written in the VM's `status.podName`) found a pod
+    /// there already: someone else made it, and it is never the VM's pod.
+    pub fn taken(&self, namespace: &str, name: &str) {
+        let mut map = self.1.lock().expect("taken poisoned");
+        map.retain(|_, when| when.elapsed() < TAKEN_FOR);
+        map.insert(format!("{namespace}/{name}"), Instant::now());
+    }
+
+    /// Whether pod `name` of `namespace` was found taken by another's pod
+    /// less than [`TAKEN_FOR`] ago ([`Expected::taken`]).
+    pub fn is_taken(&self, namespace: &str, name: &str) -> bool {
+        let map = self.1.lock().expect("taken poisoned");
+        map.get(&format!("{namespace}/{name}")).is_some_and(|when| when.elapsed() < TAKEN_FOR)
+    }
+
     /// Forget pod `name` of `namespace`: the watch showed it.
     pub fn seen(&self, namespace: &str, name: &str) {
         let mut map = self.0.lock().expect("expected poisoned");
@@ -47,6 +68,15 @@ impl Expected {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_found_taken_is_never_adopted_while_remembered() {
+        let expected = Expected::default();
+        expected.taken("team-a", "web-x7k2p");
+        assert!(expected.is_taken("team-a", "web-x7k2p"));
+        assert!(!expected.is_taken("team-b", "web-x7k2p"));
+        assert!(!expected.pending("team-a", "web-x7k2p"), "taken is not created");
+    }
 
     #[test]
     fn a_created_pod_is_expected_until_seen() {

@@ -139,7 +139,16 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
     }
     if vm.metadata.deletion_timestamp.is_some() {
         let owned = ctx.watches.pods_of_vm(&namespace, &name, &vm.uid().unwrap_or_default());
-        let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
+        // A pod of the designated name that this controller's create found
+        // there already (someone else made it, e.g. a tenant racing the
+        // create) is never the VM's: a new pod is named instead.
+        let taken = vm
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_name.as_deref())
+            .is_some_and(|n| ctx.expected.is_taken(&namespace, n));
+        let current =
+            if taken { None } else { current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))? };
         return cleanup(&vm, &owned, current.as_deref(), &pods, &vms, &ctx).await;
     }
 
@@ -226,6 +235,11 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
         Step::CreatePod => create_pod(&vm, &pods, &vms, &ctx).await,
         Step::DeletePod(why) => {
             let pod = current.as_deref().expect("deleting means a current pod");
+            if let Some(wait) = rejected_recently(pod) {
+                // A node rejected it (crate::node::admission): replace it, but
+                // at most once per REJECTED_BACKOFF.
+                return Ok(Action::requeue(wait));
+            }
             delete_pod(pod, &pods, &ctx, &vm, why).await?;
             Ok(Action::requeue(Duration::from_secs(300)))
         }
@@ -254,6 +268,23 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             Ok(Action::requeue(if waiting_target { Duration::from_secs(3) } else { Duration::from_secs(300) }))
         }
     }
+}
+
+/// How long a VM pod that its node rejected stays before it is replaced.
+const REJECTED_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How much longer `pod`, when its node rejected it
+/// ([`crate::node::admission`]: reason `NodeAffinity` or `TaintToleration`),
+/// stays before it is replaced; `None` when it may go now.
+fn rejected_recently(pod: &Pod) -> Option<Duration> {
+    let reason = pod.status.as_ref().and_then(|s| s.reason.as_deref());
+    if !matches!(reason, Some("NodeAffinity" | "TaintToleration")) {
+        return None;
+    }
+    let created = pod.metadata.creation_timestamp.as_ref()?;
+    let age = k8s_openapi::jiff::Timestamp::now().duration_since(created.0);
+    let age = Duration::try_from(age).unwrap_or_default();
+    REJECTED_BACKOFF.checked_sub(age).filter(|left| !left.is_zero())
 }
 
 /// How soon a pass that lost a write race (409 Conflict: the object changed
@@ -363,9 +394,10 @@ async fn create_pod(
 ) -> Result<Action, Error> {
     let object = || format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any());
     let name = new_pod_name(&vm.name_any());
-    // A placed VM's pod is pinned to the host that holds it.
-    let home =
-        vm.status.as_ref().and_then(|s| s.placement.as_ref().map(|p| p.node_name.clone()).or(s.node_name.clone()));
+    // A placed VM's pod is pinned to the host that holds it: the placement
+    // record, which only an agent writes once it defined the VM, never the
+    // node of an earlier pod (which anyone could have bound anywhere).
+    let home = vm.status.as_ref().and_then(|s| s.placement.as_ref()).map(|p| p.node_name.clone());
     let new_pod = match pod_for_vm(vm, &name, &ctx.scope, home.as_deref()) {
         Ok(pod) => pod,
         Err(e) => {
@@ -383,9 +415,14 @@ async fn create_pod(
             info!(pod.name = %name, vm.home = home, "created pod");
             ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name}"));
         }
-        // Taken by a pod the VM does not own: the next pass finds no current
-        // pod under that name and names another.
-        Err(kube::Error::Api(s)) if s.code == 409 => warn!(pod.name = %name, "pod name taken; choosing another"),
+        // Taken by a pod this controller did not make (even one the VM
+        // owns): the next pass adopts nothing under that name and names
+        // another.
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            warn!(pod.name = %name, "pod name taken by a pod vmlet did not make; choosing another");
+            ctx.expected.taken(&vm.namespace().unwrap_or_default(), &name);
+            return Ok(Action::requeue(CONFLICT_RETRY));
+        }
         Err(e) => return Err(Error::Kube { action: "create pod", object: object(), source: e }),
     }
     Ok(Action::requeue(Duration::from_secs(300)))

@@ -58,6 +58,10 @@ pub(super) async fn run(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, 
     if let Some(status) = agent.provider.get(&vm.spec.id).await? {
         return complete(pod, vm, agent, &vms, &migration, &status.backend_id, status.power.is_active()).await;
     }
+    // A target pod bound here without the scheduler moves nothing here.
+    if let Err(rejection) = super::admission::admit_here(agent, &fresh.spec).await? {
+        return failed(pod, vm, agent, &vms, &migration, ErrorKind::InvalidInput, rejection.message).await;
+    }
     let Some(source) = agent.hosts.get(&migration.source_node) else {
         let message = format!(
             "the source host {} is not served by this vmlet process; a VM moves only between hosts of one process",

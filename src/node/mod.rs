@@ -7,6 +7,7 @@
 //! and message (as a kubelet whose runtime fails), Ready once it answers; on
 //! shutdown, report NotReady (the VMs keep running) and stop.
 
+pub mod admission;
 pub mod cloud_init;
 pub mod console;
 pub mod decide;

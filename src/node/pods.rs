@@ -179,6 +179,9 @@ enum Started {
     DisksNotReady(super::disks::NotReady),
     /// A restore in place (named) writes under the VM: it is not started.
     Restoring(String),
+    /// This node does not satisfy the VM's placement fields (the pod was
+    /// bound here without the scheduler): nothing was defined.
+    Rejected(super::admission::Rejection),
 }
 
 async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
@@ -253,6 +256,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             Ok(Action::await_change())
         }
         Ok(Started::Refused(refusal)) => super::storage::refuse(pod, agent, &refusal).await,
+        Ok(Started::Rejected(rejection)) => reject(pod, agent, &rejection).await,
         Ok(Started::DisksNotReady(not_ready)) => {
             let message = not_ready.to_string();
             info!(vm.uid = %vm.spec.id, %message, "data disk not ready; not defining the VM");
@@ -420,6 +424,11 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
             let disks = &cached.spec.disks;
             if let Err(not_ready) = super::host_images::check_supported(provider.as_ref(), disks) {
                 return Ok(Started::DisksNotReady(not_ready.into()));
+            }
+            // Only a node that satisfies the VM's own placement fields,
+            // whoever bound the pod here.
+            if let Err(rejection) = super::admission::admit_here(agent, &cached.spec).await? {
+                return Ok(Started::Rejected(rejection));
             }
             // Host files only from trusted namespaces, judged on the VM's
             // own spec; then a catalogue image becomes its files here, and
@@ -778,6 +787,24 @@ pub(super) async fn finish_deletion(pod: &Pod, agent: &Agent) -> Result<Action, 
         Err(source) => return Err(Error::Kube { action: "delete", pod: pod.name_any(), source }),
     }
     agent.forget(&pod.uid().unwrap_or_default());
+    Ok(Action::await_change())
+}
+
+/// Mark a VM pod that this node does not admit Failed, with the
+/// rejection's reason and message, as the kubelet does a pod its admission
+/// rejects: the controller replaces a failed pod, and the scheduler places
+/// the new one.
+async fn reject(pod: &Pod, agent: &Agent, rejection: &super::admission::Rejection) -> Result<Action, Error> {
+    warn!(pod.name = %pod.name_any(), reason = rejection.reason, message = %rejection.message, "pod rejected; nothing defined");
+    agent.events.publish(pod, Reason::Rejected, &rejection.message);
+    write_status(pod, agent, |p| PodStatus {
+        phase: Some("Failed".into()),
+        reason: Some(rejection.reason.into()),
+        message: Some(rejection.message.clone()),
+        host_ip: Some(agent.host_ip.clone()),
+        ..p.status.clone().unwrap_or_default()
+    })
+    .await?;
     Ok(Action::await_change())
 }
 
