@@ -79,6 +79,12 @@ pub enum StorageField {
         /// The disk's name (`spec.disks[].name`).
         disk: String,
     },
+    /// The catalogue image a provisioned claim's volume is an overlay on
+    /// (the claim's `dataSourceRef`).
+    ClaimBase {
+        /// The disk's name (`spec.disks[].name`).
+        disk: String,
+    },
 }
 
 impl fmt::Display for StorageField {
@@ -90,6 +96,9 @@ impl fmt::Display for StorageField {
             StorageField::Kernel => f.write_str("spec.kernelBoot.kernel"),
             StorageField::Initrd => f.write_str("spec.kernelBoot.initrd"),
             StorageField::HostImage { disk } => write!(f, "spec.disks[{disk}].hostImage.path"),
+            StorageField::ClaimBase { disk } => {
+                write!(f, "the VirtualMachineImage under spec.disks[{disk}].persistentVolumeClaim")
+            }
         }
     }
 }

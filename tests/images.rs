@@ -28,20 +28,6 @@ fn images_api(client: kube::Client) -> Api<DynamicObject> {
     Api::all_with(client, &ApiResource::from_gvk(&gvk))
 }
 
-/// Deletes the cluster-scoped catalogue entry it names on drop (with
-/// kubectl: a drop cannot wait for the test's runtime).
-struct Entry(String);
-
-impl Drop for Entry {
-    fn drop(&mut self) {
-        let cluster = common::cluster();
-        let mut kubectl = Command::new(cluster.bin.join("kubectl"));
-        kubectl.env("KUBECONFIG", &cluster.kubeconfig);
-        kubectl.args(["delete", &format!("virtualmachineimage/{}", self.0), "--ignore-not-found", "--wait=false"]);
-        let _ = output_within(&mut kubectl, common::kubectl_deadline(&["delete"]));
-    }
-}
-
 #[tokio::test]
 async fn an_untrusted_namespace_names_no_host_file_and_boots_catalogue_images_by_name() {
     let mut env = TestEnv::new("images").await;
@@ -104,9 +90,7 @@ async fn an_untrusted_namespace_names_no_host_file_and_boots_catalogue_images_by
     );
 
     // The administrator adds it: the VM boots its disk and kernel.
-    let admin = images_api(env.client.clone());
-    admin.create(&PostParams::default(), &entry).await.expect("the administrator writes the catalogue");
-    let _entry = Entry(name.clone());
+    let _entry = common::CatalogueImage::create(&env, &name, entry.data["spec"].clone());
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
     assert_eq!(env.exec_stdout(&pod, "echo up").await, "up");

@@ -291,3 +291,71 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     drop(intruder);
     drop(env);
 }
+
+/// A claim whose `dataSourceRef` names a `VirtualMachineImage` gets a qcow2
+/// volume that is an overlay on the image's file, with that chain pinned in
+/// the domain (the base's format stated, never probed), so the guest reads
+/// the image's bytes and its writes never reach the image.
+#[tokio::test]
+async fn a_claim_filled_from_a_catalogue_image_is_an_overlay_pinned_to_it() {
+    let mut env = TestEnv::new("fromimage").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    env.wait_node_ready(&env.node("q")).await;
+    let pool = Pool::new(&env);
+    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
+    let applied = env.apply(shipped.split("\n---\n").next().unwrap());
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
+        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name, "format": "qcow2"},
+        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"});
+    let applied = env.apply(&class.to_string());
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+
+    // The administrator's image: 1 MiB of raw disk with a mark at its start.
+    let base = storage_root(&env).join("base.raw");
+    let mark = format!("IMAGE-{}", env.ns);
+    let mut bytes = format!("{mark}\n").into_bytes();
+    bytes.resize(1 << 20, 0);
+    std::fs::write(&base, &bytes).unwrap();
+    let image = format!("base-{}", env.ns);
+    let _image = common::CatalogueImage::create(&env, &image, json!({"libvirt": {"path": base}}));
+
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "data"},
+        "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteOnce"],
+            "dataSourceRef": {"apiGroup": "vmlet.io", "kind": "VirtualMachineImage", "name": image},
+            "resources": {"requests": {"storage": "64Mi"}}},
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let mut spec = guest_vm_spec(&guest);
+    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    env.apply_vm("web", spec);
+    env.wait_vm_phase("web", "Running").await;
+
+    // The domain pins the overlay on the image, the image raw.
+    let (ok, xml) = virsh(&["dumpxml", &format!("{}_web", env.ns)]);
+    assert!(ok, "{xml}");
+    let base_path = base.display().to_string();
+    let pinned = "<backingStore type='file' index='";
+    assert!(xml.contains(pinned) && xml.contains(&format!("<source file='{base_path}'/>")), "{xml}");
+    let layer = xml.split("<backingStore type='file'").nth(1).unwrap();
+    assert!(layer.contains("<format type='raw'/>"), "the base's format is stated: {xml}");
+
+    // The guest reads the image's bytes, and its writes stay in its volume.
+    let pod = env.pod_of("web").await;
+    let read = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
+    assert_eq!(env.exec_stdout(&pod, &read).await, mark);
+    let size = format!("cat /sys/block/$({})/size", device_named("data"));
+    assert_eq!(env.exec_stdout(&pod, &size).await, (64u64 << 20 >> 9).to_string(), "the claim's size");
+    let write = format!(
+        "dev=$({}) && printf 'GUEST\\n' | dd of=/dev/$dev bs=512 count=1 conv=sync,fsync 2>/dev/null && echo ok",
+        device_named("data")
+    );
+    assert_eq!(env.exec_stdout(&pod, &write).await, "ok");
+    assert_eq!(env.exec_stdout(&pod, &read).await, "GUEST");
+    assert_eq!(std::fs::read(&base).unwrap(), bytes, "the image is never written");
+    drop(env);
+}

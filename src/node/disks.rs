@@ -159,11 +159,15 @@ pub async fn chains(
     disks: &[VmDisk],
 ) -> Result<(Option<Vec<BackingFile>>, Vec<DataDisk>), Unavailable> {
     let image_chain = match &spec.image {
-        Some(image) if agent.provider.image_reference() == ImageReference::HostPath => {
-            host_images::boot_image_chain(agent.provider.as_ref(), &agent.storage, &agent.host.name, image)
-                .await
-                .map_err(Unavailable::from)?
-        }
+        Some(image) if agent.provider.image_reference() == ImageReference::HostPath => host_images::boot_image_chain(
+            agent.provider.as_ref(),
+            &agent.storage,
+            &agent.host.name,
+            crate::storage::StorageField::Image,
+            image,
+        )
+        .await
+        .map_err(Unavailable::from)?,
         _ => None,
     };
     Ok((image_chain, data_disks(agent, pod, disks).await?))

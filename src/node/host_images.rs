@@ -124,8 +124,9 @@ pub async fn host_image_disk(
     })
 }
 
-/// The backing chain of the boot image `spec.image` at `path` (allowed by
-/// `roots` already) on a back end whose images are host files. Its format
+/// The backing chain of the image at `path` that `field` names (the boot
+/// image `spec.image`, or a claim's catalogue base; allowed by `roots`
+/// already) on a back end whose images are host files. Its format
 /// is its name's ([`DiskFormat::of_image_path`]): a raw image has no chain
 /// and is not read; a qcow2 one is read as qcow2 and its chain followed as
 /// [`backing_chain`] does. `None` when the back end cannot read the host's
@@ -136,12 +137,12 @@ pub async fn boot_image_chain(
     provider: &dyn Provider,
     roots: &StorageRoots,
     host: &str,
+    field: StorageField,
     path: &str,
 ) -> Result<Option<Vec<BackingFile>>, Unavailable> {
     if DiskFormat::of_image_path(path) == DiskFormat::Raw {
         return Ok(Some(Vec::new()));
     }
-    let field = StorageField::Image;
     let Some(images) = provider.host_images() else { return Ok(None) };
     let facts = match images.inspect(path).await {
         Err(e) if e.kind == ErrorKind::Unsupported => return Ok(None),

@@ -13,7 +13,7 @@
 use crate::storage::check_host_file;
 use k8s_openapi::api::core::v1::{CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeClaim};
 use kube::{Api, Client, ResourceExt};
-use vmlet_provider::{DataDisk, DiskFormat, Provider};
+use vmlet_provider::{BackingFile, DataDisk, DiskFormat, Provider};
 
 /// The image file in a volume's directory (as KubeVirt names it).
 pub const DISK_IMAGE: &str = "disk.img";
@@ -83,7 +83,11 @@ pub(super) async fn claim_disk(
     let bound = bound_volume(client, namespace, claim_name, node).await.map_err(claim_error)?;
     let provisioner = super::provisioner::provisioner_name(provider.kind());
     if let Some(csi) = bound.pv.spec.as_ref().and_then(|s| s.csi.as_ref()).filter(|csi| csi.driver == provisioner) {
-        return provisioned_disk(provider, disk, &bound.name, csi, node).await;
+        let mut found = provisioned_disk(provider, disk, &bound.name, csi, node).await?;
+        if let Some(base) = stated_base(csi) {
+            found.backing_chain = base_chain(agent, disk, &bound.name, base).await?;
+        }
+        return Ok(found);
     }
     let found = directory_of(bound).map_err(claim_error)?;
     let path = format!("{}/{DISK_IMAGE}", found.dir.trim_end_matches('/'));
@@ -151,6 +155,60 @@ async fn provisioned_disk(
             Err(unusable(format!("PersistentVolume {pv_name}'s volume {name} is not in pool {pool} on {node}")))
         }
         Err(e) => Err(unusable(format!("PersistentVolume {pv_name}: {e}"))),
+    }
+}
+
+/// The catalogue image a provisioned volume is an overlay on, as its
+/// PersistentVolume states it (`volumeAttributes` `backingFile` and
+/// `backingFormat`); `None` for a volume that stands alone.
+fn stated_base(csi: &CSIPersistentVolumeSource) -> Option<BackingFile> {
+    let attributes = csi.volume_attributes.as_ref()?;
+    let path = attributes.get(super::provisioner::BACKING_FILE_ATTRIBUTE)?;
+    let format = attributes.get(super::provisioner::BACKING_FORMAT_ATTRIBUTE).and_then(|f| DiskFormat::from_name(f));
+    // A format other than the file name's rule is refused below.
+    Some(BackingFile { path: path.clone(), format: format.unwrap_or(DiskFormat::Raw) })
+}
+
+/// The chain a provisioned overlay volume is pinned to: its base (a
+/// catalogue image, which must lie under the host's storage roots) and the
+/// base's own chain, checked as a boot image's is
+/// ([`super::host_images::boot_image_chain`]). Errors: `Unusable`, naming
+/// why (outside the roots, a format the file name contradicts, a chain that
+/// is not allowed, or a host whose files vmlet cannot read to pin it).
+async fn base_chain(
+    agent: &super::Agent,
+    disk: &str,
+    pv_name: &str,
+    base: BackingFile,
+) -> Result<Vec<BackingFile>, NotReady> {
+    let unusable = |why: String| NotReady::Unusable { disk: disk.to_owned(), why };
+    let (roots, local, node) = (agent.storage.roots(), agent.storage.resolves_links(), agent.host.name.as_str());
+    if base.format != DiskFormat::of_image_path(&base.path) {
+        return Err(unusable(format!(
+            "PersistentVolume {pv_name} states base {:?} as {}, which its name does not make it",
+            base.path, base.format
+        )));
+    }
+    if let Err(why) = check_host_file(roots, local, &base.path).await {
+        return Err(unusable(format!(
+            "PersistentVolume {pv_name}'s base image {:?} {why}; host {node} allows images only under its storage \
+             roots [{}]",
+            base.path,
+            roots.join(", ")
+        )));
+    }
+    let field = crate::storage::StorageField::ClaimBase { disk: disk.to_owned() };
+    let below =
+        super::host_images::boot_image_chain(agent.provider.as_ref(), &agent.storage, node, field, &base.path).await;
+    match below {
+        Ok(Some(below)) => Ok(std::iter::once(base).chain(below).collect()),
+        Ok(None) => Err(unusable(format!(
+            "host {node}'s files cannot be read by vmlet, so the chain of PersistentVolume {pv_name}'s overlay cannot \
+             be pinned; run vmlet on the host"
+        ))),
+        Err(super::host_images::Unavailable::NotReady(not_ready)) => Err(unusable(not_ready.to_string())),
+        Err(super::host_images::Unavailable::Refused(refusal)) => Err(unusable(refusal.to_string())),
+        Err(super::host_images::Unavailable::Provider(e)) => Err(unusable(e.to_string())),
     }
 }
 

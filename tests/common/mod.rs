@@ -685,3 +685,29 @@ pub fn device_named(name: &str) -> String {
         r#"for d in /sys/block/vd*; do if [ "$(cat $d/serial 2>/dev/null)" = {name} ]; then echo ${{d##*/}}; fi; done"#
     )
 }
+
+/// A cluster-scoped `VirtualMachineImage` of the catalogue that a test made
+/// as an administrator; deleted on drop (with kubectl: a drop cannot wait
+/// for the test's runtime).
+pub struct CatalogueImage(pub String);
+
+impl CatalogueImage {
+    /// Create `VirtualMachineImage` `name` with `spec` as the administrator.
+    pub fn create(env: &TestEnv, name: &str, spec: serde_json::Value) -> CatalogueImage {
+        let image = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineImage",
+                           "metadata": {"name": name}, "spec": spec});
+        let applied = env.apply(&image.to_string());
+        assert!(applied.status.success(), "VirtualMachineImage {name}: {}", String::from_utf8_lossy(&applied.stderr));
+        CatalogueImage(name.to_owned())
+    }
+}
+
+impl Drop for CatalogueImage {
+    fn drop(&mut self) {
+        let cluster = cluster();
+        let mut kubectl = Command::new(cluster.bin.join("kubectl"));
+        kubectl.env("KUBECONFIG", &cluster.kubeconfig);
+        kubectl.args(["delete", &format!("virtualmachineimage/{}", self.0), "--ignore-not-found", "--wait=false"]);
+        let _ = deadline::output_within(&mut kubectl, kubectl_deadline(&["delete"]));
+    }
+}

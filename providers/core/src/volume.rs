@@ -28,6 +28,10 @@ pub struct VolumeRequest {
     /// How the hypervisor reads the file. A new volume takes no space up
     /// front: a raw one is a sparse file, a qcow2 one holds its header only.
     pub format: DiskFormat,
+    /// A file the new volume is a qcow2 overlay on, read-only, in the format
+    /// stated here (an image of the catalogue); `None`: the volume stands
+    /// alone. Only with [`DiskFormat::Qcow2`].
+    pub backing: Option<crate::BackingFile>,
 }
 
 /// A volume as the back end reports it.

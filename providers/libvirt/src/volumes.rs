@@ -121,6 +121,13 @@ impl Volumes for LibvirtProvider {
 fn create(conn: &Connect, request: &VolumeRequest) -> Result<Volume> {
     const OP: &str = "create volume";
     let (pool_name, name) = (&request.pool, &request.name);
+    if request.backing.is_some() && request.format != DiskFormat::Qcow2 {
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!("volume {name}: an overlay on a backing file must be qcow2, not {}", request.format),
+        ));
+    }
     let pool = open_pool(conn, OP, pool_name)?;
     let found = match lookup(&pool, OP, name)? {
         Some(found) => found,
@@ -139,6 +146,18 @@ fn create(conn: &Connect, request: &VolumeRequest) -> Result<Volume> {
             Err(err) => lookup(&pool, OP, name)?.ok_or_else(|| from_libvirt(OP, err))?,
         },
     };
+    let backing = request.backing.as_ref().map(|b| b.path.as_str());
+    if backing.is_some() && found.backing.as_deref() != backing {
+        return Err(Error::new(
+            OP,
+            ErrorKind::Conflict,
+            format!(
+                "pool {pool_name} holds a volume {name} on backing file {:?}; asked for one on {backing:?}: delete that \
+                 volume or ask for another name",
+                found.backing
+            ),
+        ));
+    }
     if found.format.as_deref() != Some(request.format.as_str()) || found.capacity < request.capacity_bytes {
         let format = found.format.as_deref().unwrap_or("an unstated format");
         return Err(Error::new(
@@ -317,6 +336,8 @@ struct Found {
     allocation: u64,
     /// `<target><format type>`; `None` when the XML states none.
     format: Option<String>,
+    /// `<backingStore><path>`, as libvirt reads it from the file's header.
+    backing: Option<String>,
 }
 
 impl Found {
@@ -358,7 +379,8 @@ fn read(volume: &StorageVol) -> Result<Found, VirtError> {
     let path = volume.path()?;
     let info = volume.info()?;
     let xml = volume.xml_desc(0)?;
-    Ok(Found { path, capacity: info.capacity, allocation: info.allocation, format: volume_format(&xml) })
+    let (format, backing) = (volume_format(&xml), volume_backing(&xml));
+    Ok(Found { path, capacity: info.capacity, allocation: info.allocation, format, backing })
 }
 
 /// True when `err` says the pool has no volume of the asked name.
@@ -367,16 +389,33 @@ fn is_no_volume(err: &VirtError) -> bool {
 }
 
 /// The volume XML for `request` (`virStorageVolCreateXML`): a sparse file
-/// of its capacity in its format, mode 0600.
+/// of its capacity in its format, mode 0600, on its backing file (with that
+/// file's format stated) when it has one.
 fn volume_xml(request: &VolumeRequest) -> String {
+    let backing = request.backing.as_ref().map_or_else(String::new, |b| {
+        format!(
+            "  <backingStore>\n    <path>{}</path>\n    <format type='{}'/>\n  </backingStore>\n",
+            escape(&b.path),
+            b.format.as_str()
+        )
+    });
     format!(
         "<volume>\n  <name>{}</name>\n  <capacity unit='bytes'>{}</capacity>\n  <allocation unit='bytes'>0</allocation>\n  \
          <target>\n    <format type='{}'/>\n    <permissions>\n      <mode>0600</mode>\n    </permissions>\n  \
-         </target>\n</volume>\n",
+         </target>\n{backing}</volume>\n",
         escape(&request.name),
         request.capacity_bytes,
         request.format.as_str(),
     )
+}
+
+/// `<volume><backingStore><path>` of a volume's XML; `None` when it has
+/// none.
+fn volume_backing(xml: &str) -> Option<String> {
+    let document = roxmltree::Document::parse(xml).ok()?;
+    let store = document.root_element().children().find(|c| c.has_tag_name("backingStore"))?;
+    let path = store.children().find(|c| c.has_tag_name("path"))?;
+    path.text().map(str::to_owned)
 }
 
 /// `<volume><target><format type='…'/>` of a volume's XML; `None` when it
@@ -401,7 +440,7 @@ mod tests {
     use super::*;
 
     fn request(name: &str, capacity_bytes: u64, format: DiskFormat) -> VolumeRequest {
-        VolumeRequest { pool: "default".into(), name: name.into(), capacity_bytes, format }
+        VolumeRequest { pool: "default".into(), name: name.into(), capacity_bytes, format, backing: None }
     }
 
     #[test]
@@ -425,6 +464,21 @@ mod tests {
         assert_eq!(text(&["target", "permissions", "mode"]).text(), Some("0600"));
         assert_eq!(volume_format(&xml).as_deref(), Some("qcow2"));
         assert_eq!(volume_format(&volume_xml(&request("r", 1, DiskFormat::Raw))).as_deref(), Some("raw"));
+    }
+
+    #[test]
+    fn an_overlay_states_its_backing_file_and_that_files_format() {
+        let mut overlay = request("ns_claim_0f8e", 1 << 30, DiskFormat::Qcow2);
+        overlay.backing = Some(vmlet_provider::BackingFile { path: "/images/a&b.raw".into(), format: DiskFormat::Raw });
+        let xml = volume_xml(&overlay);
+        assert!(
+            xml.contains(
+                "<backingStore>\n    <path>/images/a&amp;b.raw</path>\n    <format type='raw'/>\n  </backingStore>"
+            ),
+            "{xml}"
+        );
+        assert_eq!(volume_backing(&xml).as_deref(), Some("/images/a&b.raw"));
+        assert_eq!(volume_backing(&volume_xml(&request("r", 1, DiskFormat::Raw))), None);
     }
 
     #[test]
@@ -474,12 +528,15 @@ mod tests {
     fn a_format_other_than_raw_or_qcow2_is_reported_as_none_not_refused() {
         // libvirt's dir pools probe a file's format: a guest that writes a
         // vmdk header into its raw volume must not make the volume unusable.
-        let found = Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("vmdk".into()) };
+        let found =
+            Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("vmdk".into()), backing: None };
         assert_eq!(found.into_volume("test", "p", "v").expect("vmdk").format, None);
-        let found = Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("raw".into()) };
+        let found =
+            Found { path: "/p/v".into(), capacity: 1, allocation: 0, format: Some("raw".into()), backing: None };
         let volume = found.into_volume("test", "p", "v").expect("raw");
         assert_eq!((volume.path.as_str(), volume.format), ("/p/v", Some(DiskFormat::Raw)));
-        let relative = Found { path: "v".into(), capacity: 1, allocation: 0, format: Some("raw".into()) };
+        let relative =
+            Found { path: "v".into(), capacity: 1, allocation: 0, format: Some("raw".into()), backing: None };
         assert_eq!(relative.into_volume("test", "p", "v").unwrap_err().kind, ErrorKind::Permanent);
     }
 }

@@ -79,7 +79,7 @@ fn qemu_img_info(path: &str, format: DiskFormat) -> (String, u64) {
 }
 
 fn request(pool: &str, name: &str, capacity_bytes: u64, format: DiskFormat) -> VolumeRequest {
-    VolumeRequest { pool: pool.into(), name: name.into(), capacity_bytes, format }
+    VolumeRequest { pool: pool.into(), name: name.into(), capacity_bytes, format, backing: None }
 }
 
 /// Checks what libvirt and the file say of `volume`: listed in its pool at

@@ -71,6 +71,14 @@ pub const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
 /// The CSI volume attribute in which a PersistentVolume states the format
 /// its volume was made in (`raw`, `qcow2`): what the disk is attached in.
 pub const FORMAT_ATTRIBUTE: &str = "format";
+/// The CSI volume attributes in which a PersistentVolume of a claim filled
+/// from a `VirtualMachineImage` states the image its qcow2 volume is an
+/// overlay on, and that image's format: what the node agent pins as the
+/// disk's backing file (the volume's header, which the guest writes, is
+/// never followed).
+pub const BACKING_FILE_ATTRIBUTE: &str = "backingFile";
+/// See [`BACKING_FILE_ATTRIBUTE`].
+pub const BACKING_FORMAT_ATTRIBUTE: &str = "backingFormat";
 /// The finalizer that holds a PersistentVolume of `Delete` policy until its
 /// volume is deleted from the pool.
 pub const FINALIZER: &str = "vmlet.io/volume";
@@ -145,6 +153,9 @@ struct Wanted {
     pool: String,
     format: DiskFormat,
     capacity_bytes: u64,
+    /// The `VirtualMachineImage` the claim is filled from
+    /// (`spec.dataSourceRef`), by name.
+    image: Option<String>,
 }
 
 /// Why a claim of a vmlet class gets no volume now: the Warning Event's note.
@@ -187,12 +198,33 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
             "spec.accessModes {mode}: a volume in pool {pool} lives on one host; ask for ReadWriteOnce"
         ));
     }
+    let image = match spec.and_then(|s| s.data_source_ref.as_ref()) {
+        None => None,
+        Some(source)
+            if source.api_group.as_deref() == Some(crate::v1alpha1::GROUP) && source.kind == "VirtualMachineImage" =>
+        {
+            if format != DiskFormat::Qcow2 {
+                return Err(format!(
+                    "spec.dataSourceRef names VirtualMachineImage {}: a claim filled from an image is a qcow2 overlay \
+                     on it, and StorageClass {class_name} makes raw volumes; use a class with parameters.format: qcow2",
+                    source.name
+                ));
+            }
+            Some(source.name.clone())
+        }
+        Some(source) => {
+            return Err(format!(
+                "spec.dataSourceRef names {} {}: vmlet fills claims from VirtualMachineImages (apiGroup vmlet.io) only",
+                source.kind, source.name
+            ));
+        }
+    };
     let request = spec.and_then(|s| s.resources.as_ref()).and_then(|r| r.requests.as_ref());
     let size = request.and_then(|r| r.get("storage")).ok_or("spec.resources.requests.storage is not set")?;
     let capacity_bytes = quantity::parse_bytes(&size.0)
         .map_err(|e| format!("spec.resources.requests.storage {:?}: {e}", size.0))?
         .max(1);
-    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes }))
+    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, image }))
 }
 
 /// The volume name of `claim`: `<namespace>_<claim>_<uid>`, or
@@ -248,11 +280,22 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
     if pvs.get_opt(&pv_name).await.map_err(kube("look for the PersistentVolume of"))?.is_some() {
         return Ok(Action::await_change());
     }
+    let base = match &wanted.image {
+        None => None,
+        Some(image) => match image_base(&ctx.client, image, host.provider.kind()).await? {
+            Ok(base) => Some(base),
+            Err(refusal) => {
+                ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &refusal);
+                return Ok(Action::requeue(RETRY));
+            }
+        },
+    };
     let request = VolumeRequest {
         pool: wanted.pool.clone(),
         name: volume_name(&namespace, &claim.name_any(), &uid),
         capacity_bytes: wanted.capacity_bytes,
         format: wanted.format,
+        backing: base.clone(),
     };
     let volume = match volumes.create_volume(&request).await {
         Ok(volume) => volume,
@@ -262,7 +305,8 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
             return Ok(Action::requeue(RETRY));
         }
     };
-    let pv = persistent_volume(&claim, &class, &provisioner, &wanted, &volume.name, volume.capacity_bytes);
+    let pv =
+        persistent_volume(&claim, &class, &provisioner, &wanted, &volume.name, volume.capacity_bytes, base.as_ref());
     match pvs.create(&PostParams::default(), &pv).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {}
@@ -273,6 +317,33 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
         format!("made volume {} in pool {} on {} as PersistentVolume {pv_name}", volume.name, volume.pool, wanted.node);
     ctx.events.publish(claim.as_ref(), Reason::ProvisioningSucceeded, &note);
     Ok(Action::await_change())
+}
+
+/// The file of `VirtualMachineImage` `name` on hosts of back-end kind
+/// `kind`, as a claim's volume's backing file, its format by vmlet's rule
+/// ([`DiskFormat::of_image_path`]). `Ok(Err)`: why it cannot be (for a
+/// Warning Event). Whether the file may be used (under the host's storage
+/// roots, its own chain) is the node agent's check when it attaches it.
+async fn image_base(
+    client: &Client,
+    name: &str,
+    kind: &str,
+) -> Result<Result<vmlet_provider::BackingFile, Refusal>, Error> {
+    let images: Api<crate::v1alpha1::VirtualMachineImage> = Api::all(client.clone());
+    let entry = images.get_opt(name).await.map_err(|source| Error::Kube {
+        action: "read the VirtualMachineImage",
+        object: name.to_owned(),
+        source,
+    })?;
+    let Some(entry) = entry else {
+        return Ok(Err(format!("spec.dataSourceRef: no VirtualMachineImage {name}; an administrator creates it")));
+    };
+    Ok(match entry.spec.for_backend(kind) {
+        Some((path, _)) => {
+            Ok(vmlet_provider::BackingFile { path: path.to_owned(), format: DiskFormat::of_image_path(path) })
+        }
+        None => Err(format!("spec.dataSourceRef: VirtualMachineImage {name} names no image for {kind} hosts")),
+    })
 }
 
 /// Publish `refusal` on `claim`, a claim of one of vmlet's classes, unless
@@ -298,6 +369,7 @@ fn persistent_volume(
     wanted: &Wanted,
     volume: &str,
     capacity_bytes: u64,
+    base: Option<&vmlet_provider::BackingFile>,
 ) -> PersistentVolume {
     let (node, pool) = (wanted.node.as_str(), wanted.pool.as_str());
     let spec = claim.spec.clone().unwrap_or_default();
@@ -327,10 +399,15 @@ fn persistent_volume(
             csi: Some(CSIPersistentVolumeSource {
                 driver: provisioner.to_owned(),
                 volume_handle: format!("{node}/{pool}/{volume}"),
-                volume_attributes: Some(BTreeMap::from([(
-                    FORMAT_ATTRIBUTE.to_owned(),
-                    wanted.format.as_str().to_owned(),
-                )])),
+                volume_attributes: Some({
+                    let mut attributes =
+                        BTreeMap::from([(FORMAT_ATTRIBUTE.to_owned(), wanted.format.as_str().to_owned())]);
+                    if let Some(base) = base {
+                        attributes.insert(BACKING_FILE_ATTRIBUTE.to_owned(), base.path.clone());
+                        attributes.insert(BACKING_FORMAT_ATTRIBUTE.to_owned(), base.format.as_str().to_owned());
+                    }
+                    attributes
+                }),
                 ..CSIPersistentVolumeSource::default()
             }),
             node_affinity: Some(VolumeNodeAffinity {
@@ -438,7 +515,8 @@ mod tests {
                 node: "host-a".into(),
                 pool: "vms".into(),
                 format: DiskFormat::Raw,
-                capacity_bytes: 1 << 30
+                capacity_bytes: 1 << 30,
+                image: None,
             })
         );
         let qcow2 = class(serde_json::json!({"parameters": {"format": "qcow2"}}));
@@ -482,9 +560,15 @@ mod tests {
     #[test]
     fn the_persistent_volume_is_pre_bound_pinned_to_the_host_and_names_the_volume() {
         let claim = claim(serde_json::json!({}));
-        let wanted =
-            Wanted { node: "host-a".into(), pool: "vms".into(), format: DiskFormat::Qcow2, capacity_bytes: 1 << 30 };
-        let pv = persistent_volume(&claim, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30);
+        let wanted = Wanted {
+            node: "host-a".into(),
+            pool: "vms".into(),
+            format: DiskFormat::Qcow2,
+            capacity_bytes: 1 << 30,
+            image: None,
+        };
+        let pv =
+            persistent_volume(&claim, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30, None);
         let json = serde_json::to_value(&pv).unwrap();
         assert_eq!(json["metadata"]["name"], "pvc-0f8e1c2a-7b3d-4e5f-9a6b-1c2d3e4f5a6b");
         assert_eq!(json["metadata"]["finalizers"], serde_json::json!([FINALIZER]));
@@ -501,7 +585,7 @@ mod tests {
             serde_json::json!(["host-a"])
         );
         let retain_class = class(serde_json::json!({"reclaimPolicy": "Retain"}));
-        let retain = persistent_volume(&claim, &retain_class, "libvirt.vmlet.io", &wanted, "v1", 1);
+        let retain = persistent_volume(&claim, &retain_class, "libvirt.vmlet.io", &wanted, "v1", 1, None);
         assert_eq!(retain.metadata.finalizers, None, "Retain keeps the volume: no finalizer");
     }
 
@@ -517,10 +601,16 @@ mod tests {
 
     #[test]
     fn a_bound_claim_asking_for_more_grows_its_own_volume_in_the_stated_format() {
-        let wanted =
-            Wanted { node: "host-a".into(), pool: "vms".into(), format: DiskFormat::Qcow2, capacity_bytes: 1 << 30 };
+        let wanted = Wanted {
+            node: "host-a".into(),
+            pool: "vms".into(),
+            format: DiskFormat::Qcow2,
+            capacity_bytes: 1 << 30,
+            image: None,
+        };
         let small = claim(serde_json::json!({}));
-        let pv = persistent_volume(&small, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30);
+        let pv =
+            persistent_volume(&small, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30, None);
         let grown = claim(serde_json::json!({"spec": {"resources": {"requests": {"storage": "2Gi"}}}}));
         assert_eq!(
             expansion::growth(&grown, &pv, "libvirt.vmlet.io"),
@@ -547,5 +637,37 @@ mod tests {
                 pv.name_any()
             )
         );
+    }
+
+    #[test]
+    fn a_claim_from_a_catalogue_image_wants_a_qcow2_overlay_and_nothing_else_fills_claims() {
+        let from = |kind: &str, group: &str| {
+            claim(
+                serde_json::json!({"spec": {"dataSourceRef": {"apiGroup": group, "kind": kind, "name": "debian-12"}}}),
+            )
+        };
+        let qcow2 = class(serde_json::json!({"parameters": {"format": "qcow2"}}));
+        let wanted_image = wanted(&from("VirtualMachineImage", "vmlet.io"), &qcow2).unwrap().unwrap().image;
+        assert_eq!(wanted_image.as_deref(), Some("debian-12"));
+        let raw = wanted(&from("VirtualMachineImage", "vmlet.io"), &class(serde_json::json!({}))).unwrap_err();
+        assert!(raw.ends_with("use a class with parameters.format: qcow2"), "{raw}");
+        let snapshot = wanted(&from("VolumeSnapshot", "snapshot.storage.k8s.io"), &qcow2).unwrap_err();
+        assert_eq!(
+            snapshot,
+            "spec.dataSourceRef names VolumeSnapshot debian-12: vmlet fills claims from VirtualMachineImages \
+             (apiGroup vmlet.io) only"
+        );
+        let pv = persistent_volume(
+            &from("VirtualMachineImage", "vmlet.io"),
+            &qcow2,
+            "libvirt.vmlet.io",
+            &wanted(&from("VirtualMachineImage", "vmlet.io"), &qcow2).unwrap().unwrap(),
+            "v1",
+            1 << 30,
+            Some(&vmlet_provider::BackingFile { path: "/images/debian-12.raw".into(), format: DiskFormat::Raw }),
+        );
+        let attributes = pv.spec.unwrap().csi.unwrap().volume_attributes.unwrap();
+        assert_eq!(attributes.get(BACKING_FILE_ATTRIBUTE).map(String::as_str), Some("/images/debian-12.raw"));
+        assert_eq!(attributes.get(BACKING_FORMAT_ATTRIBUTE).map(String::as_str), Some("raw"));
     }
 }
