@@ -4,7 +4,8 @@
 //! PV controller, vmlet's provisioner and a real QEMU guest on libvirtd with
 //! a real libvirt `dir` storage pool.
 //!
-//! A claim of a `libvirt.vmlet.io` StorageClass gets a volume in the pool of
+//! A tenant's VM boots an image of the catalogue by name; a claim of a
+//! `libvirt.vmlet.io` StorageClass gets a volume in the pool of
 //! the host the scheduler picked and a PersistentVolume bound to it; the
 //! guest sees the disk by its name at the claim's size and keeps its writes
 //! across a stop and start, and a qcow2 header it writes into its raw volume
@@ -116,9 +117,23 @@ async fn wait_claim_capacity(env: &TestEnv, claims: &Api<PersistentVolumeClaim>,
 
 #[tokio::test]
 async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_claim() {
+    // A tenant's namespace as vmlet serves it by default: no host path of
+    // its own; the test guest is an image of the catalogue.
     let mut env = TestEnv::new("provision").await;
+    env.untrusted = true;
     let guest = guest_for(&env);
     env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    let by_path = guest_vm_spec(&guest);
+    let tiny = format!("tiny-{}", env.ns);
+    let _tiny = common::CatalogueImage::create(
+        &env,
+        &tiny,
+        json!({"libvirt": {"path": by_path["image"], "kernelBoot": by_path["kernelBoot"]}}),
+    );
+    let vm_spec = || {
+        json!({"resources": by_path["resources"], "image": tiny,
+                            "disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]})
+    };
     let node = env.node("q");
     env.wait_node_ready(&node).await;
     let pool = Pool::new(&env);
@@ -146,9 +161,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     let uid = claim.uid().unwrap();
     assert_eq!(pool.volumes(), Vec::<String>::new(), "nothing before a VM uses the claim");
 
-    let mut spec = guest_vm_spec(&guest);
-    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
-    env.apply_vm("web", spec);
+    env.apply_vm("web", vm_spec());
     env.wait_vm_phase("web", "Running").await;
 
     // The claim is bound to vmlet's PersistentVolume for a volume of
@@ -218,9 +231,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     assert!(virsh(&["pool-refresh", &pool.name]).0);
     let (ok, pool_says) = virsh(&["vol-dumpxml", &volume, "--pool", &pool.name]);
     assert!(ok && pool_says.contains("<format type='qcow2'/>"), "libvirt probes the header: {pool_says}");
-    let mut spec = guest_vm_spec(&guest);
-    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
-    env.apply_vm("web2", spec);
+    env.apply_vm("web2", vm_spec());
     env.wait_vm_phase("web2", "Running").await;
     let (ok, xml) = virsh(&["dumpxml", &format!("{}_web2", env.ns)]);
     assert!(ok, "{xml}");
