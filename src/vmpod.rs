@@ -205,17 +205,29 @@ pub fn pod_for_vm(
     })
 }
 
-/// The pod volumes of `vm`'s data disks that are PersistentVolumeClaims, in
-/// spec order, each named after its disk: the scheduler places the pod where
-/// the claims' volumes are, and Kubernetes keeps a claim in use while the pod
-/// exists. Host images are no volumes (the agent reads them from the
-/// VirtualMachine). `None` when there are none.
+/// The name of the pod volume of a VM's root disk claim
+/// ([`crate::v1alpha1::VirtualMachineSpec::root_disk`]): longer than any
+/// disk name may be, so it never meets a data disk's volume.
+pub const ROOT_DISK_VOLUME: &str = "vmlet-root-disk-claim";
+
+/// The pod volumes of `vm`'s root disk claim ([`ROOT_DISK_VOLUME`]) and of
+/// its data disks that are PersistentVolumeClaims, in spec order, each named
+/// after its disk: the scheduler places the pod where the claims' volumes
+/// are, and Kubernetes keeps a claim in use while the pod exists. Host
+/// images are no volumes (the agent reads them from the VirtualMachine).
+/// `None` when there are none.
 fn claim_volumes(vm: &VirtualMachine) -> Option<Vec<Volume>> {
-    let volumes: Vec<Volume> = vm
-        .spec
-        .disks
-        .iter()
-        .filter_map(|disk| match disk.source()? {
+    let root = vm.spec.root_disk.as_ref().map(|_| Volume {
+        name: ROOT_DISK_VOLUME.to_owned(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: crate::v1alpha1::root_claim_name(&vm.name_any()),
+            read_only: None,
+        }),
+        ..Volume::default()
+    });
+    let volumes: Vec<Volume> = root
+        .into_iter()
+        .chain(vm.spec.disks.iter().filter_map(|disk| match disk.source()? {
             DiskSource::Claim(claim) => Some(Volume {
                 name: disk.name.clone(),
                 persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
@@ -225,7 +237,7 @@ fn claim_volumes(vm: &VirtualMachine) -> Option<Vec<Volume>> {
                 ..Volume::default()
             }),
             DiskSource::HostImage(_) => None,
-        })
+        }))
         .collect();
     (!volumes.is_empty()).then_some(volumes)
 }
@@ -347,6 +359,9 @@ pub struct PodVm {
     /// Whether the pod is the VM's current pod or a migration's target pod
     /// (set by [`crate::identity::verify`]; [`vm_from_pod`] says `Current`).
     pub role: PodRole,
+    /// The claim that holds the VM's root disk (the pod's volume
+    /// [`ROOT_DISK_VOLUME`]); `None`: the VM boots `spec.image` itself.
+    pub root_claim: Option<String>,
 }
 
 /// What a VM pod is to its VM.
@@ -528,6 +543,13 @@ pub fn vm_from_pod(pod: &Pod) -> Result<PodVm, PodVmError> {
             annotations.get(EVICTION_STRATEGY_ANNOTATION).map(String::as_str).unwrap_or_default(),
         ),
         role: PodRole::Current,
+        root_claim: pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.volumes.as_ref())
+            .and_then(|volumes| volumes.iter().find(|v| v.name == ROOT_DISK_VOLUME))
+            .and_then(|v| v.persistent_volume_claim.as_ref())
+            .map(|claim| claim.claim_name.clone()),
     })
 }
 
@@ -649,6 +671,23 @@ mod tests {
         vm.spec.disks.remove(1);
         let pod = pod_for_vm(&vm, "web-x7k2p", "AllNamespaces", None).unwrap();
         assert_eq!(pod.spec.unwrap().volumes, None, "host images alone: no volumes");
+    }
+
+    #[test]
+    fn a_root_disk_is_the_pods_first_claim_volume_and_reads_back() {
+        let mut vm = VmBuilder::new("web").image("debian-12").build();
+        vm.spec.root_disk = Some(crate::v1alpha1::RootDisk {
+            size: k8s_openapi::apimachinery::pkg::api::resource::Quantity("20Gi".into()),
+            storage_class_name: Some("vmlet-local".into()),
+        });
+        let pod = pod_for_vm(&vm, "web-x7k2p", "AllNamespaces", None).unwrap();
+        let volumes = pod.spec.as_ref().unwrap().volumes.clone().unwrap();
+        assert_eq!(volumes[0].name, ROOT_DISK_VOLUME);
+        assert_eq!(volumes[0].persistent_volume_claim.as_ref().unwrap().claim_name, "web-root");
+        assert!(ROOT_DISK_VOLUME.len() > 20, "longer than any disk name: no data disk's volume meets it");
+        assert_eq!(vm_from_pod(&pod).unwrap().root_claim.as_deref(), Some("web-root"));
+        let plain = pod_for_vm(&VmBuilder::new("web").build(), "web-x7k2p", "AllNamespaces", None).unwrap();
+        assert_eq!(vm_from_pod(&plain).unwrap().root_claim, None);
     }
 
     #[test]

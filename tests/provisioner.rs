@@ -370,3 +370,80 @@ async fn a_claim_filled_from_a_catalogue_image_is_an_overlay_pinned_to_it() {
     assert_eq!(std::fs::read(&base).unwrap(), bytes, "the image is never written");
     drop(env);
 }
+
+/// A VM with `spec.rootDisk` boots its own volume, made by the provisioner
+/// as a qcow2 overlay on its catalogue image (claim `<vm>-root`, owned by
+/// the VM): the guest sees the root disk's size, keeps its writes across a
+/// stop and start, never writes the image, and deleting the VM deletes the
+/// claim and the volume.
+#[tokio::test]
+async fn a_vm_with_a_root_disk_boots_its_own_overlay_of_its_image_which_goes_with_it() {
+    let mut env = TestEnv::new("rootdisk").await;
+    env.untrusted = true;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    env.wait_node_ready(&env.node("q")).await;
+    let pool = Pool::new(&env);
+    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
+    let applied = env.apply(shipped.split("\n---\n").next().unwrap());
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
+        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name, "format": "qcow2"},
+        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"});
+    let applied = env.apply(&class.to_string());
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let by_path = guest_vm_spec(&guest);
+    let image_path = by_path["image"].as_str().unwrap().to_owned();
+    let image_bytes = std::fs::read(&image_path).unwrap();
+    let tiny = format!("tiny-{}", env.ns);
+    let _tiny = common::CatalogueImage::create(
+        &env,
+        &tiny,
+        json!({"libvirt": {"path": image_path, "kernelBoot": by_path["kernelBoot"]}}),
+    );
+
+    env.apply_vm(
+        "web",
+        json!({"resources": by_path["resources"], "image": tiny,
+               "rootDisk": {"size": "1Gi", "storageClassName": pool.name}}),
+    );
+    env.wait_vm_phase("web", "Running").await;
+
+    // The claim the controller made, owned by the VM, bound to a qcow2
+    // volume in the pool that the domain boots, pinned on the image.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let claim = claims.get("web-root").await.unwrap();
+    assert_eq!(claim.owner_references().first().map(|o| o.name.as_str()), Some("web"));
+    let volume = format!("{}_web-root_{}.qcow2", env.ns, claim.uid().unwrap());
+    assert_eq!(pool.volumes(), vec![volume.clone()]);
+    let (ok, xml) = virsh(&["dumpxml", &format!("{}_web", env.ns)]);
+    assert!(ok, "{xml}");
+    let volume_path = format!("{}/{volume}", storage_root(&env).join("pool").display());
+    let boot = format!("<driver name='qemu' type='qcow2'/>\n      <source file='{volume_path}' index=");
+    assert!(xml.contains(&boot), "{boot} in {xml}");
+    assert!(xml.contains(&format!("<source file='{image_path}'/>")), "the image is the pinned base: {xml}");
+
+    // The guest's root disk: the root disk's size, its writes kept.
+    let pod = env.pod_of("web").await;
+    assert_eq!(env.exec_stdout(&pod, "cat /sys/block/vda/size").await, (1u64 << 30 >> 9).to_string());
+    let mark = format!("root-{}", env.ns);
+    let write = format!("printf '%s\\n' {mark} | dd of=/dev/vda bs=512 count=1 conv=sync,fsync 2>/dev/null && echo ok");
+    assert_eq!(env.exec_stdout(&pod, &write).await, "ok");
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    assert_eq!(env.exec_stdout(&pod, "dd if=/dev/vda bs=512 count=1 2>/dev/null | head -n 1").await, mark);
+    assert!(std::fs::read(&image_path).unwrap() == image_bytes, "the image is never written");
+
+    // Deleting the VM deletes its claim, and with it the volume.
+    env.kubectl(&["delete", "virtualmachine/web", "--wait=true"]);
+    env.wait_for("the root disk's claim and volume to be gone", || {
+        let claims = claims.clone();
+        let pool = &pool;
+        async move { (claims.get_opt("web-root").await.ok()?.is_none() && pool.volumes().is_empty()).then_some(()) }
+    })
+    .await;
+    drop(env);
+}

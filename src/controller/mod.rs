@@ -406,6 +406,9 @@ async fn create_pod(
             return Err(error);
         }
     };
+    if let Some(root) = &vm.spec.root_disk {
+        ensure_root_claim(vm, root, &ctx.client).await?;
+    }
     if !write_status(vm, None, Some(&name), vms, &ctx.written).await? {
         return Ok(Action::requeue(CONFLICT_RETRY));
     }
@@ -426,6 +429,50 @@ async fn create_pod(
         Err(e) => return Err(Error::Kube { action: "create pod", object: object(), source: e }),
     }
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// Create the claim of `vm`'s root disk `root` unless it exists: `<vm>-root`
+/// in the VM's namespace, of the root disk's size and class, filled from
+/// the VM's image (`dataSourceRef` to its `VirtualMachineImage`, which
+/// vmlet's provisioner makes a qcow2 overlay on). With `deletionPolicy:
+/// Delete` the VM owns it, so the garbage collector deletes it (and the
+/// provisioner its volume) once the VM is gone; with `Retain` it stays.
+/// A claim of that name made by someone else is left as it is (it is the
+/// namespace's own). Errors: the create failed otherwise.
+async fn ensure_root_claim(
+    vm: &VirtualMachine,
+    root: &crate::v1alpha1::RootDisk,
+    client: &Client,
+) -> Result<(), Error> {
+    let namespace = vm.namespace().unwrap_or_default();
+    let name = crate::v1alpha1::root_claim_name(&vm.name_any());
+    let owner = (vm.spec.deletion_policy == DeletionPolicy::Delete).then(|| {
+        serde_json::json!([{"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine", "name": vm.name_any(),
+                            "uid": vm.uid(), "controller": true, "blockOwnerDeletion": true}])
+    });
+    let claim: k8s_openapi::api::core::v1::PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {crate::v1alpha1::VM_LABEL: vm.name_any()}, "ownerReferences": owner},
+        "spec": {
+            "storageClassName": root.storage_class_name,
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": root.size}},
+            "dataSourceRef": {"apiGroup": crate::v1alpha1::GROUP, "kind": "VirtualMachineImage", "name": vm.spec.image},
+        },
+    }))
+    .expect("a claim serializes");
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> = Api::namespaced(client.clone(), &namespace);
+    match claims.create(&PostParams::default(), &claim).await {
+        Ok(_) => {
+            info!(claim = %name, "created the root disk's claim");
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(source) => Err(Error::Kube {
+            action: "create the root disk claim of",
+            object: format!("{namespace}/{}", vm.name_any()),
+            source,
+        }),
+    }
 }
 
 /// Bring the VM's pod to the VM's size in place: its ceiling and

@@ -17,7 +17,7 @@ use crate::v1alpha1::{DiskSource, VmDisk};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use std::time::Duration;
-use vmlet_provider::{BackingFile, DataDisk, ImageReference, VmSpec};
+use vmlet_provider::{BackingFile, DataDisk, DiskFormat, ImageReference, VmSpec};
 
 /// One disk of [`plan`], with where it comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,6 +171,49 @@ pub async fn chains(
         _ => None,
     };
     Ok((image_chain, data_disks(agent, pod, disks).await?))
+}
+
+/// The name the root disk goes by in messages (`spec.disks[root]`-style).
+pub const ROOT_DISK: &str = "root";
+
+/// The boot volume of VM `vm` (its pod's view) whose VirtualMachine is
+/// `cached`, when the VM has a root disk (`spec.rootDisk`): the claim
+/// `<vm>-root`, resolved as a data disk's claim ([`volumes::claim_disk`]),
+/// its chain pinned. `None` when the VM boots its image itself.
+/// Errors: [`NotReady::Mismatch`] when the pod does not hold that claim as
+/// its root disk volume (the root disk was added after the pod was made),
+/// and what a claim's disk may give.
+pub async fn root_disk(
+    agent: &Agent,
+    vm: &crate::vmpod::PodVm,
+    cached: &crate::v1alpha1::VirtualMachine,
+) -> Result<Option<DataDisk>, NotReady> {
+    if cached.spec.root_disk.is_none() {
+        return Ok(None);
+    }
+    let claim = crate::v1alpha1::root_claim_name(&vm.spec.name);
+    if vm.root_claim.as_deref() != Some(claim.as_str()) {
+        return Err(NotReady::Mismatch {
+            disk: ROOT_DISK.to_owned(),
+            why: format!(
+                "the pod does not hold claim {claim} (spec.rootDisk was added after the pod was made); delete the \
+                 pod so that it is made again"
+            ),
+        });
+    }
+    let disk = volumes::claim_disk(agent, &vm.spec.namespace, ROOT_DISK, &claim).await?;
+    // The boot disk is attached in the format its file name gives
+    // (vmlet's rule); a volume whose name says otherwise cannot boot.
+    if DiskFormat::of_image_path(&disk.path) != disk.format {
+        return Err(NotReady::Mismatch {
+            disk: ROOT_DISK.to_owned(),
+            why: format!(
+                "claim {claim}'s volume {} is {}, which its name does not say; make the claim anew",
+                disk.path, disk.format
+            ),
+        });
+    }
+    Ok(Some(disk))
 }
 
 /// The data disks of `pod`'s VM, whose VirtualMachine names `disks`, on the

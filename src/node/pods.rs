@@ -459,6 +459,13 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
                 Err(Unavailable::Refused(refusal)) => return Ok(Started::Refused(refusal)),
                 Err(Unavailable::Provider(e)) => return Err(e.into()),
             };
+            // A root disk is the VM's own boot volume: an overlay on the
+            // image, its chain pinned by the claim's resolution.
+            match super::disks::root_disk(agent, vm, &cached).await {
+                Ok(Some(root)) => (spec.image, spec.image_backing_chain) = (Some(root.path), Some(root.backing_chain)),
+                Ok(None) => {}
+                Err(not_ready) => return Ok(Started::DisksNotReady(not_ready)),
+            }
             spec.networks = cached.spec.networks.iter().map(|network| network.request()).collect();
             (provider.ensure_defined(&spec).await?, true, record)
         }

@@ -52,6 +52,8 @@ pub const FINALIZER: &str = "virtualmachines.vmlet.io";
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = Rule::new("self.metadata.name.size() <= 63")
         .message("metadata.name must be at most 63 characters, because it becomes the vmlet.io/vm label value of the VM's pod; choose a shorter name"),
+    validation = Rule::new("!has(self.spec.rootDisk) || (has(self.spec.image) && !self.spec.image.startsWith('/'))")
+        .message("spec.rootDisk is made from a VirtualMachineImage: set spec.image to the image's name"),
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineSpec {
@@ -85,6 +87,15 @@ pub struct VirtualMachineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 4096), regex(pattern = r"^[^\x00-\x1f\x7f]+$"))]
     pub image: Option<String>,
+
+    /// The VM's own boot volume, made from `image` (a `VirtualMachineImage`)
+    /// by a StorageClass of vmlet's provisioner (`format: qcow2`): a
+    /// PersistentVolumeClaim `<vm>-root` that the controller creates, a qcow2
+    /// overlay on the image in a pool of the host the scheduler picks. The
+    /// guest boots from it (`vda`) and writes only into it. Without it the
+    /// VM boots the image file itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_disk: Option<RootDisk>,
 
     /// Boot a kernel directly (paths on the host) instead of from the disk's boot
     /// loader. Backends that cannot do this refuse the VM with a clear error.
@@ -443,6 +454,24 @@ impl Default for VmResources {
     fn default() -> Self {
         VmResources { cpu: default_cpu(), memory: default_memory(), max_cpu: None, max_memory: None }
     }
+}
+
+/// A VM's own boot volume ([`VirtualMachineSpec::root_disk`]).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RootDisk {
+    /// The volume's size as the guest sees it, a quantity (`20Gi`).
+    pub size: k8s_openapi::apimachinery::pkg::api::resource::Quantity,
+    /// The StorageClass of the claim (one of vmlet's provisioner, with
+    /// `format: qcow2`); default: the cluster's default class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_class_name: Option<String>,
+}
+
+/// The name of the PersistentVolumeClaim that holds VM `vm`'s root disk
+/// ([`VirtualMachineSpec::root_disk`]).
+pub fn root_claim_name(vm: &str) -> String {
+    format!("{vm}-root")
 }
 
 /// Direct kernel boot: host paths of the kernel and initramfs, and the command line.

@@ -228,13 +228,16 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
 }
 
 /// The volume name of `claim`: `<namespace>_<claim>_<uid>`, or
-/// `<namespace>_<uid>` when that would be too long for a pool.
-fn volume_name(namespace: &str, claim: &str, uid: &str) -> String {
-    let full = format!("{namespace}_{claim}_{uid}");
+/// `<namespace>_<uid>` when that would be too long for a pool, with
+/// `.qcow2` after it for a qcow2 volume (vmlet's rule for a file's format,
+/// [`DiskFormat::of_image_path`], which a root disk's boot volume follows).
+fn volume_name(namespace: &str, claim: &str, uid: &str, format: DiskFormat) -> String {
+    let suffix = if format == DiskFormat::Qcow2 { ".qcow2" } else { "" };
+    let full = format!("{namespace}_{claim}_{uid}{suffix}");
     if full.len() <= MAX_VOLUME_NAME_BYTES {
         full
     } else {
-        format!("{namespace}_{uid}")
+        format!("{namespace}_{uid}{suffix}")
     }
 }
 
@@ -292,7 +295,7 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
     };
     let request = VolumeRequest {
         pool: wanted.pool.clone(),
-        name: volume_name(&namespace, &claim.name_any(), &uid),
+        name: volume_name(&namespace, &claim.name_any(), &uid, wanted.format),
         capacity_bytes: wanted.capacity_bytes,
         format: wanted.format,
         backing: base.clone(),
@@ -591,8 +594,9 @@ mod tests {
 
     #[test]
     fn volume_names_are_the_claims_and_handles_parse_back() {
-        assert_eq!(volume_name("team-a", "data", "u-1"), "team-a_data_u-1");
-        assert_eq!(volume_name("team-a", &"c".repeat(253), "u-1"), "team-a_u-1");
+        assert_eq!(volume_name("team-a", "data", "u-1", DiskFormat::Raw), "team-a_data_u-1");
+        assert_eq!(volume_name("team-a", "data", "u-1", DiskFormat::Qcow2), "team-a_data_u-1.qcow2");
+        assert_eq!(volume_name("team-a", &"c".repeat(253), "u-1", DiskFormat::Raw), "team-a_u-1");
         assert_eq!(parse_handle("host-a/vms/team-a_data_u-1"), Some(("host-a", "vms", "team-a_data_u-1")));
         for bad in ["host-a/vms", "host-a//v", "/vms/v", "host-a/vms/a/b", ""] {
             assert_eq!(parse_handle(bad), None, "{bad}");
