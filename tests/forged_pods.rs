@@ -39,6 +39,27 @@ fn forged_pod(model: &Pod, vm: &str, uid: &str, name: &str, node: &str) -> Pod {
     serde_json::from_value(forged).unwrap()
 }
 
+/// The tenant of the test's namespace (its own credentials: VirtualMachines
+/// and pods of its namespace only), its pods, and a model VM pinned to host
+/// a by `spec`, whose pod (read as the tenant) is what it copies.
+async fn tenant_with_model(env: &TestEnv, spec: &serde_json::Value) -> (common::tenant::Tenant, Api<Pod>, Pod) {
+    let ns = env.ns.clone();
+    let rules = json!([
+        {"apiGroups": ["vmlet.io"], "resources": ["virtualmachines"], "verbs": ["*"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]},
+    ]);
+    let tenant = common::tenant::tenant(env, &ns, rules).await;
+    let tenant_pods: Api<Pod> = Api::namespaced(tenant.client.clone(), &ns);
+    env.apply_vm("model", spec.clone());
+    let model = tenant_pods.get(&env.pod_of("model").await).await.unwrap();
+    (tenant, tenant_pods, model)
+}
+
+/// Hosts a and b on libvirt's test driver.
+fn two_hosts() -> [Host<'static>; 2] {
+    [Host::new("a", test_driver_uri("host-a.xml")), Host::new("b", test_driver_uri("host-b.xml"))]
+}
+
 /// The race as a tenant runs it: watch its VM with its own credentials and
 /// make the pod named in `status.podName` (bound to b) the moment it shows.
 /// Whoever wins each try, the VM runs on a, the host its selector names.
@@ -46,16 +67,12 @@ fn forged_pod(model: &Pod, vm: &str, uid: &str, name: &str, node: &str) -> Pod {
 async fn a_tenant_racing_the_controllers_create_never_places_its_vm() {
     let mut env = TestEnv::new("race").await;
     let (a, b) = (env.node("a"), env.node("b"));
-    env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml")), Host::new("b", test_driver_uri("host-b.xml"))]);
+    env.start_vmlet(&two_hosts());
     env.wait_node_ready(&a).await;
     env.wait_node_ready(&b).await;
     let ns = env.ns.clone();
-    let rules = json!([
-        {"apiGroups": ["vmlet.io"], "resources": ["virtualmachines"], "verbs": ["*"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]},
-    ]);
-    let tenant = common::tenant::tenant(&env, &ns, rules).await;
-    let tenant_pods: Api<Pod> = Api::namespaced(tenant.client.clone(), &ns);
+    let spec = json!({"nodeSelector": {"kubernetes.io/hostname": a}});
+    let (tenant, tenant_pods, model) = tenant_with_model(&env, &spec).await;
     let tenant_vms: Api<kube::api::DynamicObject> = Api::namespaced_with(
         tenant.client.clone(),
         &ns,
@@ -65,9 +82,6 @@ async fn a_tenant_racing_the_controllers_create_never_places_its_vm() {
             "VirtualMachine",
         )),
     );
-    let spec = json!({"nodeSelector": {"kubernetes.io/hostname": a}});
-    env.apply_vm("model", spec.clone());
-    let model = tenant_pods.get(&env.pod_of("model").await).await.unwrap();
 
     let mut won = 0;
     for try_ in 0..6 {
@@ -110,21 +124,12 @@ async fn a_tenant_racing_the_controllers_create_never_places_its_vm() {
 async fn a_tenants_own_pod_bound_to_another_host_defines_nothing_there_and_the_vm_runs_where_it_asked() {
     let mut env = TestEnv::new("forged").await;
     let (a, b) = (env.node("a"), env.node("b"));
-    env.start_split(&[Host::new("a", test_driver_uri("host-a.xml")), Host::new("b", test_driver_uri("host-b.xml"))]);
+    env.start_split(&two_hosts());
     env.wait_node_ready(&a).await;
     env.wait_node_ready(&b).await;
-    let ns = env.ns.clone();
-    let rules = json!([
-        {"apiGroups": ["vmlet.io"], "resources": ["virtualmachines"], "verbs": ["*"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]},
-    ]);
-    let tenant = common::tenant::tenant(&env, &ns, rules).await;
-    let tenant_pods: Api<Pod> = Api::namespaced(tenant.client.clone(), &ns);
-
     // A model VM with the same spec: its pod is what a tenant can copy.
     let spec = json!({"nodeSelector": {"kubernetes.io/hostname": a}});
-    env.apply_vm("model", spec.clone());
-    let model = tenant_pods.get(&env.pod_of("model").await).await.unwrap();
+    let (_tenant, tenant_pods, model) = tenant_with_model(&env, &spec).await;
     env.kill_controller();
 
     env.apply_vm("web", spec);

@@ -79,6 +79,43 @@ impl Drop for Pool {
     }
 }
 
+/// The test's pool ([`Pool::new`]), the shipped `CSIDriver` (the first
+/// object of deploy/storage.yaml) and a StorageClass of the pool's name
+/// making volumes in `format`, with `allowVolumeExpansion` as `expansion`.
+fn pool_and_class(env: &TestEnv, format: &str, expansion: bool) -> Pool {
+    let pool = Pool::new(env);
+    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
+    let driver = shipped.split("\n---\n").next().unwrap();
+    assert!(driver.contains("kind: CSIDriver"), "{driver}");
+    let applied = env.apply(driver);
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
+        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name, "format": format},
+        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete", "allowVolumeExpansion": expansion});
+    let applied = env.apply(&class.to_string());
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    pool
+}
+
+/// A vmlet serving one QEMU host `q` for a new namespace `<prefix>-…`
+/// (untrusted: its VMs name no host file), ready, and the test guest.
+async fn untrusted_env(prefix: &str) -> (TestEnv, std::path::PathBuf) {
+    let mut env = TestEnv::new(prefix).await;
+    env.untrusted = true;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    env.wait_node_ready(&env.node("q")).await;
+    (env, guest)
+}
+
+/// The test guest as the catalogue image `tiny-<namespace>` (its disk and
+/// kernel), and the guest's spec with paths (for its files and size).
+fn tiny_image(env: &TestEnv, guest: &std::path::Path) -> (common::CatalogueImage, serde_json::Value) {
+    let by_path = guest_vm_spec(guest);
+    let spec = json!({"libvirt": {"path": by_path["image"], "kernelBoot": by_path["kernelBoot"]}});
+    (common::CatalogueImage::create(env, &format!("tiny-{}", env.ns), spec), by_path)
+}
+
 /// The first 4 KiB of a qcow2 image whose header names `backing` (raw) as
 /// its backing file, made with qemu-img in `dir` (without opening `backing`).
 fn qcow2_header_naming(backing: &str, dir: &std::path::Path) -> Vec<u8> {
@@ -119,37 +156,14 @@ async fn wait_claim_capacity(env: &TestEnv, claims: &Api<PersistentVolumeClaim>,
 async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_claim() {
     // A tenant's namespace as vmlet serves it by default: no host path of
     // its own; the test guest is an image of the catalogue.
-    let mut env = TestEnv::new("provision").await;
-    env.untrusted = true;
-    let guest = guest_for(&env);
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
-    let by_path = guest_vm_spec(&guest);
-    let tiny = format!("tiny-{}", env.ns);
-    let _tiny = common::CatalogueImage::create(
-        &env,
-        &tiny,
-        json!({"libvirt": {"path": by_path["image"], "kernelBoot": by_path["kernelBoot"]}}),
-    );
-    let vm_spec = || {
-        json!({"resources": by_path["resources"], "image": tiny,
-                            "disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]})
-    };
+    let (env, guest) = untrusted_env("provision").await;
     let node = env.node("q");
-    env.wait_node_ready(&node).await;
-    let pool = Pool::new(&env);
-
-    // The shipped CSIDriver (the first object of deploy/storage.yaml), and
-    // the test's class on its pool.
-    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
-    let driver = shipped.split("\n---\n").next().unwrap();
-    assert!(driver.contains("kind: CSIDriver"), "{driver}");
-    let applied = env.apply(driver);
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
-    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
-        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name},
-        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete", "allowVolumeExpansion": true});
-    let applied = env.apply(&class.to_string());
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let (tiny, by_path) = tiny_image(&env, &guest);
+    let vm_spec = || {
+        json!({"resources": by_path["resources"], "image": tiny.0,
+               "disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]})
+    };
+    let pool = pool_and_class(&env, "raw", true);
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
     let claim: PersistentVolumeClaim = serde_json::from_value(json!({
         "metadata": {"name": "data"},
@@ -309,19 +323,9 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
 /// the image's bytes and its writes never reach the image.
 #[tokio::test]
 async fn a_claim_filled_from_a_catalogue_image_is_an_overlay_pinned_to_it() {
-    let mut env = TestEnv::new("fromimage").await;
-    let guest = guest_for(&env);
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
-    env.wait_node_ready(&env.node("q")).await;
-    let pool = Pool::new(&env);
-    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
-    let applied = env.apply(shipped.split("\n---\n").next().unwrap());
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
-    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
-        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name, "format": "qcow2"},
-        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"});
-    let applied = env.apply(&class.to_string());
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let (env, guest) = untrusted_env("fromimage").await;
+    let pool = pool_and_class(&env, "qcow2", false);
+    let (tiny, by_path) = tiny_image(&env, &guest);
 
     // The administrator's image: 1 MiB of raw disk with a mark at its start.
     let base = storage_root(&env).join("base.raw");
@@ -341,9 +345,11 @@ async fn a_claim_filled_from_a_catalogue_image_is_an_overlay_pinned_to_it() {
     }))
     .unwrap();
     claims.create(&PostParams::default(), &claim).await.unwrap();
-    let mut spec = guest_vm_spec(&guest);
-    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
-    env.apply_vm("web", spec);
+    env.apply_vm(
+        "web",
+        json!({"resources": by_path["resources"], "image": tiny.0,
+               "disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}),
+    );
     env.wait_vm_phase("web", "Running").await;
 
     // The domain pins the overlay on the image, the image raw.
@@ -378,33 +384,15 @@ async fn a_claim_filled_from_a_catalogue_image_is_an_overlay_pinned_to_it() {
 /// claim and the volume.
 #[tokio::test]
 async fn a_vm_with_a_root_disk_boots_its_own_overlay_of_its_image_which_goes_with_it() {
-    let mut env = TestEnv::new("rootdisk").await;
-    env.untrusted = true;
-    let guest = guest_for(&env);
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
-    env.wait_node_ready(&env.node("q")).await;
-    let pool = Pool::new(&env);
-    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
-    let applied = env.apply(shipped.split("\n---\n").next().unwrap());
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
-    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
-        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name, "format": "qcow2"},
-        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"});
-    let applied = env.apply(&class.to_string());
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
-    let by_path = guest_vm_spec(&guest);
+    let (env, guest) = untrusted_env("rootdisk").await;
+    let pool = pool_and_class(&env, "qcow2", false);
+    let (tiny, by_path) = tiny_image(&env, &guest);
     let image_path = by_path["image"].as_str().unwrap().to_owned();
     let image_bytes = std::fs::read(&image_path).unwrap();
-    let tiny = format!("tiny-{}", env.ns);
-    let _tiny = common::CatalogueImage::create(
-        &env,
-        &tiny,
-        json!({"libvirt": {"path": image_path, "kernelBoot": by_path["kernelBoot"]}}),
-    );
 
     env.apply_vm(
         "web",
-        json!({"resources": by_path["resources"], "image": tiny,
+        json!({"resources": by_path["resources"], "image": tiny.0,
                "rootDisk": {"size": "1Gi", "storageClassName": pool.name}}),
     );
     env.wait_vm_phase("web", "Running").await;
