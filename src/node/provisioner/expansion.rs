@@ -110,11 +110,7 @@ pub(super) async fn expand(
         return Ok(Action::await_change());
     }
     let namespace = claim.namespace().unwrap_or_default();
-    let object = format!("{namespace}/{}", claim.name_any());
-    let kube = |action| {
-        let object = object.clone();
-        move |source| Error::Kube { action, object, source }
-    };
+    let kube = super::kube_error(claim);
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
     let Some(pv) = pvs.get_opt(pv_name).await.map_err(kube("read the PersistentVolume of"))? else {
         return Ok(Action::await_change());
@@ -175,12 +171,9 @@ async fn refuse(claim: &PersistentVolumeClaim, ctx: &Context, refusal: &str) -> 
     let namespace = claim.namespace().unwrap_or_default();
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
     let status = serde_json::json!({"status": {"allocatedResourceStatuses": {"storage": INFEASIBLE}}});
-    claims.patch_status(&claim.name_any(), &PatchParams::default(), &Patch::Merge(&status)).await.map_err(
-        |source| Error::Kube {
-            action: "mark the resize infeasible in the status of",
-            object: format!("{namespace}/{}", claim.name_any()),
-            source,
-        },
-    )?;
+    claims
+        .patch_status(&claim.name_any(), &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .map_err(super::kube_error(claim)("mark the resize infeasible in the status of"))?;
     Ok(Action::requeue(RETRY))
 }

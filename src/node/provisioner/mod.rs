@@ -247,11 +247,7 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
         return Ok(Action::await_change());
     };
     let namespace = claim.namespace().unwrap_or_default();
-    let object = format!("{namespace}/{}", claim.name_any());
-    let kube = |action| {
-        let object = object.clone();
-        move |source| Error::Kube { action, object, source }
-    };
+    let kube = kube_error(&claim);
     let classes: Api<StorageClass> = Api::all(ctx.client.clone());
     let Some(class) = classes.get_opt(&class_name).await.map_err(kube("read the StorageClass of"))? else {
         return Ok(Action::requeue(RETRY));
@@ -347,6 +343,16 @@ async fn image_base(
         }
         None => Err(format!("spec.dataSourceRef: VirtualMachineImage {name} names no image for {kind} hosts")),
     })
+}
+
+/// A maker of [`Error::Kube`] for requests about `claim`: given what was
+/// being done, it turns an API error into the pass's error.
+fn kube_error(claim: &PersistentVolumeClaim) -> impl Fn(&'static str) -> Box<dyn FnOnce(kube::Error) -> Error> {
+    let object = format!("{}/{}", claim.namespace().unwrap_or_default(), claim.name_any());
+    move |action| {
+        let object = object.clone();
+        Box::new(move |source| Error::Kube { action, object, source })
+    }
 }
 
 /// Publish `refusal` on `claim`, a claim of one of vmlet's classes, unless
