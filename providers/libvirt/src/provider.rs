@@ -477,7 +477,18 @@ impl Host {
         if !is_active(&domain, operation)? {
             return Ok(());
         }
+        // A paused (or PM-suspended) guest cannot hear the power button, and
+        // libvirt refuses to press it: such a domain is powered off at once,
+        // or a VM stopped by a guest's emulation failure or a full disk could
+        // never be stopped or deleted.
+        let paused = domain.state().is_ok_and(|(state, _)| {
+            crate::domains::power_from_libvirt(state) == vmlet_provider::PowerState::Paused
+        });
         let result = match how {
+            Stop::Shutdown if paused => {
+                tracing::warn!(vm.uid = %id, "the domain is paused and cannot shut down by itself; powering it off");
+                domain.destroy()
+            }
             Stop::Shutdown => domain.shutdown(),
             Stop::Destroy => domain.destroy(),
         };
@@ -936,8 +947,9 @@ impl Provider for LibvirtProvider {
         self.blocking("start domain", move |host, conn| host.start(conn, &id)).await
     }
 
-    /// `virDomainShutdown` (ACPI power button) if active; a VM that does not
-    /// exist is success, as there is nothing to stop.
+    /// `virDomainShutdown` (ACPI power button) if active, `virDomainDestroy`
+    /// if paused (a paused guest cannot act on the button); a VM that does
+    /// not exist is success, as there is nothing to stop.
     #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id))]
     async fn shutdown(&self, id: &VmId) -> Result<()> {
         let id = id.clone();

@@ -91,6 +91,15 @@ async fn qemu_domain_lifecycle_survives_a_provider_restart() {
     assert_eq!(found.power, PowerState::Running);
     assert!(restarted.list().await.expect("list").iter().any(|vm| vm.id == spec.id));
 
+    // A paused guest cannot hear the power button: a shutdown powers it
+    // off (libvirt refuses to press it), or the VM could never be stopped.
+    let out = output_within(Command::new("virsh").args(["-c", &uri, "suspend", &name]), VIRSH);
+    assert!(out.status.success(), "virsh suspend: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(restarted.get(&spec.id).await.expect("get").expect("defined").power, PowerState::Paused);
+    restarted.shutdown(&spec.id).await.expect("shutdown of a paused domain");
+    assert_eq!(virsh_domstate(&uri, &name), "shut off");
+    provider.start(&spec.id).await.expect("start after the paused stop");
+
     // No guest OS answers ACPI: shutdown is accepted, destroy stops it.
     restarted.shutdown(&spec.id).await.expect("shutdown");
     restarted.destroy(&spec.id).await.expect("destroy");
