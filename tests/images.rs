@@ -101,3 +101,39 @@ async fn an_untrusted_namespace_names_no_host_file_and_boots_catalogue_images_by
     assert!(!domain_exists(&format!("{ns}_byhand")), "the refused VM is still not defined");
     drop(env);
 }
+
+/// The API server refuses a VM whose root disk has no catalogue image, or
+/// that attaches a claim twice (its root claim as a data disk too, or one
+/// claim in two disks), naming the field: QEMU would take the file's write
+/// lock once and fail every start.
+#[tokio::test]
+async fn the_api_server_refuses_a_root_disk_without_an_image_and_a_claim_attached_twice() {
+    let env = TestEnv::new("rootrules").await;
+    let vm = |spec: serde_json::Value| -> DynamicObject {
+        serde_json::from_value(json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine",
+                                       "metadata": {"name": "web"}, "spec": spec}))
+        .unwrap()
+    };
+    let gvk = GroupVersionKind::gvk("vmlet.io", "v1alpha1", "VirtualMachine");
+    let vms: Api<DynamicObject> = Api::namespaced_with(env.client.clone(), &env.ns, &ApiResource::from_gvk(&gvk));
+    let refused = |spec: serde_json::Value| {
+        let vms = vms.clone();
+        async move {
+            match vms.create(&PostParams::default(), &vm(spec)).await {
+                Err(kube::Error::Api(e)) if e.code == 422 => e.message,
+                other => panic!("expected 422, got {other:?}"),
+            }
+        }
+    };
+    let message = refused(json!({"image": "/var/lib/libvirt/images/x.qcow2", "rootDisk": {"size": "1Gi"}})).await;
+    assert!(message.contains("spec.rootDisk is made from a VirtualMachineImage"), "{message}");
+    let message = refused(json!({"image": "tiny", "rootDisk": {"size": "1Gi"},
+        "disks": [{"name": "again", "persistentVolumeClaim": {"claimName": "web-root"}}]}))
+    .await;
+    assert!(message.contains("names <vm>-root, the root disk's claim"), "{message}");
+    let message = refused(json!({"disks": [{"name": "a", "persistentVolumeClaim": {"claimName": "data"}},
+                                           {"name": "b", "persistentVolumeClaim": {"claimName": "data"}}]}))
+    .await;
+    assert!(message.contains("claimName must be unique"), "{message}");
+    drop(env);
+}

@@ -117,7 +117,10 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
 
     let pod_status = pod.status.clone().unwrap_or_default();
     let pod_conditions = pod_status.conditions.clone().unwrap_or_default();
-    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    // A pod its node rejected (crate::node::admission) never ran the VM
+    // there: its node is not the VM's.
+    let rejected = matches!(pod_status.reason.as_deref(), Some("NodeAffinity" | "TaintToleration"));
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone()).filter(|_| !rejected);
     let ready = pod_condition(&pod_conditions, "Ready").is_some_and(|c| c.status == "True");
     let container = pod_status.container_statuses.as_ref().and_then(|c| c.first());
 
@@ -276,6 +279,17 @@ mod tests {
         assert_eq!(status.node_name.as_deref(), Some("host-b"));
         assert_eq!(status.selector.as_deref(), Some("vmlet.io/vm=web"));
         assert_eq!(find(&status, "Ready").reason, "Stopped");
+    }
+
+    #[test]
+    fn a_pod_its_node_rejected_does_not_give_the_vm_that_node() {
+        let vm = VmBuilder::new("web").build();
+        let mut pod = PodBuilder::for_vm(&vm).on_node("host-b").build();
+        let status = pod.status.as_mut().unwrap();
+        status.phase = Some("Failed".into());
+        status.reason = Some("NodeAffinity".into());
+        let status = status_from_pod(&vm, Some(&pod), Some("web-x7k2p"));
+        assert_eq!(status.node_name, None);
     }
 
     #[test]

@@ -146,6 +146,8 @@ pub struct HostHandle {
     pub name: String,
     /// The host's provider.
     pub provider: Arc<dyn Provider>,
+    /// Where VMs' files may come from on the host ([`crate::storage`]).
+    pub storage: crate::storage::StorageRoots,
 }
 
 /// The hosts this process serves, filled in as their agents start.
@@ -207,7 +209,7 @@ pub async fn run(
         restoring: Arc::default(),
     });
 
-    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone() });
+    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone(), storage: agent.storage.clone() });
     let recorder = record_consoles(
         provider.clone(),
         host.name.clone(),

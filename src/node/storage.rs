@@ -56,7 +56,7 @@ pub(super) async fn refuse(pod: &Pod, agent: &Agent, refusal: &StorageRefusal) -
         field = %refusal.field,
         path = %refusal.path,
         storage.roots = ?refusal.roots,
-        "the VM names a file outside the host's storage roots; not defining it"
+        "the VM names a host file it may not (outside the storage roots, or from an untrusted namespace); not defining it"
     );
     // Status first: once it shows the refusal, no later pass publishes again.
     let reason = Reason::StorageNotAllowed.as_str();

@@ -54,6 +54,8 @@ pub const FINALIZER: &str = "virtualmachines.vmlet.io";
         .message("metadata.name must be at most 63 characters, because it becomes the vmlet.io/vm label value of the VM's pod; choose a shorter name"),
     validation = Rule::new("!has(self.spec.rootDisk) || (has(self.spec.image) && !self.spec.image.startsWith('/'))")
         .message("spec.rootDisk is made from a VirtualMachineImage: set spec.image to the image's name"),
+    validation = Rule::new("!has(self.spec.rootDisk) || !has(self.spec.disks) || self.spec.disks.all(d, !has(d.persistentVolumeClaim) || d.persistentVolumeClaim.claimName != self.metadata.name + '-root')")
+        .message("spec.disks[].persistentVolumeClaim names <vm>-root, the root disk's claim: a disk is attached once; name another claim"),
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineSpec {
@@ -214,8 +216,12 @@ pub struct VirtualMachineSpec {
     /// Read when the VM is defined. At most 16.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
-    #[x_kube(validation = Rule::new("self.all(d, self.exists_one(e, e.name == d.name))")
-        .message("spec.disks[].name must be unique"))]
+    #[x_kube(
+        validation = Rule::new("self.all(d, self.exists_one(e, e.name == d.name))")
+            .message("spec.disks[].name must be unique"),
+        validation = Rule::new("self.all(d, !has(d.persistentVolumeClaim) || self.exists_one(e, has(e.persistentVolumeClaim) && e.persistentVolumeClaim.claimName == d.persistentVolumeClaim.claimName))")
+            .message("spec.disks[].persistentVolumeClaim.claimName must be unique: a claim is attached once"),
+    )]
     pub disks: Vec<VmDisk>,
 
     /// The VM's network interfaces, in order (the guest's first NIC first),

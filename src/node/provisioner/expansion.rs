@@ -136,7 +136,11 @@ pub(super) async fn expand(
     };
     let grown = match volumes.resize_volume(&growth.pool, &growth.volume, growth.format, growth.requested_bytes).await {
         Ok(grown) => grown,
-        Err(e) if e.kind == ErrorKind::Transient => return Err(e.into()),
+        Err(e) if e.kind == ErrorKind::Transient => {
+            // Tried again with backoff (not infeasible); the Events say why.
+            ctx.events.publish(claim, Reason::VolumeResizeFailed, &e.to_string());
+            return Err(e.into());
+        }
         Err(e) => return refuse(claim, ctx, &e.to_string()).await,
     };
     let size = grown.capacity_bytes.to_string();

@@ -282,7 +282,23 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
     let base = match &wanted.image {
         None => None,
         Some(image) => match image_base(&ctx.client, image, host.provider.kind()).await? {
-            Ok(base) => Some(base),
+            Ok(base) => {
+                // Checked again when a VM attaches it; nothing is made on a
+                // file outside the host's storage roots.
+                let roots = &host.storage;
+                if let Err(why) =
+                    crate::storage::check_host_file(roots.roots(), roots.resolves_links(), &base.path).await
+                {
+                    let note = format!(
+                        "spec.dataSourceRef: VirtualMachineImage {image}'s file {:?} {why}; host {} allows images only \
+                         under its storage roots {roots}: ask an administrator to fix the image",
+                        base.path, wanted.node
+                    );
+                    ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &note);
+                    return Ok(Action::requeue(RETRY));
+                }
+                Some(base)
+            }
             Err(refusal) => {
                 ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &refusal);
                 return Ok(Action::requeue(RETRY));
@@ -298,7 +314,11 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
     };
     let volume = match volumes.create_volume(&request).await {
         Ok(volume) => volume,
-        Err(e) if e.kind == vmlet_provider::ErrorKind::Transient => return Err(e.into()),
+        Err(e) if e.kind == vmlet_provider::ErrorKind::Transient => {
+            // Tried again with backoff; the claim's Events say why it waits.
+            ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &e.to_string());
+            return Err(e.into());
+        }
         Err(e) => {
             ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &e.to_string());
             return Ok(Action::requeue(RETRY));
