@@ -481,9 +481,9 @@ impl Host {
         // libvirt refuses to press it: such a domain is powered off at once,
         // or a VM stopped by a guest's emulation failure or a full disk could
         // never be stopped or deleted.
-        let paused = domain.state().is_ok_and(|(state, _)| {
-            crate::domains::power_from_libvirt(state) == vmlet_provider::PowerState::Paused
-        });
+        let paused = domain
+            .state()
+            .is_ok_and(|(state, _)| crate::domains::power_from_libvirt(state) == vmlet_provider::PowerState::Paused);
         let result = match how {
             Stop::Shutdown if paused => {
                 tracing::warn!(vm.uid = %id, "the domain is paused and cannot shut down by itself; powering it off");
