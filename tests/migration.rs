@@ -70,8 +70,15 @@ impl Sampler {
             move || {
                 while !stop.load(Ordering::Relaxed) {
                     for domain in &domains {
-                        let on_a = domstate(&a, domain) == "running";
+                        // Two reads are never one instant: a, b, a again. A
+                        // move hands over once (the source pauses before the
+                        // target resumes, and never runs again after it), so
+                        // a domain that ran on both hosts throughout the
+                        // bracket did, and a sample spanning the handover
+                        // does not say so.
+                        let first_a = domstate(&a, domain) == "running";
                         let on_b = domstate(&b, domain) == "running";
+                        let on_a = first_a && domstate(&a, domain) == "running";
                         samples.lock().unwrap().push((on_a, on_b));
                     }
                     std::thread::sleep(Duration::from_millis(50));
