@@ -138,6 +138,15 @@ pub enum NotAllowed {
         /// The VM's namespace.
         namespace: String,
     },
+    /// A catalogue image booted without a root disk: its file, which every
+    /// VM booting the image (and every overlay made from it) shares, would
+    /// be the VM's writable boot disk, and namespace `namespace` may not
+    /// write it.
+    #[error("is a catalogue image whose file namespace {namespace} may not write")]
+    SharedImage {
+        /// The VM's namespace.
+        namespace: String,
+    },
 }
 
 /// A backing file that is not allowed ([`NotAllowed::Backing`]).
@@ -176,6 +185,17 @@ impl fmt::Display for StorageRefusal {
                  trustedNamespaces of vmlet's config may do, and namespace {namespace} is not one of them: boot an \
                  image of the catalogue instead (kubectl get virtualmachineimages; spec.image: <name>) and take data \
                  disks from PersistentVolumeClaims",
+                self.host
+            );
+        }
+        if let NotAllowed::SharedImage { namespace } = &self.why {
+            return write!(
+                f,
+                "{field} {path:?} is a catalogue image, and booting it without a root disk would make its file on \
+                 host {}, which every VM of the image shares, this VM's writable disk: only namespaces an \
+                 administrator lists in trustedNamespaces of vmlet's config may do that, and namespace {namespace} \
+                 is not one of them. Give the VM its own disk made from the image: spec.rootDisk: {{size: <at least \
+                 the image's size>, storageClassName: <a class of provisioner libvirt.vmlet.io>}}",
                 self.host
             );
         }
@@ -327,6 +347,27 @@ impl StorageRoots {
                 Err(self.refusal(field, path, NotAllowed::Untrusted { namespace: spec.namespace.clone() }))
             }
         }
+    }
+
+    /// Decide whether a VM of `spec` (as its VirtualMachine gives it),
+    /// with a root disk when `root_disk`, may boot its catalogue image's
+    /// file itself: on a back end whose images are host files, that file is
+    /// the base of every VM of the image (and of every overlay made from
+    /// it), so only a VM of a trusted namespace may write it; others boot
+    /// their own volume made from it (`spec.rootDisk`). A host path in
+    /// `spec.image` is [`StorageRoots::check_trust`]'s to judge.
+    /// Errors: a [`StorageRefusal`] of `spec.image` with
+    /// [`NotAllowed::SharedImage`].
+    pub fn check_own_boot_disk(&self, spec: &VmSpec, root_disk: bool) -> Result<(), Box<StorageRefusal>> {
+        let Some(image) = spec.image.as_deref() else { return Ok(()) };
+        if root_disk
+            || self.image != ImageReference::HostPath
+            || !crate::v1alpha1::is_catalogue_name(image)
+            || self.trusted.contains(&spec.namespace)
+        {
+            return Ok(());
+        }
+        Err(self.refusal(StorageField::Image, image, NotAllowed::SharedImage { namespace: spec.namespace.clone() }))
     }
 
     /// The roots, as configured or reported.
@@ -675,6 +716,29 @@ mod tests {
         let trusted = roots.with_trusted_namespaces(&["team-a".to_owned()]);
         assert!(trusted.check_trust(&image, &disks).is_ok());
         assert!(trusted.check_trust(&kernel, &[]).is_ok());
+    }
+
+    #[test]
+    fn only_trusted_namespaces_boot_a_catalogue_images_file_itself() {
+        let roots = configured(&[IMAGES]);
+        let catalogue = with_image("debian-12");
+        let refused = *roots.check_own_boot_disk(&catalogue, false).expect_err("team-a is not trusted");
+        assert_eq!((&refused.field, refused.path.as_str()), (&StorageField::Image, "debian-12"));
+        assert_eq!(refused.why, NotAllowed::SharedImage { namespace: "team-a".into() });
+        let message = refused.to_string();
+        assert!(message.starts_with("spec.image \"debian-12\" is a catalogue image, and booting it"), "{message}");
+        assert!(
+            message.contains("namespace team-a is not one of them") && message.contains("spec.rootDisk"),
+            "{message}"
+        );
+        assert!(roots.check_own_boot_disk(&catalogue, true).is_ok(), "its own root disk is made from the image");
+        assert!(roots.check_own_boot_disk(&vm(), false).is_ok(), "no image");
+        let path = with_image("/var/lib/libvirt/images/web.qcow2");
+        assert!(roots.check_own_boot_disk(&path, false).is_ok(), "a path is check_trust's to judge");
+        let nova = configured(&[IMAGES]).with_image_reference(ImageReference::Catalog);
+        assert!(nova.check_own_boot_disk(&catalogue, false).is_ok(), "a Nova server gets its own root disk");
+        let trusted = roots.with_trusted_namespaces(&["team-a".to_owned()]);
+        assert!(trusted.check_own_boot_disk(&catalogue, false).is_ok());
     }
 
     #[test]

@@ -6,8 +6,10 @@
 //! (`spec.image` as a path, `spec.kernelBoot`, a host image) is refused
 //! with nothing defined, whoever creates it, the tenant's own credentials
 //! included; the tenant cannot write the catalogue; a VM that names a
-//! `VirtualMachineImage` that does not exist yet waits, and boots the
-//! entry's disk and kernel once an administrator creates it.
+//! `VirtualMachineImage` that does not exist yet waits; once an
+//! administrator creates it, booting the image's shared file itself is
+//! refused, and a VM with its own root disk made from it boots the entry's
+//! disk and kernel.
 
 mod common;
 
@@ -89,17 +91,42 @@ async fn an_untrusted_namespace_names_no_host_file_and_boots_catalogue_images_by
         !domain_exists(&domain) && !domain_exists(&format!("{ns}_byhand")) && !domain_exists(&format!("{ns}_kernel"))
     );
 
-    // The administrator adds it: the VM boots its disk and kernel.
+    // The administrator adds it. Booting the image's file itself would make
+    // the file every VM of the image shares this VM's writable disk: refused,
+    // naming the fix, nothing defined and the image untouched.
+    let image_path = by_hand["image"].as_str().unwrap().to_owned();
+    let image_bytes = std::fs::read(&image_path).unwrap();
     let _entry = common::CatalogueImage::create(&env, &name, entry.data["spec"].clone());
-    env.wait_vm_phase("web", "Running").await;
-    let pod = env.pod_of("web").await;
+    let message = env.wait_waiting("web", "StorageNotAllowed").await;
+    assert!(message.starts_with(&format!("spec.image {name:?} is a catalogue image, and booting it")), "{message}");
+    assert!(message.contains(&format!("namespace {ns} is not one of them")) && message.contains("spec.rootDisk"));
+    assert!(!domain_exists(&domain));
+
+    // With a root disk of its own, made from the image, the VM boots the
+    // entry's disk (as the pinned base of its volume) and kernel.
+    let pool = common::pool::Pool::new(&env);
+    pool.class(&env, json!({"format": "qcow2"}), false);
+    env.apply_vm(
+        "own",
+        json!({"resources": {"cpu": 1, "memory": "256Mi"}, "image": name,
+               "rootDisk": {"size": "1Gi", "storageClassName": pool.name}}),
+    );
+    env.wait_vm_phase("own", "Running").await;
+    let pod = env.pod_of("own").await;
     assert_eq!(env.exec_stdout(&pod, "echo up").await, "up");
-    let xml = output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(["dumpxml", &domain]), VIRSH);
+    let xml =
+        output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(["dumpxml", &format!("{ns}_own")]), VIRSH);
     let xml = String::from_utf8_lossy(&xml.stdout);
-    assert!(xml.contains(&format!("<source file='{}'", by_hand["image"].as_str().unwrap())), "{xml}");
+    assert!(xml.contains(&format!("<source file='{image_path}'/>")), "the image is the volume's base: {xml}");
     assert!(xml.contains(&format!("<kernel>{}</kernel>", by_hand["kernelBoot"]["kernel"].as_str().unwrap())), "{xml}");
-    assert!(!domain_exists(&format!("{ns}_byhand")), "the refused VM is still not defined");
+    assert!(
+        !domain_exists(&format!("{ns}_byhand")) && !domain_exists(&domain),
+        "the refused VMs are still not defined"
+    );
+    env.kubectl(&["delete", "virtualmachine/own", "--wait=true"]);
+    assert!(std::fs::read(&image_path).unwrap() == image_bytes, "the image is never written");
     drop(env);
+    drop(pool);
 }
 
 /// The API server refuses a VM whose root disk has no catalogue image, or

@@ -16,84 +16,25 @@
 
 mod common;
 
-use common::deadline::{output_within, VIRSH};
-use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, repo, storage_root, Host, TestEnv};
+use common::deadline::output_within;
+use common::pool::Pool;
+use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use serde_json::json;
 use std::process::Command;
 
-/// `virsh -c <uri> <args>`: (success, trimmed stdout, or stderr on failure).
+/// `virsh -c qemu:///system <args>`: (success, trimmed stdout, or stderr).
 fn virsh(args: &[&str]) -> (bool, String) {
-    let out = output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(args), VIRSH);
-    let text = if out.status.success() { &out.stdout } else { &out.stderr };
-    (out.status.success(), String::from_utf8_lossy(text).trim().to_owned())
+    common::pool::virsh_at(&qemu_uri(), args)
 }
 
-/// The test's own `dir` storage pool on libvirtd and StorageClass, both
-/// named after the namespace; removed on drop (the pool with whatever
-/// volumes are left in it).
-struct Pool {
-    name: String,
-}
-
-impl Pool {
-    fn new(env: &TestEnv) -> Pool {
-        let name = env.ns.clone();
-        let dir = storage_root(env).join("pool");
-        std::fs::create_dir_all(&dir).unwrap();
-        let target = dir.display().to_string();
-        for args in [&["pool-define-as", name.as_str(), "dir", "--target", &target][..], &["pool-start", name.as_str()]]
-        {
-            let (ok, out) = virsh(args);
-            assert!(ok, "virsh {args:?}: {out}");
-        }
-        Pool { name }
-    }
-
-    /// The volume names in the pool, sorted (`virsh vol-list`'s first column,
-    /// below its header).
-    fn volumes(&self) -> Vec<String> {
-        let (ok, out) = virsh(&["pool-refresh", &self.name]);
-        assert!(ok, "virsh pool-refresh {}: {out}", self.name);
-        let (ok, out) = virsh(&["vol-list", &self.name]);
-        assert!(ok, "virsh vol-list {}: {out}", self.name);
-        let rows = out.lines().skip_while(|l| !l.starts_with("---")).skip(1);
-        let mut names: Vec<String> = rows.filter_map(|l| l.split_whitespace().next()).map(str::to_owned).collect();
-        names.sort();
-        names
-    }
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        // The pool's directory goes with the test's storage root.
-        let _ = virsh(&["pool-destroy", &self.name]);
-        let _ = virsh(&["pool-undefine", &self.name]);
-        let cluster = common::cluster();
-        let mut kubectl = Command::new(cluster.bin.join("kubectl"));
-        kubectl.env("KUBECONFIG", &cluster.kubeconfig);
-        kubectl.args(["delete", &format!("storageclass/{}", self.name), "--ignore-not-found", "--wait=false"]);
-        let _ = output_within(&mut kubectl, common::kubectl_deadline(&["delete"]));
-    }
-}
-
-/// The test's pool ([`Pool::new`]), the shipped `CSIDriver` (the first
-/// object of deploy/storage.yaml) and a StorageClass of the pool's name
-/// making volumes in `format`, with `allowVolumeExpansion` as `expansion`.
+/// The test's pool ([`Pool::new`]) and its StorageClass making volumes in
+/// `format`, with `allowVolumeExpansion` as `expansion`.
 fn pool_and_class(env: &TestEnv, format: &str, expansion: bool) -> Pool {
     let pool = Pool::new(env);
-    let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
-    let driver = shipped.split("\n---\n").next().unwrap();
-    assert!(driver.contains("kind: CSIDriver"), "{driver}");
-    let applied = env.apply(driver);
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
-    let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": pool.name},
-        "provisioner": "libvirt.vmlet.io", "parameters": {"pool": pool.name, "format": format},
-        "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete", "allowVolumeExpansion": expansion});
-    let applied = env.apply(&class.to_string());
-    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    pool.class(env, json!({"format": format}), expansion);
     pool
 }
 
@@ -114,6 +55,23 @@ fn tiny_image(env: &TestEnv, guest: &std::path::Path) -> (common::CatalogueImage
     let by_path = guest_vm_spec(guest);
     let spec = json!({"libvirt": {"path": by_path["image"], "kernelBoot": by_path["kernelBoot"]}});
     (common::CatalogueImage::create(env, &format!("tiny-{}", env.ns), spec), by_path)
+}
+
+/// The spec of a VM booting catalogue image `image` (the test guest, whose
+/// resources `by_path` gives) from its own root disk, a qcow2 overlay of
+/// 128 MiB (the image is 64 MiB) in `pool`'s class `<pool>-root`
+/// (made here when missing), with the data disks `disks`.
+fn tiny_vm(
+    env: &TestEnv,
+    pool: &Pool,
+    image: &str,
+    by_path: &serde_json::Value,
+    disks: serde_json::Value,
+) -> serde_json::Value {
+    let class = format!("{}-root", pool.name);
+    pool.class_named(env, &class, json!({"format": "qcow2"}), false);
+    json!({"resources": by_path["resources"], "image": image,
+           "rootDisk": {"size": "128Mi", "storageClassName": class}, "disks": disks})
 }
 
 /// The first 4 KiB of a qcow2 image whose header names `backing` (raw) as
@@ -159,11 +117,9 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     let (env, guest) = untrusted_env("provision").await;
     let node = env.node("q");
     let (tiny, by_path) = tiny_image(&env, &guest);
-    let vm_spec = || {
-        json!({"resources": by_path["resources"], "image": tiny.0,
-               "disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]})
-    };
     let pool = pool_and_class(&env, "raw", true);
+    let data = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    let vm_spec = || tiny_vm(&env, &pool, &tiny.0, &by_path, data.clone());
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
     let claim: PersistentVolumeClaim = serde_json::from_value(json!({
         "metadata": {"name": "data"},
@@ -173,7 +129,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     .unwrap();
     let claim = claims.create(&PostParams::default(), &claim).await.unwrap();
     let uid = claim.uid().unwrap();
-    assert_eq!(pool.volumes(), Vec::<String>::new(), "nothing before a VM uses the claim");
+    assert_eq!(pool.volumes_of("data"), Vec::<String>::new(), "nothing before a VM uses the claim");
 
     env.apply_vm("web", vm_spec());
     env.wait_vm_phase("web", "Running").await;
@@ -181,7 +137,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
     // The claim is bound to vmlet's PersistentVolume for a volume of
     // vmlet's name, in the pool, on the VM's host.
     let volume = format!("{}_data_{uid}", env.ns);
-    assert_eq!(pool.volumes(), vec![volume.clone()]);
+    assert_eq!(pool.volumes_of("data"), vec![volume.clone()]);
     let bound = claims.get("data").await.unwrap();
     let pv_name = format!("pvc-{uid}");
     assert_eq!(bound.spec.as_ref().unwrap().volume_name.as_deref(), Some(pv_name.as_str()));
@@ -310,7 +266,7 @@ async fn a_claim_gets_a_volume_in_the_pool_of_the_vms_host_and_both_go_with_the_
         async move { pvs.get_opt(&pv_name).await.ok()?.is_none().then_some(()) }
     })
     .await;
-    assert_eq!(pool.volumes(), Vec::<String>::new());
+    assert_eq!(pool.volumes_of("data"), Vec::<String>::new());
     let stolen = intruder_claims.get("stolen").await.unwrap();
     assert_ne!(stolen.status.and_then(|s| s.phase).as_deref(), Some("Bound"), "the other namespace got nothing");
     drop(intruder);
@@ -345,11 +301,8 @@ async fn a_claim_filled_from_a_catalogue_image_is_an_overlay_pinned_to_it() {
     }))
     .unwrap();
     claims.create(&PostParams::default(), &claim).await.unwrap();
-    env.apply_vm(
-        "web",
-        json!({"resources": by_path["resources"], "image": tiny.0,
-               "disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}),
-    );
+    let data = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    env.apply_vm("web", tiny_vm(&env, &pool, &tiny.0, &by_path, data));
     env.wait_vm_phase("web", "Running").await;
 
     // The domain pins the overlay on the image, the image raw.
@@ -358,7 +311,9 @@ async fn a_claim_filled_from_a_catalogue_image_is_an_overlay_pinned_to_it() {
     let base_path = base.display().to_string();
     let pinned = "<backingStore type='file' index='";
     assert!(xml.contains(pinned) && xml.contains(&format!("<source file='{base_path}'/>")), "{xml}");
-    let layer = xml.split("<backingStore type='file'").nth(1).unwrap();
+    // The data disk's element (the root disk has a chain of its own).
+    let disk = xml.split("<disk ").find(|disk| disk.contains(&base_path)).unwrap();
+    let layer = disk.split("<backingStore type='file'").nth(1).unwrap();
     assert!(layer.contains("<format type='raw'/>"), "the base's format is stated: {xml}");
 
     // The guest reads the image's bytes, and its writes stay in its volume.

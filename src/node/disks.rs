@@ -150,15 +150,17 @@ pub fn plan<'a>(disks: &'a [VmDisk], pod: &'a Pod) -> Result<Vec<Planned<'a>>, N
 }
 
 /// The boot image's backing chain ([`host_images::boot_image_chain`], when
-/// `spec` names a host path) and the data disks ([`data_disks`]) of `pod`'s
-/// VM, whose VirtualMachine names `disks`: what the define pins.
+/// `boot` is given and names a host path; `None` for a VM booting its root
+/// disk, whose chain [`root_disk`] resolved) and the data disks
+/// ([`data_disks`]) of `pod`'s VM, whose VirtualMachine names `disks`: what
+/// the define pins.
 pub async fn chains(
     agent: &Agent,
     pod: &Pod,
-    spec: &VmSpec,
+    boot: Option<&VmSpec>,
     disks: &[VmDisk],
 ) -> Result<(Option<Vec<BackingFile>>, Vec<DataDisk>), Unavailable> {
-    let image_chain = match &spec.image {
+    let image_chain = match boot.and_then(|spec| spec.image.as_ref()) {
         Some(image) if agent.provider.image_reference() == ImageReference::HostPath => host_images::boot_image_chain(
             agent.provider.as_ref(),
             &agent.storage,

@@ -444,6 +444,9 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
                     return Err(Error::Kube { action: "read the catalogue image of", pod: pod.name_any(), source })
                 }
             };
+            if let Err(refusal) = agent.storage.check_own_boot_disk(&vm.spec, cached.spec.root_disk.is_some()) {
+                return Ok(Started::Refused(refusal));
+            }
             if let Err(refusal) = agent.storage.check_on_host(&resolved, disks).await {
                 return Ok(Started::Refused(refusal));
             }
@@ -451,20 +454,27 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
                 Ok(spec) => spec,
                 Err(missing) => return Ok(Started::CloudInitMissing(missing)),
             };
-            (spec.image, spec.kernel_boot) = (resolved.image, resolved.kernel_boot);
-            let chains = super::disks::chains(agent, pod, &spec, disks).await;
+            // A root disk is the VM's own boot volume: an overlay on the
+            // image, its chain (the image's included) pinned by the claim's
+            // resolution, so the image's own chain is not walked again.
+            let root = match super::disks::root_disk(agent, vm, &cached).await {
+                Ok(root) => root,
+                Err(not_ready) => return Ok(Started::DisksNotReady(not_ready)),
+            };
+            spec.kernel_boot = resolved.kernel_boot;
+            spec.image = match &root {
+                Some(root) => Some(root.path.clone()),
+                None => resolved.image,
+            };
+            let chains = super::disks::chains(agent, pod, root.is_none().then_some(&spec), disks).await;
             (spec.image_backing_chain, spec.disks) = match chains {
                 Ok(chains) => chains,
                 Err(Unavailable::NotReady(not_ready)) => return Ok(Started::DisksNotReady(not_ready)),
                 Err(Unavailable::Refused(refusal)) => return Ok(Started::Refused(refusal)),
                 Err(Unavailable::Provider(e)) => return Err(e.into()),
             };
-            // A root disk is the VM's own boot volume: an overlay on the
-            // image, its chain pinned by the claim's resolution.
-            match super::disks::root_disk(agent, vm, &cached).await {
-                Ok(Some(root)) => (spec.image, spec.image_backing_chain) = (Some(root.path), Some(root.backing_chain)),
-                Ok(None) => {}
-                Err(not_ready) => return Ok(Started::DisksNotReady(not_ready)),
+            if let Some(root) = root {
+                spec.image_backing_chain = Some(root.backing_chain);
             }
             spec.networks = cached.spec.networks.iter().map(|network| network.request()).collect();
             (provider.ensure_defined(&spec).await?, true, record)

@@ -8,6 +8,7 @@
 #[path = "../support/deadline.rs"]
 pub mod deadline;
 pub mod disk;
+pub mod pool;
 pub mod tenant;
 
 use deadline::{kill_and_reap, output_within, run_echoing, run_with_stdin, GUEST_BUILD, KUBECTL};
