@@ -365,3 +365,76 @@ async fn a_cold_migrate_vm_is_shut_down_moved_and_started_on_the_other_host() {
     assert_eq!(domstate(&mig_uri("B"), &domain), "running");
     assert!(persistent(&mig_uri("B"), &domain));
 }
+
+/// A VM whose data disk is a claim of a shared pool (the same `dir` pool on
+/// mig-a and mig-b, on a directory both see; class parameter `shared`)
+/// is drained live with it: the claim may be `ReadWriteMany`, its
+/// PersistentVolume is no one host's, and the guest reads on mig-b what it
+/// wrote on mig-a, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_moves_a_vm_live_with_its_disk_on_a_shared_pool() {
+    let mut env = TestEnv::new("migrate-pool").await;
+    let guest = guest_for(&env);
+    let accelerator = guest_accelerator(&guest);
+    let (a, b) = (env.node("a"), env.node("b"));
+    env.start_vmlet(&[mig_host("A", accelerator), mig_host("B", accelerator)]);
+    env.wait_node_ready(&a).await;
+    env.wait_node_ready(&b).await;
+    let pool = common::pool::Pool::on(&env, &[mig_uri("A"), mig_uri("B")]);
+    pool.class(&env, json!({"format": "raw", "shared": "true"}), false);
+    let claim = json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+        "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteMany"],
+                 "resources": {"requests": {"storage": "64Mi"}}}});
+    let applied = env.apply(&claim.to_string());
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    let mut spec = guest_vm_spec(&guest);
+    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    running_on_a(&env, "web", spec).await;
+    let domain = format!("{}_web", env.ns);
+
+    // The volume: made on mig-a, its PersistentVolume tied to no host.
+    let volumes = pool.volumes_of("data");
+    assert_eq!(volumes.len(), 1, "{volumes:?}");
+    let path = format!("{}/{}", common::pool::Pool::dir(&env).display(), volumes[0]);
+    let pv_name = env.kubectl(&["get", "pvc", "data", "-o", "jsonpath={.spec.volumeName}"]);
+    let pv = env.kubectl(&["get", "pv", pv_name.trim(), "-o", "json"]);
+    let pv: serde_json::Value = serde_json::from_str(&pv).unwrap();
+    assert_eq!(pv["spec"]["nodeAffinity"], serde_json::Value::Null, "{pv}");
+    assert_eq!(pv["spec"]["accessModes"], json!(["ReadWriteMany"]));
+    assert_eq!(pv["spec"]["csi"]["volumeAttributes"]["shared"], "true");
+
+    let evicted = env.pod_of("web").await;
+    let mark = format!("moved-{}", env.ns);
+    let write = format!(
+        "dev=$({}) && printf '%s\\n' {mark} | dd of=/dev/$dev bs=512 count=1 conv=sync,fsync 2>/dev/null && echo ok",
+        common::device_named("data")
+    );
+    assert_eq!(env.exec_stdout(&evicted, &write).await, "ok");
+    let before = uptime(&env, &evicted).await;
+
+    let sampler = Sampler::start(vec![domain.clone()]);
+    let drained = env.kubectl_output(&["drain", &a, "--ignore-daemonsets", "--timeout=300s"]);
+    let samples = sampler.finish();
+    assert!(
+        drained.status.success(),
+        "drain failed: {}\n{}",
+        String::from_utf8_lossy(&drained.stderr),
+        env.diagnostics()
+    );
+    assert!(!samples.iter().any(|(on_a, on_b)| *on_a && *on_b), "the domain ran on both hosts at once: {samples:?}");
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let status = vm.status.unwrap();
+    assert_eq!(status.node_name.as_deref(), Some(b.as_str()));
+    assert_eq!(status.migration.as_ref().and_then(|m| m.mode.as_deref()), Some("Live"));
+
+    let current = env.pod_of("web").await;
+    let after = uptime(&env, &current).await;
+    assert!(after > before, "the guest rebooted: uptime {before} s before, {after} s after");
+    let read = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", common::device_named("data"));
+    assert_eq!(env.exec_stdout(&current, &read).await, mark, "the guest reads on mig-b what it wrote on mig-a");
+    let listed = output_within(Command::new("virsh").args(["-c", &mig_uri("B"), "domblklist", &domain]), VIRSH);
+    assert!(String::from_utf8_lossy(&listed.stdout).contains(&path), "{}", String::from_utf8_lossy(&listed.stdout));
+    env.kubectl(&["delete", "virtualmachine/web", "--wait=true"]);
+    drop(env);
+    drop(pool);
+}

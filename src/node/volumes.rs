@@ -115,7 +115,9 @@ pub(super) async fn claim_disk(
 /// CSI source `csi` names the volume (`volumeHandle`
 /// `<node>/<pool>/<volume>`) and the format vmlet's provisioner made it in
 /// (`volumeAttributes.format`): the volume's file, in that format, standing
-/// alone. The pool's own idea of the format is never used: libvirt probes
+/// alone. A volume of a shared pool ([`super::provisioner::SHARED_ATTRIBUTE`])
+/// is looked up in this host's pool of that name; any other must be this
+/// host's. The pool's own idea of the format is never used: libvirt probes
 /// it from the file, which the guest writes.
 async fn provisioned_disk(
     provider: &dyn Provider,
@@ -137,7 +139,8 @@ async fn provisioned_disk(
             "PersistentVolume {pv_name} states no format vmlet attaches (csi.volumeAttributes.format: {stated:?})"
         )));
     };
-    if on != node {
+    let shared = csi.volume_attributes.as_ref().and_then(|a| a.get(super::provisioner::SHARED_ATTRIBUTE));
+    if on != node && shared.map(String::as_str) != Some("true") {
         return Err(unusable(format!("PersistentVolume {pv_name}'s volume lives on host {on}, not {node}")));
     }
     let Some(volumes) = provider.volumes() else {

@@ -112,7 +112,8 @@ pub trait Volumes: Send + Sync {
     async fn create_volume(&self, request: &VolumeRequest) -> Result<Volume>;
 
     /// The volume named `name` in pool `pool`, or `None` when the pool has
-    /// none of that name.
+    /// none of that name even after it was refreshed (a pool that several
+    /// hosts share holds the volumes each of them made).
     ///
     /// Errors: those every operation may return.
     async fn volume(&self, pool: &str, name: &str) -> Result<Option<Volume>>;

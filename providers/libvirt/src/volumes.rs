@@ -72,7 +72,16 @@ impl Volumes for LibvirtProvider {
         let (pool, name) = (pool.to_owned(), name.to_owned());
         self.blocking_within(OP, DEADLINE, move |_, conn| {
             let storage = open_pool(conn, OP, &pool)?;
-            lookup(&storage, OP, &name)?.map(|found| found.into_volume(OP, &pool, &name)).transpose()
+            let found = match lookup(&storage, OP, &name)? {
+                Some(found) => Some(found),
+                // A pool that several hosts share lists a volume another
+                // host made only once it is refreshed.
+                None => {
+                    storage.refresh(0).map_err(|err| from_libvirt(OP, err))?;
+                    lookup(&storage, OP, &name)?
+                }
+            };
+            found.map(|found| found.into_volume(OP, &pool, &name)).transpose()
         })
         .await
     }

@@ -77,6 +77,13 @@ pub(super) fn growth(
     if requested_bytes <= current_bytes {
         return Ok(None);
     }
+    if csi.volume_attributes.as_ref().and_then(|a| a.get(super::SHARED_ATTRIBUTE)).map(String::as_str) == Some("true") {
+        return Err(format!(
+            "PersistentVolume {}'s volume lies in a pool that several hosts share, and vmlet grows those volumes not \
+             yet (a running VM's disk grows only through the host that runs it); lower the request again",
+            pv.name_any()
+        ));
+    }
     let stated = csi.volume_attributes.as_ref().and_then(|a| a.get(FORMAT_ATTRIBUTE));
     let format = match stated.map(String::as_str) {
         Some("raw") => DiskFormat::Raw,

@@ -26,7 +26,11 @@
 //!   handle, [`super::volumes`]). kube-controller-manager's PV controller
 //!   then binds the claim. A pool of one host gives `ReadWriteOnce` (and
 //!   `ReadWriteOncePod`) only: a claim asking for more is refused with a
-//!   Warning Event.
+//!   Warning Event. A class with `shared: "true"` says its pool is one
+//!   storage that several hosts define alike (same name, same path): its
+//!   volumes may also be `ReadWriteMany`, their PersistentVolumes are tied
+//!   to the class's `allowedTopologies` (or to no node) instead of the host,
+//!   and carry [`SHARED_ATTRIBUTE`], so a VM on them can move between hosts.
 //! - **Growth.** A bound claim of an `allowVolumeExpansion` class that asks
 //!   for more gets its volume grown, live on a running VM ([`expansion`]).
 //! - **Release → deletion.** A PersistentVolume of `Delete` policy carries
@@ -79,6 +83,11 @@ pub const FORMAT_ATTRIBUTE: &str = "format";
 pub const BACKING_FILE_ATTRIBUTE: &str = "backingFile";
 /// See [`BACKING_FILE_ATTRIBUTE`].
 pub const BACKING_FORMAT_ATTRIBUTE: &str = "backingFormat";
+/// The CSI volume attribute (`"true"`) of a PersistentVolume whose volume
+/// lies in a pool that several hosts share (its class's parameter
+/// `shared`): any host that defines the pool may attach it, not only the
+/// one its `volumeHandle` names (the host that made it).
+pub const SHARED_ATTRIBUTE: &str = "shared";
 /// The finalizer that holds a PersistentVolume of `Delete` policy until its
 /// volume is deleted from the pool.
 pub const FINALIZER: &str = "vmlet.io/volume";
@@ -156,6 +165,9 @@ struct Wanted {
     /// The `VirtualMachineImage` the claim is filled from
     /// (`spec.dataSourceRef`), by name.
     image: Option<String>,
+    /// The class's pool is storage that several hosts share (parameter
+    /// `shared: "true"`): the volume is no one host's.
+    shared: bool,
 }
 
 /// Why a claim of a vmlet class gets no volume now: the Warning Event's note.
@@ -182,9 +194,18 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
     let pool = parameters.get("pool").filter(|p| !p.is_empty()).ok_or_else(|| {
         format!("StorageClass {class_name} names no pool: set parameters.pool to a storage pool of the hosts")
     })?;
-    if let Some(key) = parameters.keys().find(|k| !matches!(k.as_str(), "pool" | "format")) {
-        return Err(format!("StorageClass {class_name}: unknown parameter {key:?}; vmlet reads pool and format"));
+    if let Some(key) = parameters.keys().find(|k| !matches!(k.as_str(), "pool" | "format" | "shared")) {
+        return Err(format!(
+            "StorageClass {class_name}: unknown parameter {key:?}; vmlet reads pool, format and shared"
+        ));
     }
+    let shared = match parameters.get("shared").map(String::as_str) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(format!("StorageClass {class_name}: parameters.shared {other:?}: use \"true\" or \"false\""));
+        }
+    };
     let format = match parameters.get("format").map(String::as_str) {
         None | Some("raw") => DiskFormat::Raw,
         Some("qcow2") => DiskFormat::Qcow2,
@@ -193,10 +214,16 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
         }
     };
     let modes = spec.and_then(|s| s.access_modes.clone()).unwrap_or_default();
-    if let Some(mode) = modes.iter().find(|m| !matches!(m.as_str(), "ReadWriteOnce" | "ReadWriteOncePod")) {
-        return Err(format!(
-            "spec.accessModes {mode}: a volume in pool {pool} lives on one host; ask for ReadWriteOnce"
-        ));
+    let one_host = |mode: &str| matches!(mode, "ReadWriteOnce" | "ReadWriteOncePod");
+    if let Some(mode) = modes.iter().find(|m| !(one_host(m) || shared && m.as_str() == "ReadWriteMany")) {
+        return Err(if shared {
+            format!("spec.accessModes {mode}: a VM writes its disks; ask for ReadWriteOnce or ReadWriteMany")
+        } else {
+            format!(
+                "spec.accessModes {mode}: a volume in pool {pool} lives on one host (StorageClass {class_name} does \
+                 not say shared: \"true\"); ask for ReadWriteOnce"
+            )
+        });
     }
     let image = match spec.and_then(|s| s.data_source_ref.as_ref()) {
         None => None,
@@ -224,7 +251,7 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
     let capacity_bytes = quantity::parse_bytes(&size.0)
         .map_err(|e| format!("spec.resources.requests.storage {:?}: {e}", size.0))?
         .max(1);
-    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, image }))
+    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, image, shared }))
 }
 
 /// The volume name of `claim`: `<namespace>_<claim>_<uid>`, or
@@ -435,26 +462,52 @@ fn persistent_volume(
                         attributes.insert(BACKING_FILE_ATTRIBUTE.to_owned(), base.path.clone());
                         attributes.insert(BACKING_FORMAT_ATTRIBUTE.to_owned(), base.format.as_str().to_owned());
                     }
+                    if wanted.shared {
+                        attributes.insert(SHARED_ATTRIBUTE.to_owned(), "true".to_owned());
+                    }
                     attributes
                 }),
                 ..CSIPersistentVolumeSource::default()
             }),
-            node_affinity: Some(VolumeNodeAffinity {
-                required: Some(NodeSelector {
-                    node_selector_terms: vec![NodeSelectorTerm {
-                        match_expressions: Some(vec![NodeSelectorRequirement {
-                            key: "kubernetes.io/hostname".to_owned(),
-                            operator: "In".to_owned(),
-                            values: Some(vec![node.to_owned()]),
-                        }]),
-                        ..NodeSelectorTerm::default()
-                    }],
-                }),
-            }),
+            node_affinity: node_affinity(class, wanted),
             ..PersistentVolumeSpec::default()
         }),
         status: None,
     }
+}
+
+/// Where a PersistentVolume of `class` for `wanted` may be used: the one
+/// host that made it; for a shared pool, the nodes of the class's
+/// `allowedTopologies` (each term's label values, as the scheduler reads
+/// them for provisioning), or any node when it has none.
+fn node_affinity(class: &StorageClass, wanted: &Wanted) -> Option<VolumeNodeAffinity> {
+    let requirement = |key: &str, values: Vec<String>| NodeSelectorRequirement {
+        key: key.to_owned(),
+        operator: "In".to_owned(),
+        values: Some(values),
+    };
+    let terms: Vec<NodeSelectorTerm> = if wanted.shared {
+        let topologies = class.allowed_topologies.as_deref().unwrap_or_default();
+        topologies
+            .iter()
+            .map(|term| NodeSelectorTerm {
+                match_expressions: Some(
+                    term.match_label_expressions
+                        .iter()
+                        .flatten()
+                        .map(|expression| requirement(&expression.key, expression.values.clone()))
+                        .collect(),
+                ),
+                ..NodeSelectorTerm::default()
+            })
+            .collect()
+    } else {
+        vec![NodeSelectorTerm {
+            match_expressions: Some(vec![requirement("kubernetes.io/hostname", vec![wanted.node.clone()])]),
+            ..NodeSelectorTerm::default()
+        }]
+    };
+    (!terms.is_empty()).then(|| VolumeNodeAffinity { required: Some(NodeSelector { node_selector_terms: terms }) })
 }
 
 /// The node, pool and volume of a PersistentVolume's CSI `volumeHandle`
@@ -546,6 +599,7 @@ mod tests {
                 format: DiskFormat::Raw,
                 capacity_bytes: 1 << 30,
                 image: None,
+                shared: false,
             })
         );
         let qcow2 = class(serde_json::json!({"parameters": {"format": "qcow2"}}));
@@ -580,7 +634,8 @@ mod tests {
         let shared = claim(serde_json::json!({"spec": {"accessModes": ["ReadWriteMany"]}}));
         assert_eq!(
             wanted(&shared, &class(serde_json::json!({}))).unwrap_err(),
-            "spec.accessModes ReadWriteMany: a volume in pool vms lives on one host; ask for ReadWriteOnce"
+            "spec.accessModes ReadWriteMany: a volume in pool vms lives on one host (StorageClass vmlet-local does \
+             not say shared: \"true\"); ask for ReadWriteOnce"
         );
         let typo = class(serde_json::json!({"parameters": {"poool": "x"}}));
         assert!(wanted(&claim(serde_json::json!({})), &typo).unwrap_err().contains("unknown parameter \"poool\""));
@@ -595,6 +650,7 @@ mod tests {
             format: DiskFormat::Qcow2,
             capacity_bytes: 1 << 30,
             image: None,
+            shared: false,
         };
         let pv =
             persistent_volume(&claim, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30, None);
@@ -619,6 +675,40 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_class_allows_read_write_many_and_ties_its_volumes_to_its_topologies_only() {
+        let rwx = claim(serde_json::json!({"spec": {"accessModes": ["ReadWriteMany"]}}));
+        let local = class(serde_json::json!({}));
+        let refusal = wanted(&rwx, &local).unwrap_err();
+        assert!(
+            refusal.starts_with("spec.accessModes ReadWriteMany: a volume in pool vms lives on one host"),
+            "{refusal}"
+        );
+        let shared = class(serde_json::json!({"parameters": {"shared": "true"}}));
+        let wanted_shared = wanted(&rwx, &shared).unwrap().unwrap();
+        assert!(wanted_shared.shared);
+        let rox = claim(serde_json::json!({"spec": {"accessModes": ["ReadOnlyMany"]}}));
+        assert!(wanted(&rox, &shared).unwrap_err().contains("ask for ReadWriteOnce or ReadWriteMany"));
+        let typo = class(serde_json::json!({"parameters": {"shared": "yes"}}));
+        assert!(wanted(&rwx, &typo).unwrap_err().contains("parameters.shared \"yes\": use \"true\" or \"false\""));
+
+        // No topologies: any node; else the class's, as node selector terms.
+        let pv = persistent_volume(&rwx, &shared, "libvirt.vmlet.io", &wanted_shared, "v1", 1, None);
+        let json = serde_json::to_value(&pv).unwrap();
+        assert_eq!(json["spec"]["nodeAffinity"], serde_json::Value::Null);
+        assert_eq!(json["spec"]["accessModes"], serde_json::json!(["ReadWriteMany"]));
+        assert_eq!(json["spec"]["csi"]["volumeAttributes"][SHARED_ATTRIBUTE], "true");
+        assert_eq!(json["spec"]["csi"]["volumeHandle"], "host-a/vms/v1", "the handle names the host that made it");
+        let topologies = class(serde_json::json!({"parameters": {"shared": "true"}, "allowedTopologies": [
+            {"matchLabelExpressions": [{"key": "kubernetes.io/hostname", "values": ["mig-a", "mig-b"]}]}]}));
+        let pv = persistent_volume(&rwx, &topologies, "libvirt.vmlet.io", &wanted_shared, "v1", 1, None);
+        assert_eq!(
+            serde_json::to_value(&pv).unwrap()["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"],
+            serde_json::json!([{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["mig-a", "mig-b"]}]}])
+        );
+    }
+
+    #[test]
     fn volume_names_are_the_claims_and_handles_parse_back() {
         assert_eq!(volume_name("team-a", "data", "u-1", DiskFormat::Raw), "team-a_data_u-1");
         assert_eq!(volume_name("team-a", "data", "u-1", DiskFormat::Qcow2), "team-a_data_u-1.qcow2");
@@ -637,6 +727,7 @@ mod tests {
             format: DiskFormat::Qcow2,
             capacity_bytes: 1 << 30,
             image: None,
+            shared: false,
         };
         let small = claim(serde_json::json!({}));
         let pv =
