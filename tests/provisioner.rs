@@ -390,3 +390,87 @@ async fn a_vm_with_a_root_disk_boots_its_own_overlay_of_its_image_which_goes_wit
     .await;
     drop(env);
 }
+
+/// The note of the first Event of `reason` about object `name`, once there is one.
+async fn wait_event(env: &TestEnv, name: &str, reason: &str) -> String {
+    let selector = format!("involvedObject.name={name},reason={reason}");
+    env.wait_for(&format!("a {reason} Event on {name}"), || {
+        let out =
+            env.kubectl_output(&["get", "events", "--field-selector", &selector, "-o", "jsonpath={.items[0].message}"]);
+        let note = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        async move { (out.status.success() && !note.is_empty()).then_some(note) }
+    })
+    .await
+}
+
+/// A root disk of a class with `fromImage: copy` is a full, raw copy of
+/// its image (no backing chain in the domain); raising `spec.rootDisk.size`
+/// grows the running guest's disk, lowering it is refused with an Event;
+/// a root disk smaller than its image gets no volume, and its claim's
+/// Event names both sizes.
+#[tokio::test]
+async fn a_root_disk_copied_from_its_image_grows_with_its_size_and_is_never_smaller_than_it() {
+    let (env, guest) = untrusted_env("rootcopy").await;
+    let pool = Pool::new(&env);
+    pool.class(&env, json!({"format": "raw", "fromImage": "copy"}), true);
+    let (tiny, by_path) = tiny_image(&env, &guest);
+    let image_path = by_path["image"].as_str().unwrap().to_owned();
+    let spec = |size: &str| {
+        json!({"resources": by_path["resources"], "image": tiny.0,
+               "rootDisk": {"size": size, "storageClassName": pool.name}})
+    };
+
+    // The image's disk is 64 MiB: 32 MiB is refused, and nothing is made.
+    env.apply_vm("small", spec("32Mi"));
+    let note = wait_event(&env, "small-root", "ProvisioningFailed").await;
+    assert!(
+        note.contains(&format!("{} bytes is less than its image {image_path}'s disk of {} bytes", 32 << 20, 64 << 20)),
+        "{note}"
+    );
+    assert_eq!(pool.volumes_of("small-root"), Vec::<String>::new());
+    env.kubectl(&["delete", "virtualmachine/small", "--wait=true"]);
+
+    env.apply_vm("web", spec("128Mi"));
+    env.wait_vm_phase("web", "Running").await;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let uid = claims.get("web-root").await.unwrap().uid().unwrap();
+    let volume = format!("{}_web-root_{uid}", env.ns);
+    assert_eq!(pool.volumes_of("web-root"), vec![volume.clone()], "raw: no .qcow2 in its name");
+    let volume_path = format!("{}/{volume}", Pool::dir(&env).display());
+    let (ok, xml) = virsh(&["dumpxml", &format!("{}_web", env.ns)]);
+    assert!(ok, "{xml}");
+    let boot = format!("<driver name='qemu' type='raw'/>\n      <source file='{volume_path}' index=");
+    assert!(xml.contains(&boot), "{boot} in {xml}");
+    assert!(!xml.contains(&image_path) && !xml.contains("<backingStore type='file'"), "a copy has no chain: {xml}");
+    let compared = output_within(
+        Command::new("qemu-img").args(["compare", "-U", "-q", "-f", "qcow2", "-F", "raw", &image_path, &volume_path]),
+        std::time::Duration::from_secs(60),
+    );
+    assert!(compared.status.success(), "the volume holds the image: {}", String::from_utf8_lossy(&compared.stderr));
+    let pod = env.pod_of("web").await;
+    assert_eq!(env.exec_stdout(&pod, "cat /sys/block/vda/size").await, (128u64 << 20 >> 9).to_string());
+
+    // Raised: the running guest's disk grows; lowered: an Event, no change.
+    env.apply_vm("web", spec("256Mi"));
+    env.wait_for("the guest to see a 256 MiB root disk", || {
+        let out = env.kubectl_output(&["exec", &pod, "--", "cat", "/sys/block/vda/size"]);
+        let sectors = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        async move { (sectors == (256u64 << 20 >> 9).to_string()).then_some(()) }
+    })
+    .await;
+    env.apply_vm("web", spec("64Mi"));
+    let note = wait_event(&env, "web", "InvalidSpec").await;
+    assert!(
+        note.starts_with("spec.rootDisk.size 64Mi is less than claim web-root's 256Mi: a root disk never shrinks"),
+        "{note}"
+    );
+    assert_eq!(std::fs::metadata(&volume_path).unwrap().len(), 256 << 20);
+
+    env.kubectl(&["delete", "virtualmachine/web", "--wait=true"]);
+    env.wait_for("the root disk's volume to be gone", || {
+        let pool = &pool;
+        async move { pool.volumes().is_empty().then_some(()) }
+    })
+    .await;
+    drop(env);
+}

@@ -192,6 +192,13 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             return Ok(Action::requeue(Duration::from_millis(500)));
         }
     }
+    // A spec change (not yet in status.observedGeneration) may have grown
+    // the root disk: its claim asks for the new size, once.
+    if let Some(root) = &vm.spec.root_disk {
+        if vm.status.as_ref().and_then(|s| s.observed_generation) != vm.metadata.generation {
+            grow_root_claim(&vm, root, &ctx).await?;
+        }
+    }
     let current = current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?;
 
     let active = vm.status.as_ref().and_then(|s| s.migration.clone()).filter(|m| m.is_active());
@@ -472,6 +479,64 @@ async fn ensure_root_claim(
             object: format!("{namespace}/{}", vm.name_any()),
             source,
         }),
+    }
+}
+
+/// Make the claim of `vm`'s root disk `root` (the controller's: it carries
+/// the VM's label) ask for `root.size` when it asks for less, so that the
+/// provisioner grows the volume (live, on a running VM: the guest sees the
+/// larger disk). A smaller size is not applied (volumes never shrink), nor
+/// is one the claim's class does not let grow (`allowVolumeExpansion`):
+/// either gets an `InvalidSpec` Warning Event naming `spec.rootDisk.size`.
+/// A missing claim is [`ensure_root_claim`]'s to make.
+/// Errors: reading or patching the claim failed otherwise (retried).
+async fn grow_root_claim(vm: &VirtualMachine, root: &crate::v1alpha1::RootDisk, ctx: &Context) -> Result<(), Error> {
+    let namespace = vm.namespace().unwrap_or_default();
+    let name = crate::v1alpha1::root_claim_name(&vm.name_any());
+    let kube_err = |action, source| Error::Kube { action, object: format!("{namespace}/{name}"), source };
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> =
+        Api::namespaced(ctx.client.clone(), &namespace);
+    let Some(claim) = claims.get_opt(&name).await.map_err(|e| kube_err("read the root disk claim", e))? else {
+        return Ok(());
+    };
+    if claim.labels().get(crate::v1alpha1::VM_LABEL) != Some(&vm.name_any()) {
+        return Ok(());
+    }
+    let (Ok(wanted), Some(asked)) = (
+        crate::quantity::parse_bytes(&root.size.0),
+        claim.spec.as_ref().and_then(|s| s.resources.as_ref()).and_then(|r| r.requests.as_ref()?.get("storage")),
+    ) else {
+        return Ok(());
+    };
+    let asked_bytes = crate::quantity::parse_bytes(&asked.0).unwrap_or(0);
+    if wanted < asked_bytes {
+        let note = format!(
+            "spec.rootDisk.size {} is less than claim {name}'s {}: a root disk never shrinks (the guest's data would \
+             be cut off); set it to {} or more",
+            root.size.0, asked.0, asked.0
+        );
+        ctx.events.publish(vm, Reason::InvalidSpec, &note);
+        return Ok(());
+    }
+    if wanted == asked_bytes {
+        return Ok(());
+    }
+    let patch = serde_json::json!({"spec": {"resources": {"requests": {"storage": root.size}}}});
+    match claims.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+        Ok(_) => {
+            info!(claim = %name, size = %root.size.0, "root disk claim grown");
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 403 || s.code == 422 => {
+            let note = format!(
+                "spec.rootDisk.size {}: claim {name} cannot grow ({}); its StorageClass must allow volume expansion",
+                root.size.0, s.message
+            );
+            ctx.events.publish(vm, Reason::InvalidSpec, &note);
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(kube_err("grow the root disk claim", e)),
     }
 }
 

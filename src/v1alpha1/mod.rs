@@ -466,10 +466,14 @@ impl Default for VmResources {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RootDisk {
-    /// The volume's size as the guest sees it, a quantity (`20Gi`).
+    /// The volume's size as the guest sees it, a quantity (`20Gi`), at
+    /// least the image's disk size. Raising it grows the claim and so the
+    /// volume (live on a running VM, when the class allows expansion); it
+    /// never shrinks.
     pub size: k8s_openapi::apimachinery::pkg::api::resource::Quantity,
-    /// The StorageClass of the claim (one of vmlet's provisioner, with
-    /// `format: qcow2`); default: the cluster's default class.
+    /// The StorageClass of the claim (one of vmlet's provisioner: with
+    /// `format: qcow2` for an overlay on the image, or `fromImage: copy` for
+    /// a full copy of it); default: the cluster's default class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage_class_name: Option<String>,
 }

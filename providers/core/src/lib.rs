@@ -30,7 +30,7 @@ pub use host_image::{BackingFile, DiskFormat, HostImages, ImageFacts};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
 pub use resize::{Resize, ResizeScope, Resources};
 pub use snapshot::{RevertOutcome, SnapshotInfo, SnapshotRequest, Snapshots};
-pub use volume::{validate_volume_name, Volume, VolumeRequest, Volumes, MAX_VOLUME_NAME_BYTES};
+pub use volume::{validate_volume_name, Volume, VolumeRequest, VolumeSource, Volumes, MAX_VOLUME_NAME_BYTES};
 
 /// The stable identity of a VM: the UID of its VirtualMachine object
 /// (`metadata.uid`, an RFC 4122 UUID string).

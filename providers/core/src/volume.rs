@@ -28,10 +28,42 @@ pub struct VolumeRequest {
     /// How the hypervisor reads the file. A new volume takes no space up
     /// front: a raw one is a sparse file, a qcow2 one holds its header only.
     pub format: DiskFormat,
-    /// A file the new volume is a qcow2 overlay on, read-only, in the format
-    /// stated here (an image of the catalogue); `None`: the volume stands
-    /// alone. Only with [`DiskFormat::Qcow2`].
-    pub backing: Option<crate::BackingFile>,
+    /// What the new volume holds at first.
+    pub source: VolumeSource,
+}
+
+/// What a new volume holds at first ([`VolumeRequest::source`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum VolumeSource {
+    /// Zeros: a new, empty disk.
+    #[default]
+    Empty,
+    /// A qcow2 overlay on this file, which stays its read-only backing file
+    /// in the format stated here (an image of the catalogue): the volume
+    /// holds only what the guest writes. Only with [`DiskFormat::Qcow2`].
+    Overlay(crate::BackingFile),
+    /// A full, independent copy of this file, read in the format stated
+    /// here: the volume stands alone (in any format) and the file may
+    /// change or go afterwards.
+    Copy(crate::BackingFile),
+}
+
+impl VolumeSource {
+    /// The file the volume is made from, if any.
+    pub fn image(&self) -> Option<&crate::BackingFile> {
+        match self {
+            VolumeSource::Empty => None,
+            VolumeSource::Overlay(image) | VolumeSource::Copy(image) => Some(image),
+        }
+    }
+
+    /// The file the volume stays an overlay on, if any.
+    pub fn backing(&self) -> Option<&crate::BackingFile> {
+        match self {
+            VolumeSource::Overlay(image) => Some(image),
+            _ => None,
+        }
+    }
 }
 
 /// A volume as the back end reports it.
@@ -104,10 +136,17 @@ pub trait Volumes: Send + Sync {
     /// shrunk), so that calling it again after a success or a crash
     /// converges.
     ///
+    /// A volume made from an image ([`VolumeSource::Overlay`],
+    /// [`VolumeSource::Copy`]) is at least as large as the image's disk
+    /// (a smaller one would cut the guest's disk off); a copy appears under
+    /// its name only once it is complete.
+    ///
     /// Errors: `Conflict` when the pool holds a volume of that name in
     /// another format or with a smaller capacity (the message names both
     /// the volume's and the request's); `InvalidInput` for a capacity of 0
-    /// bytes; `QuotaExceeded` or `Permanent` when the pool has no room (the
+    /// bytes, one below the image's disk size (the message names both), or
+    /// an overlay that is not qcow2; `Unsupported` for a copy the back end
+    /// cannot make (libvirt: vmlet is not on the host); `QuotaExceeded` or `Permanent` when the pool has no room (the
     /// back end's message); and those every operation may return.
     async fn create_volume(&self, request: &VolumeRequest) -> Result<Volume>;
 

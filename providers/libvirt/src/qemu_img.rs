@@ -106,6 +106,26 @@ pub(crate) async fn convert(
     }
 }
 
+/// `qemu-img convert -n -t writeback -f <format> -O <output_format>
+/// <source> <target>`: what `source` holds (backing files flattened) written
+/// into the existing image `target` (at least as large; what lies beyond
+/// `source`'s size is left as it is), flushed to disk before qemu-img exits.
+/// Both formats are stated: nothing is probed.
+///
+/// Errors (for `operation`): as [`convert`]'s; `target` is left as it is.
+pub(crate) async fn convert_into(
+    operation: &'static str,
+    source: &str,
+    format: &str,
+    target: &str,
+    output_format: &str,
+    deadline: Duration,
+) -> Result<()> {
+    let mut command = Command::new(QEMU_IMG);
+    command.args(["convert", "-n", "-t", "writeback", "-f", format, "-O", output_format, source, target]);
+    run(operation, command, deadline, &mut |_| {}).await.map(drop)
+}
+
 /// `qemu-img convert -U -p -t writeback -f qcow2 -l snapshot.name=<snapshot>
 /// -O qcow2 <source> <target>`: a new, independent qcow2 image at `target`
 /// with what the qcow2 image `source` held at its internal snapshot

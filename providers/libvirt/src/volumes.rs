@@ -28,15 +28,22 @@ use virt::connect::Connect;
 use virt::error::{Error as VirtError, ErrorNumber};
 use virt::storage_pool::StoragePool;
 use virt::storage_vol::StorageVol;
-use vmlet_provider::{validate_volume_name, DiskFormat, Error, ErrorKind, Result, Volume, VolumeRequest, Volumes};
+use vmlet_provider::{
+    validate_volume_name, BackingFile, DiskFormat, Error, ErrorKind, Result, Volume, VolumeRequest, VolumeSource,
+    Volumes,
+};
 
 use crate::error::{from_libvirt, is_no_storage_pool, kind_of};
-use crate::provider::LibvirtProvider;
+use crate::provider::{is_local_uri, LibvirtProvider};
+use crate::qemu_img;
 use crate::xml::escape;
 
 /// How long one volume operation may take in libvirt: looking the pool up,
 /// refreshing it and the change itself (for qcow2, libvirtd runs qemu-img).
 const DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long copying an image into a new volume may take.
+const COPY_DEADLINE: Duration = Duration::from_secs(30 * 60);
 
 /// The pool types whose volumes are files the hypervisor opens by path.
 const FILE_POOL_TYPES: [&str; 3] = ["dir", "fs", "netfs"];
@@ -57,11 +64,24 @@ impl Volumes for LibvirtProvider {
         if request.capacity_bytes == 0 {
             return Err(Error::new(OP, ErrorKind::InvalidInput, format!("volume {}: capacity 0 bytes", request.name)));
         }
+        if request.source.backing().is_some() && request.format != DiskFormat::Qcow2 {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!("volume {}: an overlay on a backing file must be qcow2, not {}", request.name, request.format),
+            ));
+        }
         let request = VolumeRequest {
             capacity_bytes: rounded_capacity(request.format, request.capacity_bytes),
             ..request.clone()
         };
-        self.blocking_within(OP, DEADLINE, move |_, conn| create(conn, &request)).await
+        if let Some(image) = request.source.image() {
+            self.check_fits(OP, &request, image).await?;
+        }
+        match &request.source {
+            VolumeSource::Copy(image) => self.create_copy(&request, image).await,
+            _ => self.blocking_within(OP, DEADLINE, move |_, conn| create(conn, &request)).await,
+        }
     }
 
     /// See [`Volumes::volume`].
@@ -125,18 +145,113 @@ impl Volumes for LibvirtProvider {
     }
 }
 
+impl LibvirtProvider {
+    /// Whether vmlet shares this host's files and QEMU opens them: what
+    /// reading an image's size and copying it take.
+    fn files_here(&self) -> bool {
+        is_local_uri(self.uri()) && self.domain_kind().is_qemu()
+    }
+
+    /// Refuse `request` when its capacity is below the disk size of
+    /// `image`, read by `qemu-img info` in the image's stated format (its
+    /// own backing files are not opened). Where vmlet does not share the
+    /// host's files, nothing is read and nothing refused.
+    async fn check_fits(&self, operation: &'static str, request: &VolumeRequest, image: &BackingFile) -> Result<()> {
+        if !self.files_here() {
+            return Ok(());
+        }
+        let info = qemu_img::info(operation, &image.path, Some(image.format.as_str()), DEADLINE).await?;
+        if request.capacity_bytes < info.virtual_size {
+            return Err(Error::new(
+                operation,
+                ErrorKind::InvalidInput,
+                format!(
+                    "volume {}: {} bytes is less than its image {}'s disk of {} bytes, which the guest would see cut \
+                     off; ask for at least {} bytes",
+                    request.name, request.capacity_bytes, image.path, info.virtual_size, info.virtual_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Make `request`'s volume as a full copy of `image`: unless the pool
+    /// holds it already, an empty volume `<name>.partial` is made through
+    /// libvirt, filled by `qemu-img convert -n` (both formats stated) and
+    /// renamed to `<name>` in the pool's directory, so a copy cut short is
+    /// never taken for a volume; a stale partial one is replaced.
+    async fn create_copy(&self, request: &VolumeRequest, image: &BackingFile) -> Result<Volume> {
+        const OP: &str = "copy image into volume";
+        if !self.files_here() {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Unsupported,
+                format!(
+                    "volume {}: copying an image takes vmlet on the QEMU host (qemu:///system); use a class that \
+                     makes overlays",
+                    request.name
+                ),
+            ));
+        }
+        let done = request.clone();
+        if let Some(volume) = self.blocking_within(OP, DEADLINE, move |_, conn| existing(conn, &done)).await? {
+            return Ok(volume);
+        }
+        let partial =
+            VolumeRequest { name: format!("{}.partial", request.name), source: VolumeSource::Empty, ..request.clone() };
+        validate_volume_name(OP, &partial.name)?;
+        self.delete_volume(&partial.pool, &partial.name).await?;
+        let made = partial.clone();
+        let target = self.blocking_within(OP, DEADLINE, move |_, conn| create(conn, &made)).await?;
+        qemu_img::convert_into(
+            OP,
+            &image.path,
+            image.format.as_str(),
+            &target.path,
+            request.format.as_str(),
+            COPY_DEADLINE,
+        )
+        .await?;
+        let path = std::path::Path::new(&target.path);
+        let renamed = path.with_file_name(&request.name);
+        std::fs::rename(path, &renamed).map_err(|e| {
+            Error::new(OP, ErrorKind::Permanent, format!("rename {} to {}: {e}", target.path, renamed.display()))
+        })?;
+        tracing::info!(volume.pool = %request.pool, volume.name = %request.name, image = %image.path, "image copied into volume");
+        let done = request.clone();
+        self.blocking_within(OP, DEADLINE, move |_, conn| {
+            existing(conn, &done)?.ok_or_else(|| {
+                Error::new(
+                    OP,
+                    ErrorKind::Transient,
+                    format!("volume {} is not in pool {} after its copy", done.name, done.pool),
+                )
+            })
+        })
+        .await
+    }
+}
+
+/// `request`'s volume when the pool holds it (after a refresh, which
+/// lists files renamed into its directory), checked as [`create`] checks
+/// it; `None` when it holds none of that name.
+fn existing(conn: &Connect, request: &VolumeRequest) -> Result<Option<Volume>> {
+    const OP: &str = "create volume";
+    let pool = open_pool(conn, OP, &request.pool)?;
+    if lookup(&pool, OP, &request.name)?.is_none() {
+        pool.refresh(0).map_err(|err| from_libvirt(OP, err))?;
+    }
+    match lookup(&pool, OP, &request.name)? {
+        Some(found) => matching(found, request).map(Some),
+        None => Ok(None),
+    }
+}
+
 /// Make `request`'s volume unless the pool holds one of that name; either
 /// way, the volume if it matches the request.
 fn create(conn: &Connect, request: &VolumeRequest) -> Result<Volume> {
     const OP: &str = "create volume";
     let (pool_name, name) = (&request.pool, &request.name);
-    if request.backing.is_some() && request.format != DiskFormat::Qcow2 {
-        return Err(Error::new(
-            OP,
-            ErrorKind::InvalidInput,
-            format!("volume {name}: an overlay on a backing file must be qcow2, not {}", request.format),
-        ));
-    }
     let pool = open_pool(conn, OP, pool_name)?;
     let found = match lookup(&pool, OP, name)? {
         Some(found) => found,
@@ -155,7 +270,15 @@ fn create(conn: &Connect, request: &VolumeRequest) -> Result<Volume> {
             Err(err) => lookup(&pool, OP, name)?.ok_or_else(|| from_libvirt(OP, err))?,
         },
     };
-    let backing = request.backing.as_ref().map(|b| b.path.as_str());
+    matching(found, request)
+}
+
+/// `found` as the volume `request` asked for, when it is.
+/// Errors: `Conflict` naming what differs (backing file, format, size).
+fn matching(found: Found, request: &VolumeRequest) -> Result<Volume> {
+    const OP: &str = "create volume";
+    let (pool_name, name) = (&request.pool, &request.name);
+    let backing = request.source.backing().map(|b| b.path.as_str());
     if backing.is_some() && found.backing.as_deref() != backing {
         return Err(Error::new(
             OP,
@@ -401,7 +524,7 @@ fn is_no_volume(err: &VirtError) -> bool {
 /// of its capacity in its format, mode 0600, on its backing file (with that
 /// file's format stated) when it has one.
 fn volume_xml(request: &VolumeRequest) -> String {
-    let backing = request.backing.as_ref().map_or_else(String::new, |b| {
+    let backing = request.source.backing().map_or_else(String::new, |b| {
         format!(
             "  <backingStore>\n    <path>{}</path>\n    <format type='{}'/>\n  </backingStore>\n",
             escape(&b.path),
@@ -449,7 +572,7 @@ mod tests {
     use super::*;
 
     fn request(name: &str, capacity_bytes: u64, format: DiskFormat) -> VolumeRequest {
-        VolumeRequest { pool: "default".into(), name: name.into(), capacity_bytes, format, backing: None }
+        VolumeRequest { pool: "default".into(), name: name.into(), capacity_bytes, format, source: VolumeSource::Empty }
     }
 
     #[test]
@@ -478,7 +601,7 @@ mod tests {
     #[test]
     fn an_overlay_states_its_backing_file_and_that_files_format() {
         let mut overlay = request("ns_claim_0f8e", 1 << 30, DiskFormat::Qcow2);
-        overlay.backing = Some(vmlet_provider::BackingFile { path: "/images/a&b.raw".into(), format: DiskFormat::Raw });
+        overlay.source = VolumeSource::Overlay(BackingFile { path: "/images/a&b.raw".into(), format: DiskFormat::Raw });
         let xml = volume_xml(&overlay);
         assert!(
             xml.contains(

@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use vmlet_libvirt::LibvirtProvider;
-use vmlet_provider::{DiskFormat, ErrorKind, Provider, Volume, VolumeRequest};
+use vmlet_provider::{DiskFormat, ErrorKind, Provider, Volume, VolumeRequest, VolumeSource};
 
 /// Bound on one qemu-img run on a small, empty image.
 const QEMU_IMG: Duration = Duration::from_secs(60);
@@ -79,7 +79,7 @@ fn qemu_img_info(path: &str, format: DiskFormat) -> (String, u64) {
 }
 
 fn request(pool: &str, name: &str, capacity_bytes: u64, format: DiskFormat) -> VolumeRequest {
-    VolumeRequest { pool: pool.into(), name: name.into(), capacity_bytes, format, backing: None }
+    VolumeRequest { pool: pool.into(), name: name.into(), capacity_bytes, format, source: VolumeSource::Empty }
 }
 
 /// Checks what libvirt and the file say of `volume`: listed in its pool at
@@ -225,4 +225,70 @@ async fn volumes_on_the_test_driver_live_in_its_in_memory_pool() {
     volumes.delete_volume("default-pool", "ns_claim_uid").await.expect("delete");
     volumes.delete_volume("default-pool", "ns_claim_uid").await.expect("delete again");
     assert_eq!(volumes.volume("default-pool", "ns_claim_uid").await.expect("read"), None);
+}
+
+/// A volume made from an image: a full copy (`VolumeSource::Copy`) holds
+/// the image's bytes in its own format and stands alone, appears only once
+/// complete, and is made once; a volume smaller than the image's disk is
+/// refused (copy and overlay alike), and nothing is left in the pool.
+#[tokio::test]
+async fn a_copy_of_an_image_stands_alone_and_no_volume_is_smaller_than_its_image() {
+    let uri = qemu_uri();
+    let provider = LibvirtProvider::connect(&uri).await.expect("connect");
+    let volumes = provider.volumes().expect("the libvirt provider has volumes");
+    let pool = TestPool::start(&uri);
+    let p = pool.name.as_str();
+    // The image: 2 MiB of raw disk with a mark at its start, outside the pool.
+    let image_path = format!("{}.image.raw", pool.dir);
+    let mut bytes = b"IMAGE-MARK\n".to_vec();
+    bytes.resize(2 * MIB as usize, 0);
+    bytes[MIB as usize] = 0x5a;
+    std::fs::write(&image_path, &bytes).expect("write the image");
+    let image = vmlet_provider::BackingFile { path: image_path.clone(), format: DiskFormat::Raw };
+    let from = |name: &str, capacity_bytes: u64, format: DiskFormat, source: VolumeSource| VolumeRequest {
+        source,
+        ..request(p, name, capacity_bytes, format)
+    };
+
+    for format in [DiskFormat::Raw, DiskFormat::Qcow2] {
+        let name = format!("ns_copy_{format}");
+        let made = volumes
+            .create_volume(&from(&name, 4 * MIB, format, VolumeSource::Copy(image.clone())))
+            .await
+            .unwrap_or_else(|e| panic!("copy into {format}: {e}"));
+        assert_eq!((made.path.clone(), made.capacity_bytes), (format!("{}/{name}", pool.dir), 4 * MIB));
+        assert_on_host(&uri, &made);
+        // The image's bytes, then zeros; no backing file.
+        let compared = output_within(
+            Command::new("qemu-img").args([
+                "compare",
+                "-q",
+                "-f",
+                "raw",
+                "-F",
+                format.as_str(),
+                &image_path,
+                &made.path,
+            ]),
+            QEMU_IMG,
+        );
+        assert!(compared.status.success(), "qemu-img compare: {}", String::from_utf8_lossy(&compared.stderr));
+        let xml = virsh(&uri, &["vol-dumpxml", "--pool", p, &name]);
+        assert!(!xml.contains("<backingStore>"), "{xml}");
+        // Made once: asking again returns it as it is.
+        let again = volumes.create_volume(&from(&name, 4 * MIB, format, VolumeSource::Copy(image.clone()))).await;
+        assert_eq!(again.expect("again").path, made.path);
+    }
+    assert_eq!(std::fs::read(&image_path).expect("the image"), bytes, "the image is only read");
+
+    // Smaller than the image's 2 MiB disk: refused, naming both sizes.
+    for source in [VolumeSource::Copy(image.clone()), VolumeSource::Overlay(image.clone())] {
+        let err = volumes.create_volume(&from("ns_small", MIB, DiskFormat::Qcow2, source)).await.expect_err("small");
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+        assert!(err.message.contains(&MIB.to_string()) && err.message.contains(&(2 * MIB).to_string()), "{err}");
+    }
+    let listed = virsh(&uri, &["vol-list", p]);
+    assert!(!listed.contains("ns_small") && !listed.contains(".partial"), "{listed}");
+    std::fs::remove_file(&image_path).expect("remove the image");
+    drop(pool);
 }

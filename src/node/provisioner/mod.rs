@@ -65,7 +65,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
-use vmlet_provider::{DiskFormat, VolumeRequest, MAX_VOLUME_NAME_BYTES};
+use vmlet_provider::{DiskFormat, VolumeRequest, VolumeSource, MAX_VOLUME_NAME_BYTES};
 
 /// The annotation in which kube-scheduler names the node it picked for a
 /// claim of a `WaitForFirstConsumer` class.
@@ -165,6 +165,10 @@ struct Wanted {
     /// The `VirtualMachineImage` the claim is filled from
     /// (`spec.dataSourceRef`), by name.
     image: Option<String>,
+    /// A claim filled from an image gets a full copy of it (class parameter
+    /// `fromImage: copy`) rather than a qcow2 overlay on it (`overlay`, the
+    /// default).
+    copy: bool,
     /// The class's pool is storage that several hosts share (parameter
     /// `shared: "true"`): the volume is no one host's.
     shared: bool,
@@ -194,11 +198,18 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
     let pool = parameters.get("pool").filter(|p| !p.is_empty()).ok_or_else(|| {
         format!("StorageClass {class_name} names no pool: set parameters.pool to a storage pool of the hosts")
     })?;
-    if let Some(key) = parameters.keys().find(|k| !matches!(k.as_str(), "pool" | "format" | "shared")) {
+    if let Some(key) = parameters.keys().find(|k| !matches!(k.as_str(), "pool" | "format" | "shared" | "fromImage")) {
         return Err(format!(
-            "StorageClass {class_name}: unknown parameter {key:?}; vmlet reads pool, format and shared"
+            "StorageClass {class_name}: unknown parameter {key:?}; vmlet reads pool, format, shared and fromImage"
         ));
     }
+    let copy = match parameters.get("fromImage").map(String::as_str) {
+        None | Some("overlay") => false,
+        Some("copy") => true,
+        Some(other) => {
+            return Err(format!("StorageClass {class_name}: parameters.fromImage {other:?}: use overlay or copy"));
+        }
+    };
     let shared = match parameters.get("shared").map(String::as_str) {
         None | Some("false") => false,
         Some("true") => true,
@@ -230,10 +241,11 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
         Some(source)
             if source.api_group.as_deref() == Some(crate::v1alpha1::GROUP) && source.kind == "VirtualMachineImage" =>
         {
-            if format != DiskFormat::Qcow2 {
+            if format != DiskFormat::Qcow2 && !copy {
                 return Err(format!(
-                    "spec.dataSourceRef names VirtualMachineImage {}: a claim filled from an image is a qcow2 overlay \
-                     on it, and StorageClass {class_name} makes raw volumes; use a class with parameters.format: qcow2",
+                    "spec.dataSourceRef names VirtualMachineImage {}: StorageClass {class_name} fills claims with \
+                     qcow2 overlays on images, and makes raw volumes; use a class with parameters.format: qcow2, or \
+                     one with parameters.fromImage: copy",
                     source.name
                 ));
             }
@@ -251,7 +263,7 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
     let capacity_bytes = quantity::parse_bytes(&size.0)
         .map_err(|e| format!("spec.resources.requests.storage {:?}: {e}", size.0))?
         .max(1);
-    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, image, shared }))
+    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, image, copy, shared }))
 }
 
 /// The volume name of `claim`: `<namespace>_<claim>_<uid>`, or
@@ -337,7 +349,11 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
         name: volume_name(&namespace, &claim.name_any(), &uid, wanted.format),
         capacity_bytes: wanted.capacity_bytes,
         format: wanted.format,
-        backing: base.clone(),
+        source: match base.clone() {
+            None => VolumeSource::Empty,
+            Some(image) if wanted.copy => VolumeSource::Copy(image),
+            Some(image) => VolumeSource::Overlay(image),
+        },
     };
     let volume = match volumes.create_volume(&request).await {
         Ok(volume) => volume,
@@ -351,8 +367,8 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
             return Ok(Action::requeue(RETRY));
         }
     };
-    let pv =
-        persistent_volume(&claim, &class, &provisioner, &wanted, &volume.name, volume.capacity_bytes, base.as_ref());
+    let backing = request.source.backing();
+    let pv = persistent_volume(&claim, &class, &provisioner, &wanted, &volume.name, volume.capacity_bytes, backing);
     match pvs.create(&PostParams::default(), &pv).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {}
@@ -507,7 +523,7 @@ fn node_affinity(class: &StorageClass, wanted: &Wanted) -> Option<VolumeNodeAffi
             ..NodeSelectorTerm::default()
         }]
     };
-    (!terms.is_empty()).then(|| VolumeNodeAffinity { required: Some(NodeSelector { node_selector_terms: terms }) })
+    (!terms.is_empty()).then_some(VolumeNodeAffinity { required: Some(NodeSelector { node_selector_terms: terms }) })
 }
 
 /// The node, pool and volume of a PersistentVolume's CSI `volumeHandle`
@@ -599,6 +615,7 @@ mod tests {
                 format: DiskFormat::Raw,
                 capacity_bytes: 1 << 30,
                 image: None,
+                copy: false,
                 shared: false,
             })
         );
@@ -650,6 +667,7 @@ mod tests {
             format: DiskFormat::Qcow2,
             capacity_bytes: 1 << 30,
             image: None,
+            copy: false,
             shared: false,
         };
         let pv =
@@ -727,6 +745,7 @@ mod tests {
             format: DiskFormat::Qcow2,
             capacity_bytes: 1 << 30,
             image: None,
+            copy: false,
             shared: false,
         };
         let small = claim(serde_json::json!({}));
@@ -771,7 +790,13 @@ mod tests {
         let wanted_image = wanted(&from("VirtualMachineImage", "vmlet.io"), &qcow2).unwrap().unwrap().image;
         assert_eq!(wanted_image.as_deref(), Some("debian-12"));
         let raw = wanted(&from("VirtualMachineImage", "vmlet.io"), &class(serde_json::json!({}))).unwrap_err();
-        assert!(raw.ends_with("use a class with parameters.format: qcow2"), "{raw}");
+        assert!(raw.ends_with("use a class with parameters.format: qcow2, or one with parameters.fromImage: copy"));
+        let copy = class(serde_json::json!({"parameters": {"fromImage": "copy"}}));
+        let wanted_copy = wanted(&from("VirtualMachineImage", "vmlet.io"), &copy).unwrap().unwrap();
+        assert!(wanted_copy.copy && wanted_copy.format == DiskFormat::Raw, "a full copy may be raw");
+        let typo = class(serde_json::json!({"parameters": {"fromImage": "clone"}}));
+        let refusal = wanted(&from("VirtualMachineImage", "vmlet.io"), &typo).unwrap_err();
+        assert_eq!(refusal, "StorageClass vmlet-local: parameters.fromImage \"clone\": use overlay or copy");
         let snapshot = wanted(&from("VolumeSnapshot", "snapshot.storage.k8s.io"), &qcow2).unwrap_err();
         assert_eq!(
             snapshot,
