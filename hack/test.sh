@@ -38,6 +38,7 @@ if [[ $(id -u) != 0 ]] && ! virsh -c "$(hack/libvirtd.sh uri)" version >/dev/nul
   exit 1
 fi
 
+SETUP_START=$SECONDS
 hack/deps.sh
 hack/cluster.sh up
 eval "$(hack/cluster.sh env)" # KUBECONFIG, PATH (kubectl), VMLET_CLUSTER_LOGS
@@ -57,9 +58,13 @@ fi
 hack/nova.sh up
 eval "$(hack/nova.sh env)" # OS_* (Keystone admin), VMLET_NOVA_IMAGE, VMLET_NOVA_NETWORK, VMLET_NOVA_HOSTS, ...
 
+log "services up in $((SECONDS - SETUP_START))s"
+
 status=0
+TESTS_START=$SECONDS
 # --no-fail-fast: report every failing test binary, not just the first.
 cargo test --workspace --no-fail-fast "$@" || status=$?
+log "cargo test (build and run) took $((SECONDS - TESTS_START))s"
 
 if ((status != 0)); then
   {
