@@ -11,7 +11,8 @@ use tracing::debug;
 /// Every Event reason vmlet emits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
-    /// The controller created a VM's pod.
+    /// The controller created a VM's pod in place of an earlier one (the first
+    /// pod gets no Event: the agent's `Started` tells the way to Running).
     CreatedPod,
     /// The controller deleted a VM's pod (stop, delete or replacement).
     DeletedPod,

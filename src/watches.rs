@@ -1,5 +1,6 @@
-//! The process's watches: ONE pod watch and ONE VirtualMachine watch, whatever
-//! the number of hosts, shared by the controller and every host agent.
+//! The process's watches: ONE pod watch, ONE VirtualMachine watch and ONE
+//! Node watch, whatever the number of hosts, shared by the controller and
+//! every host agent.
 //!
 //! Each watch feeds a reflector store (the watch cache) and then a dispatcher
 //! that turns every change into work-queue entries for whoever acts on it:
@@ -15,12 +16,15 @@
 //! The pod store keeps only the pods vmlet may act on: those bound to one of
 //! this process's nodes (any namespace: a pod that is not a VM's must still be
 //! refused) and VM pods (label [`VM_LABEL`]) of the namespaces it serves.
+//! The Node store keeps this process's own nodes only, without their status
+//! (what an agent's admission reads: labels and taints, as a kubelet reads
+//! its Node from its informer rather than per pod).
 
 use crate::config::Config;
 use crate::v1alpha1::{VirtualMachine, VM_LABEL};
 use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::Controller;
 use kube::runtime::{watcher, WatchStreamExt};
@@ -36,6 +40,7 @@ use tracing::warn;
 pub struct Writers {
     vms: reflector::store::Writer<VirtualMachine>,
     pods: reflector::store::Writer<Pod>,
+    nodes: reflector::store::Writer<Node>,
 }
 
 /// A work queue's input: object references, merged by the queue.
@@ -48,6 +53,8 @@ pub struct Watches {
     pub vms: Store<VirtualMachine>,
     /// Pods bound to this process's nodes, and VM pods of the namespaces served.
     pub pods: Store<Pod>,
+    /// This process's own Nodes, without status and managed fields.
+    pub nodes: Store<Node>,
     /// Set once the VirtualMachine watch has completed its first list.
     vms_listed: Listed,
     /// Set once the pod watch has completed its first list.
@@ -122,9 +129,11 @@ impl Watches {
     pub fn new(config: &Config) -> (Self, Writers) {
         let (vms, vm_writer) = reflector::store();
         let (pods, pod_writer) = reflector::store();
+        let (nodes, node_writer) = reflector::store();
         let watches = Watches {
             vms,
             pods,
+            nodes,
             vms_listed: Listed::new("VirtualMachine"),
             pods_listed: Listed::new("Pod"),
             routes: Arc::new(Routes::default()),
@@ -133,13 +142,14 @@ impl Watches {
             let rx = watches.subscribe_node(&host.name);
             watches.routes.pending.lock().expect("routes poisoned").insert(host.name.clone(), rx);
         }
-        (watches, Writers { vms: vm_writer, pods: pod_writer })
+        (watches, Writers { vms: vm_writer, pods: pod_writer, nodes: node_writer })
     }
 
-    /// Open the two watches (all namespaces, or `config.namespace`); the stores
-    /// fill and the routes run in the background until `shutdown`.
+    /// Open the three watches (VMs of all namespaces or `config.namespace`,
+    /// pods and Nodes); the stores fill and the routes run in the background
+    /// until `shutdown`.
     pub fn start(&self, writers: Writers, client: &Client, config: &Config, shutdown: CancellationToken) {
-        let Writers { vms: vm_writer, pods: pod_writer } = writers;
+        let Writers { vms: vm_writer, pods: pod_writer, nodes: node_writer } = writers;
         let watches = self;
 
         let served_namespace = config.namespace.clone();
@@ -183,10 +193,31 @@ impl Watches {
             }
             std::future::ready(())
         });
+        // Nodes: ours only, their labels and taints (no status, which
+        // changes at every heartbeat).
+        let ours: HashSet<String> = config.hosts.iter().map(|h| h.name.clone()).collect();
+        let node_api: Api<Node> = Api::all(client.clone());
+        let node_loop = watcher(node_api, watcher::Config::default())
+            .default_backoff()
+            .filter_map(move |event| {
+                std::future::ready(event.map(|e| only_kept(e, &|n: &Node| ours.contains(&n.name_any()))).transpose())
+            })
+            .modify(|node| {
+                node.status = None;
+                node.managed_fields_mut().clear();
+            })
+            .reflect(node_writer)
+            .for_each(|event| {
+                if let Err(error) = event {
+                    warn!(%error, "Node watch failed; retrying");
+                }
+                std::future::ready(())
+            });
         tokio::spawn(async move {
             tokio::select! {
                 _ = vm_loop => {}
                 _ = pod_loop => {}
+                _ = node_loop => {}
                 _ = shutdown.cancelled() => {}
             }
         });

@@ -423,7 +423,12 @@ async fn create_pod(
         Ok(_) => {
             ctx.expected.created(&vm.namespace().unwrap_or_default(), &name);
             info!(pod.name = %name, vm.home = home, "created pod");
-            ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name}"));
+            // The first pod is in the VM's status (podName) and the agent's
+            // Started Event tells the rest: one Event per VM on the way to
+            // Running. A pod that replaces another is worth its own.
+            if let Some(previous) = vm.status.as_ref().and_then(|s| s.pod_name.as_deref()) {
+                ctx.events.publish(vm, Reason::CreatedPod, &format!("created pod {name} in place of {previous}"));
+            }
         }
         // Taken by a pod this controller did not make (even one the VM
         // owns): the next pass adopts nothing under that name and names

@@ -88,22 +88,30 @@ pub fn admit(vm: &VirtualMachineSpec, extra: &[Toleration], node: &Node) -> Resu
     Ok(())
 }
 
-/// [`admit`] by the Node of `agent`'s host as the API server has it now
-/// (its labels and taints as the scheduler reads them), for a VM of spec
-/// `vm` with the tolerations every VM pod gets.
+/// [`admit`] by the Node of `agent`'s host (its labels and taints as the
+/// scheduler reads them), for a VM of spec `vm` with the tolerations every
+/// VM pod gets. The Node comes from the process's Node watch cache, as a
+/// kubelet's admission reads its informer's; only when the cache has none
+/// (before its first list) is it read from the API server.
 /// Errors: reading the Node failed (the pass retries). A Node that is gone
 /// admits nothing.
 pub(super) async fn admit_here(
     agent: &super::Agent,
     vm: &VirtualMachineSpec,
 ) -> Result<Result<(), Rejection>, super::pods::Error> {
-    let nodes: kube::Api<Node> = kube::Api::all(agent.client.clone());
     let name = agent.host.name.as_str();
-    let node = nodes.get_opt(name).await.map_err(|source| super::pods::Error::Kube {
-        action: "read the Node of",
-        pod: name.to_owned(),
-        source,
-    })?;
+    let node = match agent.watches.nodes.get(&kube::runtime::reflector::ObjectRef::new(name)) {
+        Some(cached) => Some(cached),
+        None => {
+            let nodes: kube::Api<Node> = kube::Api::all(agent.client.clone());
+            let read = nodes.get_opt(name).await.map_err(|source| super::pods::Error::Kube {
+                action: "read the Node of",
+                pod: name.to_owned(),
+                source,
+            })?;
+            read.map(std::sync::Arc::new)
+        }
+    };
     let Some(node) = node else {
         return Ok(Err(Rejection { reason: "NodeAffinity", message: format!("node {name} is gone") }));
     };
