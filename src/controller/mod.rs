@@ -266,6 +266,12 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             Ok(Action::requeue(Duration::from_secs(300)))
         }
         Step::Observe => {
+            if let Some(wait) = current.as_deref().and_then(|pod| just_bound(pod, &vm)) {
+                // Its agent is starting it: the next write says Running
+                // (or why not), and the agent's placement record is not
+                // raced by a write of ours meanwhile.
+                return Ok(Action::requeue(wait));
+            }
             let designated = current.as_ref().map(|p| p.name_any());
             if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms, &ctx.written).await? {
                 return Ok(Action::requeue(CONFLICT_RETRY));
@@ -275,6 +281,34 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             Ok(Action::requeue(if waiting_target { Duration::from_secs(3) } else { Duration::from_secs(300) }))
         }
     }
+}
+
+/// How long the controller leaves the status of a VM whose pod was just
+/// bound to its agent, which is starting it (see [`just_bound`]).
+const BOUND_GRACE: Duration = Duration::from_secs(2);
+
+/// How much longer to leave the status of `vm` as it is, when its current
+/// pod `pod` was bound less than [`BOUND_GRACE`] ago (its `PodScheduled`
+/// condition's time) and is still pending, its agent having reported
+/// nothing yet, on a VM that has no migration under way: the mirror would only say `Starting` for a moment, at the
+/// cost of a write that races the agent's placement record. `None`: write
+/// now (a slow start shows `Starting` after the grace).
+fn just_bound(pod: &Pod, vm: &VirtualMachine) -> Option<Duration> {
+    let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+    let status = pod.status.as_ref()?;
+    // Pending, and nothing from its agent yet: a reason it waits (a refused
+    // disk, a missing image) is shown at once.
+    let pending = status.phase.as_deref().is_none_or(|p| p == "Pending")
+        && status.container_statuses.as_ref().is_none_or(Vec::is_empty)
+        && pod.metadata.deletion_timestamp.is_none();
+    let migrating = vm.status.as_ref().and_then(|s| s.migration.as_ref()).is_some_and(|m| m.is_active());
+    if !bound || !pending || migrating {
+        return None;
+    }
+    let scheduled = status.conditions.iter().flatten().find(|c| c.type_ == "PodScheduled" && c.status == "True")?;
+    let at = scheduled.last_transition_time.as_ref()?.0;
+    let since = Duration::try_from(k8s_openapi::jiff::Timestamp::now().duration_since(at)).unwrap_or_default();
+    BOUND_GRACE.checked_sub(since).filter(|left| !left.is_zero())
 }
 
 /// How long a VM pod that its node rejected stays before it is replaced.
@@ -416,7 +450,10 @@ async fn create_pod(
     if let Some(root) = &vm.spec.root_disk {
         ensure_root_claim(vm, root, &ctx.client).await?;
     }
-    if !write_status(vm, None, Some(&name), vms, &ctx.written).await? {
+    // The claim states the status the pod will give once it exists
+    // (waiting for the scheduler), so seeing it created changes nothing: no
+    // mirror write per VM for that step.
+    if !write_status(vm, Some(&new_pod), Some(&name), vms, &ctx.written).await? {
         return Ok(Action::requeue(CONFLICT_RETRY));
     }
     match pods.create(&PostParams::default(), &new_pod).await {
@@ -841,6 +878,43 @@ fn same_status(a: &VirtualMachineStatus, b: &VirtualMachineStatus) -> bool {
 mod tests {
     use super::*;
     use crate::v1alpha1::{CurrentResources, Placement, VmPhase};
+
+    /// `pod`, bound by the scheduler `ago` ago.
+    fn bound(pod: Pod, ago: Duration) -> Pod {
+        let mut pod = pod;
+        let at = k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::try_from(ago).unwrap();
+        pod.status.get_or_insert_with(Default::default).conditions =
+            Some(vec![k8s_openapi::api::core::v1::PodCondition {
+                type_: "PodScheduled".into(),
+                status: "True".into(),
+                last_transition_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at)),
+                ..Default::default()
+            }]);
+        pod
+    }
+
+    #[test]
+    fn a_just_bound_pod_leaves_the_status_to_its_agent_for_a_moment_unless_something_is_to_say() {
+        use crate::testing::{PodBuilder, VmBuilder};
+        let vm = VmBuilder::new("web").pod_name("web-x7k2p").build();
+        let fresh = bound(PodBuilder::for_vm(&vm).on_node("host-a").build(), Duration::from_millis(200));
+        let left = just_bound(&fresh, &vm).expect("just bound: wait");
+        assert!(left <= BOUND_GRACE && left >= Duration::from_millis(500), "{left:?}");
+        let old = bound(PodBuilder::for_vm(&vm).on_node("host-a").build(), Duration::from_secs(5));
+        assert_eq!(just_bound(&old, &vm), None, "past the grace: Starting is shown");
+        let unbound = bound(PodBuilder::for_vm(&vm).build(), Duration::from_millis(200));
+        assert_eq!(just_bound(&unbound, &vm), None);
+        let mut waiting = fresh.clone();
+        waiting.status.as_mut().unwrap().container_statuses = Some(vec![Default::default()]);
+        assert_eq!(just_bound(&waiting, &vm), None, "the agent said why it waits: shown at once");
+        let deleting = bound(PodBuilder::for_vm(&vm).on_node("host-a").deleting().build(), Duration::ZERO);
+        assert_eq!(just_bound(&deleting, &vm), None);
+        let migrating = VmBuilder::new("web")
+            .pod_name("web-x7k2p")
+            .migrating("host-a", "web-x7k2p", "web-2", MigrationPhase::Pending)
+            .build();
+        assert_eq!(just_bound(&fresh, &migrating), None);
+    }
 
     fn full_status() -> VirtualMachineStatus {
         VirtualMachineStatus {
