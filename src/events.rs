@@ -69,6 +69,9 @@ pub enum Reason {
     MigrationFailed,
     /// A migration ended before it moved anything.
     MigrationCancelled,
+    /// A migration's target pod has no host: the scheduler found none (the
+    /// note is its message), so the drain that asked for it waits.
+    TargetUnschedulable,
     /// A claim's volume was made and its PersistentVolume created.
     ProvisioningSucceeded,
     /// A claim of a vmlet StorageClass gets no volume (the note says why).
@@ -112,6 +115,7 @@ impl Reason {
             Reason::Migrating => "Migrating",
             Reason::Migrated => "Migrated",
             Reason::MigrationFailed => "MigrationFailed",
+            Reason::TargetUnschedulable => "TargetUnschedulable",
             Reason::MigrationCancelled => "MigrationCancelled",
             Reason::ProvisioningSucceeded => "ProvisioningSucceeded",
             Reason::ProvisioningFailed => "ProvisioningFailed",
@@ -138,6 +142,7 @@ impl Reason {
                 | Reason::RestartRequired
                 | Reason::ResizeNotApplied
                 | Reason::MigrationFailed
+                | Reason::TargetUnschedulable
                 | Reason::ProvisioningFailed
                 | Reason::VolumeResizeFailed
                 | Reason::Rejected

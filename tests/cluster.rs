@@ -389,8 +389,27 @@ async fn a_drained_vm_with_nowhere_to_go_keeps_running_and_uncordoning_cancels_i
     let migration = status.migration.expect("status.migration");
     assert_eq!((migration.source_node.as_str(), migration.source_pod.as_str()), (a.as_str(), evicted.as_str()));
     assert_eq!(serde_json::to_value(migration.phase).unwrap(), "Pending");
-    let migrating = status.conditions.iter().find(|c| c.type_ == "Migrating").expect("Migrating condition");
-    assert_eq!((migrating.status.as_str(), migrating.reason.as_str()), ("True", "WaitingForTarget"));
+    // The scheduler finds no host for the target pod (the only one is
+    // cordoned): the VM says so with its message, well within 30 s.
+    let started = std::time::Instant::now();
+    let migrating = env
+        .wait_for("Migrating=False/TargetUnschedulable", || {
+            let vms = env.vms();
+            async move {
+                let status = vms.get("web").await.ok()?.status?;
+                let c = status.conditions.into_iter().find(|c| c.type_ == "Migrating")?;
+                (c.reason == "TargetUnschedulable").then_some(c)
+            }
+        })
+        .await;
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
+    assert_eq!(migrating.status, "False");
+    assert!(
+        migrating.message.starts_with(&format!("target pod {} has no host: ", migration.target_pod))
+            && migrating.message.contains("unschedulable"),
+        "{}",
+        migrating.message
+    );
     let pod = env.pods().get(&evicted).await.unwrap();
     assert!(pod.metadata.deletion_timestamp.is_some(), "the evicted pod is terminating");
     let container = &pod.status.unwrap().container_statuses.unwrap()[0];
@@ -427,7 +446,9 @@ async fn a_drained_vm_with_nowhere_to_go_keeps_running_and_uncordoning_cancels_i
     env.wait_vm_phase("web", "Stopped").await;
     let reasons = env.kubectl(&["get", "events", "-o", "jsonpath={range .items[*]}{.reason}{\"\\n\"}{end}"]);
     let reasons: Vec<&str> = reasons.lines().collect();
-    for expected in ["EvictionHeld", "Migrating", "MigrationCancelled", "ShuttingDown", "Stopped"] {
+    for expected in
+        ["EvictionHeld", "Migrating", "TargetUnschedulable", "MigrationCancelled", "ShuttingDown", "Stopped"]
+    {
         assert!(reasons.contains(&expected), "no {expected} event: {reasons:?}");
     }
 }

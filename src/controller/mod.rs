@@ -273,7 +273,19 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
                 return Ok(Action::requeue(wait));
             }
             let designated = current.as_ref().map(|p| p.name_any());
-            if !write_status(&vm, current.as_deref(), designated.as_deref(), &vms, &ctx.written).await? {
+            let mut new = status::status_from_pod(&vm, current.as_deref(), designated.as_deref());
+            // A migration whose target the scheduler cannot place says so,
+            // and why, once: the drain that asked for it waits meanwhile.
+            let generation = vm.metadata.generation;
+            if let Some(message) = status::mark_unschedulable_target(&mut new, target.as_deref(), generation) {
+                let said = vm.status.as_ref().is_some_and(|s| {
+                    s.conditions.iter().any(|c| c.type_ == "Migrating" && c.reason == "TargetUnschedulable")
+                });
+                if !said {
+                    ctx.events.publish(&*vm, Reason::TargetUnschedulable, &message);
+                }
+            }
+            if !write_derived(&vm, new, current.as_deref(), designated.as_deref(), &vms, &ctx.written).await? {
                 return Ok(Action::requeue(CONFLICT_RETRY));
             }
             // A target pod waiting for the scheduler: look again soon whether

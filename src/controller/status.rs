@@ -82,6 +82,33 @@ fn mirror_migration(status: &mut VirtualMachineStatus, generation: Option<i64>) 
     set_condition(&mut status.conditions, condition("Migrating", active, reason, &message, generation));
 }
 
+/// `status` with its `Migrating` condition False, reason
+/// `TargetUnschedulable` and the scheduler's message, when the VM's
+/// migration waits for its target pod `target` and the scheduler marked
+/// that pod unschedulable (`PodScheduled=False`); unchanged otherwise.
+/// Returns the scheduler's message when it applied.
+pub fn mark_unschedulable_target(
+    status: &mut VirtualMachineStatus,
+    target: Option<&Pod>,
+    generation: Option<i64>,
+) -> Option<String> {
+    let waiting = status.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Pending);
+    let conditions = target?.status.as_ref()?.conditions.clone().unwrap_or_default();
+    let refused = pod_condition(&conditions, "PodScheduled").filter(|c| c.status == "False")?;
+    if !waiting {
+        return None;
+    }
+    let target_pod = status.migration.as_ref().map(|m| m.target_pod.clone()).unwrap_or_default();
+    let message = format!(
+        "target pod {target_pod} has no host: {}; make room on another host, or relax what pins the VM \
+         (spec.nodeSelector, affinity, tolerations, the PersistentVolumes' node affinity), or uncordon the \
+         drained host to cancel the move",
+        refused.message.as_deref().unwrap_or("the scheduler found none")
+    );
+    set_condition(&mut status.conditions, condition("Migrating", false, "TargetUnschedulable", &message, generation));
+    Some(message)
+}
+
 /// The status a VM should have given its current pod (`None` when it has none,
 /// or it is named but not created yet) and `designated`, the name of that pod
 /// (`status.podName`; `None` once a stopped VM's pod is gone).
@@ -384,5 +411,27 @@ mod tests {
         let vm = VmBuilder::new("web").stopped().build();
         let pod = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.10").deleting().build();
         assert_eq!(status_from_pod(&vm, Some(&pod), Some("web-x7k2p")).phase, Some(VmPhase::Stopping));
+    }
+
+    #[test]
+    fn an_unschedulable_migration_target_turns_migrating_false_with_the_schedulers_message() {
+        use crate::testing::{PodBuilder, VmBuilder};
+        let vm = VmBuilder::new("web")
+            .pod_name("web-x7k2p")
+            .migrating("host-a", "web-x7k2p", "web-2", MigrationPhase::Pending)
+            .build();
+        let target = PodBuilder::for_vm(&vm)
+            .named("web-2")
+            .unschedulable("0/1 nodes are available: 1 node(s) were unschedulable.")
+            .build();
+        let mut status = status_from_pod(&vm, None, Some("web-x7k2p"));
+        let message = mark_unschedulable_target(&mut status, Some(&target), Some(1)).expect("marked");
+        assert!(message.starts_with("target pod web-2 has no host: 0/1 nodes are available"), "{message}");
+        let migrating = status.conditions.iter().find(|c| c.type_ == "Migrating").unwrap();
+        assert_eq!((migrating.status.as_str(), migrating.reason.as_str()), ("False", "TargetUnschedulable"));
+        let waiting = PodBuilder::for_vm(&vm).named("web-2").build();
+        let mut untouched = status_from_pod(&vm, None, Some("web-x7k2p"));
+        assert_eq!(mark_unschedulable_target(&mut untouched, Some(&waiting), Some(1)), None, "not tried yet");
+        assert_eq!(mark_unschedulable_target(&mut untouched, None, Some(1)), None);
     }
 }
