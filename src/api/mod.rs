@@ -35,6 +35,10 @@ pub trait PodDirectory: Send + Sync + 'static {
     fn pods(&self) -> Vec<PodEntry>;
 }
 
+/// How long the listener pauses after an accept failed (file descriptors or
+/// memory exhausted), instead of failing again in a busy loop.
+pub const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// One pod on one of this process's nodes.
 #[derive(Clone)]
 pub struct PodEntry {
@@ -184,7 +188,8 @@ impl Server {
         self.listener.local_addr().expect("a bound listener has an address")
     }
 
-    /// Serve connections until `shutdown`; connections in flight are left to
+    /// Serve connections until `shutdown` (after a failed accept, e.g. out of
+    /// file descriptors, the next waits [`ACCEPT_ERROR_PAUSE`]); connections in flight are left to
     /// finish on their own tasks.
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!(addr = %self.local_addr(), "kubelet API listening");
@@ -194,8 +199,15 @@ impl Server {
                 accepted = self.listener.accept() => match accepted {
                     Ok(accepted) => accepted,
                     Err(e) => {
-                        tracing::warn!(error = %e, "accepting a kubelet API connection");
-                        continue;
+                        // Out of file descriptors (EMFILE, ENFILE) or
+                        // memory: accepting again at once would fail the
+                        // same way in a busy loop. Connections in flight
+                        // free some meanwhile.
+                        tracing::warn!(error = %e, "accepting a kubelet API connection; pausing 100 ms");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(ACCEPT_ERROR_PAUSE) => continue,
+                        }
                     }
                 },
             };

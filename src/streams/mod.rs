@@ -237,11 +237,21 @@ impl Pipes {
 }
 
 /// Parses terminal sizes from a byte stream of concatenated JSON objects
-/// `{"Width":80,"Height":24}` (the resize stream's format).
+/// `{"Width":80,"Height":24}` (the resize stream's format). What it keeps of
+/// an unfinished object is bounded ([`MAX_PENDING_RESIZE_BYTES`]): a client
+/// that sends an object without end (`{` and then spaces), or one that is
+/// not a size, has its resize stream ignored from then on, as the kubelet
+/// stops reading resizes at the first bad object.
 #[derive(Default)]
 pub(crate) struct ResizeDecoder {
     buf: Vec<u8>,
+    /// The stream sent something no size is made of: the rest is ignored.
+    broken: bool,
 }
+
+/// The most bytes of an unfinished resize object kept, 4 KiB (a size is
+/// about 30 bytes).
+pub(crate) const MAX_PENDING_RESIZE_BYTES: usize = 4096;
 
 #[derive(serde::Deserialize)]
 struct Size {
@@ -255,6 +265,9 @@ impl ResizeDecoder {
     /// Feed bytes; returns the complete sizes they finish. Malformed input is
     /// dropped (the kubelet stops reading resizes at the first bad object).
     pub fn feed(&mut self, data: &[u8]) -> Vec<TermSize> {
+        if self.broken {
+            return Vec::new();
+        }
         self.buf.extend_from_slice(data);
         let mut sizes = Vec::new();
         let mut used = 0;
@@ -267,6 +280,7 @@ impl ResizeDecoder {
                 }
                 Some(Err(e)) if e.is_eof() => break,
                 Some(Err(_)) => {
+                    self.broken = true;
                     used = self.buf.len();
                     break;
                 }
@@ -277,6 +291,12 @@ impl ResizeDecoder {
             }
         }
         self.buf.drain(..used);
+        if self.buf.len() > MAX_PENDING_RESIZE_BYTES {
+            self.broken = true;
+        }
+        if self.broken {
+            self.buf = Vec::new();
+        }
         sizes
     }
 }
@@ -334,6 +354,21 @@ mod tests {
             assert_eq!(Version::from_name(v.name()), Some(v));
         }
         assert_eq!(Version::from_name("v6.channel.k8s.io"), None);
+    }
+
+    #[test]
+    fn an_endless_or_bad_resize_object_is_bounded_and_ends_the_resizes() {
+        let mut d = ResizeDecoder::default();
+        assert!(d.feed(b"{").is_empty());
+        for _ in 0..10_000 {
+            assert!(d.feed(&[b' '; 64]).is_empty());
+            assert!(d.buf.len() <= MAX_PENDING_RESIZE_BYTES + 64, "{}", d.buf.len());
+        }
+        assert!(d.broken && d.buf.capacity() == 0, "the buffer is freed");
+        assert!(d.feed(br#"{"Width":80,"Height":24}"#).is_empty(), "ignored from then on");
+        let mut bad = ResizeDecoder::default();
+        assert!(bad.feed(br#""wide"{"Width":80,"Height":24}"#).is_empty());
+        assert!(bad.feed(br#"{"Width":80,"Height":24}"#).is_empty());
     }
 
     #[test]
