@@ -55,10 +55,6 @@ const BOOT: Duration = Duration::from_secs(240);
 /// Bound on a quick command (qemu-img info, sync, virsh).
 const COMMAND: Duration = Duration::from_secs(120);
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
 /// `what` must have succeeded; its stdout.
 fn succeeded(what: &str, out: std::process::Output) -> String {
     assert!(out.status.success(), "{what} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
@@ -217,8 +213,8 @@ fn median(mut values: Vec<f64>) -> f64 {
 async fn main() {
     // The provider's own log lines (when the job began and ended) with RUST_LOG.
     tracing_subscriber::fmt().with_env_filter(EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
-    let rounds: usize = env_or("VMLET_BENCH_ROUNDS", 3).max(1);
-    let disk_mib: u64 = env_or("VMLET_BENCH_DISK_MIB", 1024).max(1);
+    let rounds: usize = common::env_or("VMLET_BENCH_ROUNDS", 3).max(1);
+    let disk_mib: u64 = common::env_or("VMLET_BENCH_DISK_MIB", 1024).max(1);
     let uri = common::qemu_uri();
     let (built, accelerator) = built_guest();
     let provider = LibvirtProvider::connect_with(&uri, accelerator).await.expect("connect to libvirtd");

@@ -102,21 +102,13 @@ impl Settings {
     /// Read the settings; panics naming a variable whose value is unusable.
     fn from_env() -> Settings {
         let settings = Settings {
-            vms: env_or("VMLET_BENCH_VMS", 20),
-            image_mib: env_or("VMLET_BENCH_IMAGE_MIB", 1024),
-            timeout: Duration::from_secs(env_or("VMLET_BENCH_TIMEOUT", 900)),
+            vms: common::env_or("VMLET_BENCH_VMS", 20),
+            image_mib: common::env_or("VMLET_BENCH_IMAGE_MIB", 1024),
+            timeout: Duration::from_secs(common::env_or("VMLET_BENCH_TIMEOUT", 900)),
         };
         assert!(settings.vms > 0, "VMLET_BENCH_VMS must be at least 1");
         assert!(settings.image_mib > 0, "VMLET_BENCH_IMAGE_MIB must be at least 1");
         settings
-    }
-}
-
-/// The number in variable `name`, or `default` when it is unset.
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a valid number")),
-        Err(_) => default,
     }
 }
 

@@ -23,6 +23,15 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vmlet::v1alpha1::VirtualMachine;
 
+/// The number in environment variable `name` (a benchmark's setting), or
+/// `default` when it is unset; panics naming a value that is no number.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) => v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a valid number")),
+        Err(_) => default,
+    }
+}
+
 /// Default deadline for a condition to hold: generous, CI machines are slow.
 pub const DEADLINE: Duration = Duration::from_secs(180);
 
