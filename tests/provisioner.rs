@@ -17,6 +17,7 @@
 mod common;
 
 use common::deadline::output_within;
+use common::disk::{read_marker, wait_backup_ended, write_marker};
 use common::pool::Pool;
 use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -24,6 +25,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use serde_json::json;
 use std::process::Command;
+use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestore};
 
 /// `virsh -c qemu:///system <args>`: (success, trimmed stdout, or stderr).
 fn virsh(args: &[&str]) -> (bool, String) {
@@ -39,12 +41,16 @@ fn pool_and_class(env: &TestEnv, format: &str, expansion: bool) -> Pool {
 }
 
 /// A vmlet serving one QEMU host `q` for a new namespace `<prefix>-…`
-/// (untrusted: its VMs name no host file), ready, and the test guest.
+/// (untrusted: its VMs name no host file), whose backup root is
+/// `<storage root>/backups`, ready, and the test guest.
 async fn untrusted_env(prefix: &str) -> (TestEnv, std::path::PathBuf) {
     let mut env = TestEnv::new(prefix).await;
     env.untrusted = true;
     let guest = guest_for(&env);
-    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    let backups = storage_root(&env).join("backups");
+    env.start_vmlet(&[
+        Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }.with("backupRoots", json!([backups]))
+    ]);
     env.wait_node_ready(&env.node("q")).await;
     (env, guest)
 }
@@ -470,6 +476,110 @@ async fn a_root_disk_copied_from_its_image_grows_with_its_size_and_is_never_smal
     env.wait_for("the root disk's volume to be gone", || {
         let pool = &pool;
         async move { pool.volumes().is_empty().then_some(()) }
+    })
+    .await;
+    drop(env);
+}
+
+/// A tenant's VM on a root disk is backed up, and restored as a new VM
+/// whose root disk is a claim of its own that vmlet's provisioner fills
+/// from the backup (an independent copy, no host file named): it runs in
+/// the untrusted namespace, holds what the guest wrote before the backup
+/// and not after, and goes with its VM. A claim naming a backup whose
+/// `status.location` was pointed at another file gets nothing.
+#[tokio::test]
+async fn a_tenants_vm_is_restored_from_its_backup_onto_a_root_disk_claim_of_its_own() {
+    let (env, guest) = untrusted_env("rootrestore").await;
+    let node = env.node("q");
+    let pool = Pool::new(&env);
+    let (tiny, by_path) = tiny_image(&env, &guest);
+    env.apply_vm("web", tiny_vm(&env, &pool, &tiny.0, &by_path, json!([])));
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    let before = format!("before-{}", env.ns);
+    write_marker(&env, &pod, &before).await;
+
+    let backup = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineBackup",
+        "metadata": {"name": "nightly", "namespace": env.ns}, "spec": {"virtualMachine": "web"}});
+    assert!(env.apply(&backup.to_string()).status.success());
+    let backed_up = wait_backup_ended(&env, "nightly").await.status.unwrap();
+    assert_eq!(backed_up.phase, Some(OperationPhase::Succeeded), "{:?}", backed_up.message);
+    assert_eq!(backed_up.total_bytes, Some(128 << 20), "the root disk is 128 MiB");
+    write_marker(&env, &pod, &format!("after-{}", env.ns)).await;
+
+    let restore = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
+        "metadata": {"name": "back", "namespace": env.ns},
+        "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web-restored"}}});
+    assert!(env.apply(&restore.to_string()).status.success());
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
+    let ended = env
+        .wait_for("VirtualMachineRestore back to end", || {
+            let restores = restores.clone();
+            async move {
+                let status = restores.get_opt("back").await.ok()??.status?;
+                matches!(status.phase?, OperationPhase::Succeeded | OperationPhase::Failed).then_some(status)
+            }
+        })
+        .await;
+    assert_eq!(ended.phase, Some(OperationPhase::Succeeded), "{:?}", ended.message);
+    assert!(ended.message.unwrap().contains("claim web-restored-root filled from VirtualMachineBackup nightly"));
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(env.client.clone(), &env.ns);
+    assert!(jobs.get_opt("back-restore").await.unwrap().is_none(), "the provisioner makes the disk: no Job");
+
+    // The new VM boots its own claim's volume: a copy with no backing
+    // file, in the pool, holding what was written before the backup.
+    let vm = env.wait_vm_phase("web-restored", "Running").await;
+    assert_eq!(vm.status.unwrap().node_name.as_deref(), Some(node.as_str()));
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let claim = claims.get("web-restored-root").await.unwrap();
+    assert_eq!(claim.owner_references().first().map(|o| o.name.as_str()), Some("web-restored"));
+    assert_eq!(claim.labels().get("vmlet.io/restored-from").map(String::as_str), Some("nightly"));
+    let volume = format!("{}_web-restored-root_{}.qcow2", env.ns, claim.uid().unwrap());
+    assert_eq!(pool.volumes_of("web-restored-root"), vec![volume.clone()]);
+    let volume_path = format!("{}/{volume}", Pool::dir(&env).display());
+    let info = output_within(
+        Command::new("qemu-img").args(["info", "-U", "--output=json", "-f", "qcow2", &volume_path]),
+        std::time::Duration::from_secs(60),
+    );
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("qemu-img info");
+    assert_eq!(info["backing-filename"], serde_json::Value::Null, "independent of the backup: {info}");
+    assert_eq!(info["virtual-size"], json!(128 << 20));
+    let (ok, xml) = virsh(&["dumpxml", &format!("{}_web-restored", env.ns)]);
+    assert!(ok, "{xml}");
+    assert!(xml.contains(&format!("<source file='{volume_path}' index=")), "{xml}");
+    assert!(!xml.contains("backups/"), "the backup file is not the VM's disk: {xml}");
+    let restored_pod = env.pod_of("web-restored").await;
+    assert_eq!(read_marker(&env, &restored_pod).await, before);
+
+    // A status.location pointed at another file (here web's own root
+    // volume): a claim filled from that backup gets nothing.
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(env.client.clone(), &env.ns);
+    let web_uid = claims.get("web-root").await.unwrap().uid().unwrap();
+    let elsewhere = format!("{}/{}_web-root_{web_uid}.qcow2", Pool::dir(&env).display(), env.ns);
+    let forged = json!({"status": {"location": elsewhere}});
+    backups.patch_status("nightly", &PatchParams::default(), &Patch::Merge(&forged)).await.unwrap();
+    let grab: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "grab", "annotations": {"volume.kubernetes.io/selected-node": node}},
+        "spec": {"storageClassName": format!("{}-root", pool.name), "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "128Mi"}},
+            "dataSourceRef": {"apiGroup": "vmlet.io", "kind": "VirtualMachineBackup", "name": "nightly"}},
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &grab).await.unwrap();
+    let note = wait_event(&env, "grab", "ProvisioningFailed").await;
+    assert!(note.contains("is not its file") && note.contains(&elsewhere), "{note}");
+    assert_eq!(pool.volumes_of("grab"), Vec::<String>::new());
+    claims.delete("grab", &DeleteParams::default()).await.unwrap();
+
+    // Deleting the restored VM deletes its claim and volume.
+    env.kubectl(&["delete", "virtualmachine/web-restored", "--wait=true"]);
+    env.wait_for("the restored root disk's claim and volume to be gone", || {
+        let claims = claims.clone();
+        let pool = &pool;
+        async move {
+            let gone = claims.get_opt("web-restored-root").await.ok()?.is_none();
+            (gone && pool.volumes_of("web-restored-root").is_empty()).then_some(())
+        }
     })
     .await;
     drop(env);

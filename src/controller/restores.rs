@@ -2,7 +2,11 @@
 //! or (with `spec.target.inPlace`) a stopped VM put back from its backup or
 //! snapshot ([`in_place`]).
 //!
-//! A new VM:
+//! A new VM from a backup of a VM with a root disk ([`onto_root_claim`]):
+//! its root disk claim is filled from the backup by vmlet's provisioner, so
+//! no host file is named and no Job runs.
+//!
+//! A new VM otherwise:
 //! 1. The backup must have succeeded (or the snapshot be ready to use, of a
 //!    VM without data disks) and the target VM must not exist (a restore
 //!    never writes over a VM).
@@ -22,7 +26,8 @@ use crate::v1alpha1::{
     VirtualMachineSnapshot, VirtualMachineSpec, VmPhase, RESTORE_ANNOTATION,
 };
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
@@ -111,7 +116,13 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
             return Ok(Action::requeue(Duration::from_secs(10)));
         }
     };
-    let NewVmSource { node, spec, label, what } = source;
+    let NewVmSource { node, mut spec, label, what, disk_bytes } = source;
+    if restore.spec.source.backup.is_some() && spec.root_disk.is_some() {
+        return onto_root_claim(&restore, &ctx, spec, &node, label, disk_bytes).await;
+    }
+    // The new disk is a host file this restore makes: the VM boots it as its
+    // image, not a root disk claim.
+    spec.root_disk = None;
     let vm_name = &restore.spec.target.virtual_machine;
     if let Some(existing) = vms.get_opt(vm_name).await.map_err(err("read the target VM"))? {
         let made_by_this_restore = existing.annotations().get(RESTORED_BY_ANNOTATION) == restore.uid().as_ref();
@@ -140,21 +151,8 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
     };
 
     // Step 3: the VirtualMachine, on the disk's host.
-    let mut spec = spec;
     spec.image = Some(disk.clone());
-    spec.replicas = 1;
-    spec.node_selector.get_or_insert_with(BTreeMap::new).insert("kubernetes.io/hostname".to_owned(), node.clone());
-    let vm = VirtualMachine {
-        metadata: ObjectMeta {
-            name: Some(vm_name.clone()),
-            namespace: Some(namespace.clone()),
-            labels: Some(BTreeMap::from([label])),
-            annotations: Some(BTreeMap::from([(RESTORED_BY_ANNOTATION.to_owned(), restore.uid().unwrap_or_default())])),
-            ..ObjectMeta::default()
-        },
-        spec,
-        status: None,
-    };
+    let vm = restored_vm(&restore, spec, &node, label);
     let created = match vms.create(&PostParams::default(), &vm).await {
         Ok(created) => created,
         // The recorded spec is no longer valid (the CRD's rules changed since
@@ -176,6 +174,190 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
     end(&restores, &name, OperationPhase::Succeeded, &message, created.uid()).await.map_err(err("write status"))
 }
 
+/// The VirtualMachine `restore` makes: `spec` (the source's, its disk
+/// already set), started, pinned to `node` by `nodeSelector`, labelled
+/// with `label` (the source) and annotated with the restore's UID.
+fn restored_vm(
+    restore: &VirtualMachineRestore,
+    mut spec: VirtualMachineSpec,
+    node: &str,
+    label: (String, String),
+) -> VirtualMachine {
+    spec.replicas = 1;
+    spec.node_selector.get_or_insert_with(BTreeMap::new).insert("kubernetes.io/hostname".to_owned(), node.to_owned());
+    VirtualMachine {
+        metadata: ObjectMeta {
+            name: Some(restore.spec.target.virtual_machine.clone()),
+            namespace: restore.namespace(),
+            labels: Some(BTreeMap::from([label])),
+            annotations: Some(BTreeMap::from([(RESTORED_BY_ANNOTATION.to_owned(), restore.uid().unwrap_or_default())])),
+            ..ObjectMeta::default()
+        },
+        spec,
+        status: None,
+    }
+}
+
+/// A new VM from a backup of a VM with a root disk (`spec.rootDisk`): its
+/// root disk claim `<vm>-root` is filled from the backup by vmlet's
+/// provisioner (`dataSourceRef` to the VirtualMachineBackup: an independent
+/// copy, made on the backup's host, in the recorded root disk's class), so
+/// the new VM, like the old one, boots a volume of its own and names no host
+/// file: this works in any namespace. No Job runs.
+///
+/// 1. The claim: the recorded `rootDisk`'s class and size (at least the
+///    backup's disk size), labelled with the VM and the backup, annotated
+///    with the restore's UID. A claim of that name this restore did not
+///    make fails the restore (it is the namespace's own).
+/// 2. The VirtualMachine ([`restored_vm`]), whose controller uses that
+///    claim; with `deletionPolicy: Delete` it then owns the claim.
+/// 3. `Succeeded` once the claim is bound (its volume made); until then
+///    `Running`, naming the claim whose Events say what it waits for.
+async fn onto_root_claim(
+    restore: &VirtualMachineRestore,
+    ctx: &Context,
+    spec: VirtualMachineSpec,
+    node: &str,
+    label: (String, String),
+    disk_bytes: Option<u64>,
+) -> Result<Action, Error> {
+    let namespace = restore.namespace().unwrap_or_default();
+    let name = restore.name_any();
+    let err = |action| {
+        let object = format!("{namespace}/{name}");
+        move |source| Error { action, object, source }
+    };
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
+    let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
+    let vm_name = &restore.spec.target.virtual_machine;
+    let claim_name = crate::v1alpha1::root_claim_name(vm_name);
+    let backup = restore.spec.source.backup.clone().unwrap_or_default();
+    let uid = restore.uid().unwrap_or_default();
+    let made_here =
+        |meta: &ObjectMeta| meta.annotations.as_ref().and_then(|a| a.get(RESTORED_BY_ANNOTATION)) == Some(&uid);
+    let fail = |message: String| {
+        let (restores, name) = (restores.clone(), name.clone());
+        async move { end(&restores, &name, OperationPhase::Failed, &message, None).await }
+    };
+
+    let existing_vm = vms.get_opt(vm_name).await.map_err(err("read the target VM"))?;
+    if existing_vm.as_ref().is_some_and(|vm| !made_here(&vm.metadata)) {
+        return fail(format!(
+            "spec.target.virtualMachine: VirtualMachine {vm_name} exists; a restore never writes over a VM: name one \
+             that does not exist"
+        ))
+        .await
+        .map_err(err("write status"));
+    }
+    let root = spec.root_disk.clone().expect("the caller checked spec.rootDisk");
+    let claim = match claims.get_opt(&claim_name).await.map_err(err("read the root disk claim"))? {
+        Some(claim) if made_here(&claim.metadata) => claim,
+        Some(_) => {
+            return fail(format!(
+                "spec.target.virtualMachine: claim {claim_name} exists; the restored VM's root disk claim is made by \
+                 the restore: delete that claim or name another VM"
+            ))
+            .await
+            .map_err(err("write status"));
+        }
+        None if existing_vm.is_some() => {
+            return fail(format!(
+                "claim {claim_name} of VirtualMachine {vm_name}, made by this restore, is gone; delete the VM and \
+                 restore again"
+            ))
+            .await
+            .map_err(err("write status"));
+        }
+        None => {
+            let asked = crate::quantity::parse_bytes(&root.size.0).unwrap_or(0);
+            let size = match disk_bytes.filter(|bytes| *bytes > asked) {
+                Some(bytes) => Quantity(bytes.to_string()),
+                None => root.size.clone(),
+            };
+            let claim: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+                "metadata": {
+                    "name": claim_name,
+                    "labels": {crate::v1alpha1::VM_LABEL: vm_name, RESTORED_FROM_LABEL: backup},
+                    "annotations": {RESTORED_BY_ANNOTATION: uid},
+                },
+                "spec": {
+                    "storageClassName": root.storage_class_name,
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": size}},
+                    "dataSourceRef": {"apiGroup": crate::v1alpha1::GROUP, "kind": "VirtualMachineBackup", "name": backup},
+                },
+            }))
+            .expect("a claim serializes");
+            let created =
+                claims.create(&PostParams::default(), &claim).await.map_err(err("create the root disk claim"))?;
+            info!(claim = %claim_name, size = %size.0, backup = %backup, "root disk claim to fill from the backup created");
+            let message = format!("filling claim {claim_name} from VirtualMachineBackup {backup}");
+            let patch =
+                serde_json::json!({"status": {"phase": OperationPhase::Running, "nodeName": node, "message": message}});
+            restores
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(err("write status"))?;
+            created
+        }
+    };
+
+    let vm = match existing_vm {
+        Some(vm) => vm,
+        None => {
+            let vm = restored_vm(restore, spec, node, label);
+            match vms.create(&PostParams::default(), &vm).await {
+                Ok(created) => {
+                    info!(vm = %vm_name, claim = %claim_name, node = %node, "VirtualMachine restored onto its root disk claim");
+                    created
+                }
+                Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
+                    return fail(format!(
+                        "the API server refused VirtualMachine {vm_name} with the spec VirtualMachineBackup {backup} \
+                         recorded: {}; claim {claim_name} is kept: create a VirtualMachine with it as its root disk",
+                        s.message
+                    ))
+                    .await
+                    .map_err(err("write status"));
+                }
+                Err(e) => return Err(err("create the VirtualMachine")(e)),
+            }
+        }
+    };
+    let owned = claim.metadata.owner_references.as_ref().is_some_and(|refs| !refs.is_empty());
+    if vm.spec.deletion_policy == crate::v1alpha1::DeletionPolicy::Delete && !owned {
+        // Like the claim the VM controller makes: it goes with the VM.
+        let patch = serde_json::json!({"metadata": {"ownerReferences": [{
+            "apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachine", "name": vm_name, "uid": vm.uid(),
+            "controller": true, "blockOwnerDeletion": true}]}});
+        claims
+            .patch(&claim_name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(err("give the root disk claim to its VM"))?;
+    }
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    if !bound {
+        let message = format!(
+            "VirtualMachine {vm_name} created on host {node}; waiting for claim {claim_name} to be filled from \
+             VirtualMachineBackup {backup} (kubectl describe pvc {claim_name})"
+        );
+        if restore.status.as_ref().and_then(|s| s.message.as_deref()) != Some(message.as_str()) {
+            let patch =
+                serde_json::json!({"status": {"phase": OperationPhase::Running, "nodeName": node, "message": message}});
+            restores
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(err("write status"))?;
+        }
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    let message = format!(
+        "VirtualMachine {vm_name} created on host {node} with claim {claim_name} filled from VirtualMachineBackup {backup}"
+    );
+    end(&restores, &name, OperationPhase::Succeeded, &message, vm.uid()).await.map_err(err("write status"))
+}
+
 /// What a new VM is made from ([`new_vm_source`]).
 struct NewVmSource {
     /// The host that holds the source, where the new disk is made.
@@ -186,6 +368,9 @@ struct NewVmSource {
     label: (String, String),
     /// The source, for messages: `VirtualMachineBackup <name>`.
     what: String,
+    /// Bytes of disk data the source holds (a backup's `status.totalBytes`),
+    /// when known: the least a new root disk claim asks for.
+    disk_bytes: Option<u64>,
 }
 
 /// Whether a restore to a new VM can go on from its source.
@@ -203,6 +388,7 @@ enum Verdict {
 /// only, and would otherwise share the data disks' claims or files).
 async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Result<Verdict, kube::Error> {
     let namespace = restore.namespace().unwrap_or_default();
+    let mut disk_bytes = None;
     let (recorded, what, label) = match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
         (Some(backup_name), _) => {
             let backups: Api<VirtualMachineBackup> = Api::namespaced(client.clone(), &namespace);
@@ -222,6 +408,7 @@ async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Resu
                 _ => return Ok(Verdict::Wait(format!("waiting for VirtualMachineBackup {backup_name} to succeed"))),
             }
             let label = (RESTORED_FROM_LABEL.to_owned(), backup_name.clone());
+            disk_bytes = status.total_bytes.and_then(|bytes| u64::try_from(bytes).ok());
             ((status.node_name, status.virtual_machine_spec), format!("VirtualMachineBackup {backup_name}"), label)
         }
         (None, Some(snapshot_name)) => {
@@ -265,7 +452,7 @@ async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Resu
         (None, None) => return Ok(Verdict::Fail("spec.source: name a backup or a snapshot".to_owned())),
     };
     match recorded {
-        (Some(node), Some(spec)) => Ok(Verdict::Go(Box::new(NewVmSource { node, spec, label, what }))),
+        (Some(node), Some(spec)) => Ok(Verdict::Go(Box::new(NewVmSource { node, spec, label, what, disk_bytes }))),
         _ => Ok(Verdict::Fail(format!("{what} records no host or VM spec; it cannot be restored to a new VM"))),
     }
 }

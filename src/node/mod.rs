@@ -148,6 +148,9 @@ pub struct HostHandle {
     pub provider: Arc<dyn Provider>,
     /// Where VMs' files may come from on the host ([`crate::storage`]).
     pub storage: crate::storage::StorageRoots,
+    /// The host's backup roots ([`HostConfig::effective_backup_roots`]):
+    /// where the backup files a claim may be filled from lie.
+    pub backup_roots: Vec<String>,
 }
 
 /// The hosts this process serves, filled in as their agents start.
@@ -209,7 +212,12 @@ pub async fn run(
         restoring: Arc::default(),
     });
 
-    hosts.add(HostHandle { name: host.name.clone(), provider: provider.clone(), storage: agent.storage.clone() });
+    hosts.add(HostHandle {
+        name: host.name.clone(),
+        provider: provider.clone(),
+        storage: agent.storage.clone(),
+        backup_roots: host.effective_backup_roots(),
+    });
     let recorder = record_consoles(
         provider.clone(),
         host.name.clone(),

@@ -31,6 +31,12 @@
 //!   volumes may also be `ReadWriteMany`, their PersistentVolumes are tied
 //!   to the class's `allowedTopologies` (or to no node) instead of the host,
 //!   and carry [`SHARED_ATTRIBUTE`], so a VM on them can move between hosts.
+//! - **Data sources.** A claim whose `dataSourceRef` names a
+//!   `VirtualMachineImage` gets a qcow2 overlay on (or, with `fromImage:
+//!   copy`, a full copy of) the image's file; one naming a
+//!   `VirtualMachineBackup` of its own namespace gets a full copy of the
+//!   backup's disk, made on the backup's host from the one file vmlet named
+//!   after that backup ([`super::tasks::locate_backup_file`]).
 //! - **Growth.** A bound claim of an `allowVolumeExpansion` class that asks
 //!   for more gets its volume grown, live on a running VM ([`expansion`]).
 //! - **Release → deletion.** A PersistentVolume of `Delete` policy carries
@@ -162,16 +168,28 @@ struct Wanted {
     pool: String,
     format: DiskFormat,
     capacity_bytes: u64,
-    /// The `VirtualMachineImage` the claim is filled from
-    /// (`spec.dataSourceRef`), by name.
-    image: Option<String>,
+    /// What the claim is filled from (`spec.dataSourceRef`); `None`: an
+    /// empty volume.
+    source: Option<DataSource>,
     /// A claim filled from an image gets a full copy of it (class parameter
     /// `fromImage: copy`) rather than a qcow2 overlay on it (`overlay`, the
-    /// default).
+    /// default). A claim filled from a backup always gets a full copy.
     copy: bool,
     /// The class's pool is storage that several hosts share (parameter
     /// `shared: "true"`): the volume is no one host's.
     shared: bool,
+}
+
+/// What a claim's volume is filled from (its `spec.dataSourceRef`, group
+/// `vmlet.io`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum DataSource {
+    /// A cluster-scoped `VirtualMachineImage`, by name.
+    Image(String),
+    /// A `VirtualMachineBackup` of the claim's own namespace, by name: the
+    /// volume is an independent copy of the disk it holds (its whole
+    /// incremental chain read), made on the backup's host.
+    Backup(String),
 }
 
 /// Why a claim of a vmlet class gets no volume now: the Warning Event's note.
@@ -236,24 +254,42 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
             )
         });
     }
-    let image = match spec.and_then(|s| s.data_source_ref.as_ref()) {
+    let source = match spec.and_then(|s| s.data_source_ref.as_ref()) {
         None => None,
-        Some(source)
-            if source.api_group.as_deref() == Some(crate::v1alpha1::GROUP) && source.kind == "VirtualMachineImage" =>
-        {
-            if format != DiskFormat::Qcow2 && !copy {
+        Some(source) if source.api_group.as_deref() == Some(crate::v1alpha1::GROUP) => match source.kind.as_str() {
+            "VirtualMachineImage" => {
+                if format != DiskFormat::Qcow2 && !copy {
+                    return Err(format!(
+                        "spec.dataSourceRef names VirtualMachineImage {}: StorageClass {class_name} fills claims with \
+                         qcow2 overlays on images, and makes raw volumes; use a class with parameters.format: qcow2, \
+                         or one with parameters.fromImage: copy",
+                        source.name
+                    ));
+                }
+                Some(DataSource::Image(source.name.clone()))
+            }
+            "VirtualMachineBackup" => {
+                let own = claim.namespace();
+                if let Some(other) = source.namespace.as_ref().filter(|ns| Some(*ns) != own.as_ref()) {
+                    return Err(format!(
+                        "spec.dataSourceRef.namespace {other}: a claim is filled only from a VirtualMachineBackup of \
+                         its own namespace; leave the namespace out"
+                    ));
+                }
+                Some(DataSource::Backup(source.name.clone()))
+            }
+            other => {
                 return Err(format!(
-                    "spec.dataSourceRef names VirtualMachineImage {}: StorageClass {class_name} fills claims with \
-                     qcow2 overlays on images, and makes raw volumes; use a class with parameters.format: qcow2, or \
-                     one with parameters.fromImage: copy",
+                    "spec.dataSourceRef names {other} {}: vmlet fills claims from VirtualMachineImages and \
+                     VirtualMachineBackups only",
                     source.name
                 ));
             }
-            Some(source.name.clone())
-        }
+        },
         Some(source) => {
             return Err(format!(
-                "spec.dataSourceRef names {} {}: vmlet fills claims from VirtualMachineImages (apiGroup vmlet.io) only",
+                "spec.dataSourceRef names {} {}: vmlet fills claims from VirtualMachineImages and \
+                 VirtualMachineBackups (apiGroup vmlet.io) only",
                 source.kind, source.name
             ));
         }
@@ -263,7 +299,8 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
     let capacity_bytes = quantity::parse_bytes(&size.0)
         .map_err(|e| format!("spec.resources.requests.storage {:?}: {e}", size.0))?
         .max(1);
-    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, image, copy, shared }))
+    let copy = copy || matches!(source, Some(DataSource::Backup(_)));
+    Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, source, copy, shared }))
 }
 
 /// The volume name of `claim`: `<namespace>_<claim>_<uid>`, or
@@ -318,9 +355,9 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
     if pvs.get_opt(&pv_name).await.map_err(kube("look for the PersistentVolume of"))?.is_some() {
         return Ok(Action::await_change());
     }
-    let base = match &wanted.image {
+    let base = match &wanted.source {
         None => None,
-        Some(image) => match image_base(&ctx.client, image, host.provider.kind()).await? {
+        Some(DataSource::Image(image)) => match image_base(&ctx.client, image, host.provider.kind()).await? {
             Ok(base) => {
                 // Checked again when a VM attaches it; nothing is made on a
                 // file outside the host's storage roots.
@@ -343,6 +380,28 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
                 return Ok(Action::requeue(RETRY));
             }
         },
+        Some(DataSource::Backup(backup)) => {
+            let found = super::tasks::locate_backup_file(
+                &ctx.client,
+                &namespace,
+                backup,
+                &wanted.node,
+                &host.backup_roots,
+                host.storage.resolves_links(),
+            )
+            .await
+            .map_err(kube("read the VirtualMachineBackup of"))?;
+            match found {
+                // Written by vmlet (QEMU's backup job or qemu-img): its
+                // format, and an incremental one's backing chain, are vmlet's.
+                Ok(path) => Some(vmlet_provider::BackingFile { path, format: DiskFormat::Qcow2 }),
+                Err(refusal) => {
+                    let note = format!("spec.dataSourceRef: {refusal}");
+                    ctx.events.publish(claim.as_ref(), Reason::ProvisioningFailed, &note);
+                    return Ok(Action::requeue(RETRY));
+                }
+            }
+        }
     };
     let request = VolumeRequest {
         pool: wanted.pool.clone(),
@@ -614,7 +673,7 @@ mod tests {
                 pool: "vms".into(),
                 format: DiskFormat::Raw,
                 capacity_bytes: 1 << 30,
-                image: None,
+                source: None,
                 copy: false,
                 shared: false,
             })
@@ -666,7 +725,7 @@ mod tests {
             pool: "vms".into(),
             format: DiskFormat::Qcow2,
             capacity_bytes: 1 << 30,
-            image: None,
+            source: None,
             copy: false,
             shared: false,
         };
@@ -744,7 +803,7 @@ mod tests {
             pool: "vms".into(),
             format: DiskFormat::Qcow2,
             capacity_bytes: 1 << 30,
-            image: None,
+            source: None,
             copy: false,
             shared: false,
         };
@@ -787,8 +846,8 @@ mod tests {
             )
         };
         let qcow2 = class(serde_json::json!({"parameters": {"format": "qcow2"}}));
-        let wanted_image = wanted(&from("VirtualMachineImage", "vmlet.io"), &qcow2).unwrap().unwrap().image;
-        assert_eq!(wanted_image.as_deref(), Some("debian-12"));
+        let wanted_image = wanted(&from("VirtualMachineImage", "vmlet.io"), &qcow2).unwrap().unwrap().source;
+        assert_eq!(wanted_image, Some(DataSource::Image("debian-12".into())));
         let raw = wanted(&from("VirtualMachineImage", "vmlet.io"), &class(serde_json::json!({}))).unwrap_err();
         assert!(raw.ends_with("use a class with parameters.format: qcow2, or one with parameters.fromImage: copy"));
         let copy = class(serde_json::json!({"parameters": {"fromImage": "copy"}}));
@@ -800,8 +859,8 @@ mod tests {
         let snapshot = wanted(&from("VolumeSnapshot", "snapshot.storage.k8s.io"), &qcow2).unwrap_err();
         assert_eq!(
             snapshot,
-            "spec.dataSourceRef names VolumeSnapshot debian-12: vmlet fills claims from VirtualMachineImages \
-             (apiGroup vmlet.io) only"
+            "spec.dataSourceRef names VolumeSnapshot debian-12: vmlet fills claims from VirtualMachineImages and \
+             VirtualMachineBackups (apiGroup vmlet.io) only"
         );
         let pv = persistent_volume(
             &from("VirtualMachineImage", "vmlet.io"),
@@ -815,5 +874,33 @@ mod tests {
         let attributes = pv.spec.unwrap().csi.unwrap().volume_attributes.unwrap();
         assert_eq!(attributes.get(BACKING_FILE_ATTRIBUTE).map(String::as_str), Some("/images/debian-12.raw"));
         assert_eq!(attributes.get(BACKING_FORMAT_ATTRIBUTE).map(String::as_str), Some("raw"));
+    }
+
+    #[test]
+    fn a_claim_from_a_backup_of_its_own_namespace_wants_a_full_copy_in_any_format() {
+        let from = |source: serde_json::Value| claim(serde_json::json!({"spec": {"dataSourceRef": source}}));
+        let backup = serde_json::json!({"apiGroup": "vmlet.io", "kind": "VirtualMachineBackup", "name": "nightly"});
+        for parameters in [serde_json::json!({}), serde_json::json!({"format": "qcow2"})] {
+            let wanted = wanted(&from(backup.clone()), &class(serde_json::json!({"parameters": parameters}))).unwrap();
+            let wanted = wanted.unwrap();
+            assert_eq!(wanted.source, Some(DataSource::Backup("nightly".into())));
+            assert!(wanted.copy, "a restored disk never leans on the backup file: {parameters}");
+        }
+        let mut own = backup.clone();
+        own["namespace"] = "team-a".into();
+        assert!(wanted(&from(own), &class(serde_json::json!({}))).is_ok());
+        let mut other = backup;
+        other["namespace"] = "team-b".into();
+        assert_eq!(
+            wanted(&from(other), &class(serde_json::json!({}))).unwrap_err(),
+            "spec.dataSourceRef.namespace team-b: a claim is filled only from a VirtualMachineBackup of its own \
+             namespace; leave the namespace out"
+        );
+        let unknown = serde_json::json!({"apiGroup": "vmlet.io", "kind": "VirtualMachine", "name": "web"});
+        assert_eq!(
+            wanted(&from(unknown), &class(serde_json::json!({}))).unwrap_err(),
+            "spec.dataSourceRef names VirtualMachine web: vmlet fills claims from VirtualMachineImages and \
+             VirtualMachineBackups only"
+        );
     }
 }

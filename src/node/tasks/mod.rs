@@ -23,6 +23,8 @@ mod in_place;
 mod restore;
 mod snapshot;
 
+pub(crate) use restore::locate_backup_file;
+
 use super::pods::{finish_deletion, write_status, Error};
 use super::Agent;
 use crate::v1alpha1::{BACKUP_ANNOTATION, RESTORE_ANNOTATION, SNAPSHOT_ANNOTATION};

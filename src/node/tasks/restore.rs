@@ -252,43 +252,68 @@ pub(super) fn source_name(restore: &VirtualMachineRestore) -> String {
 }
 
 /// The file of VirtualMachineBackup `backup_name` of `namespace` on this
-/// host: `Ok(Err(why))` unless it succeeded here and its recorded location is
-/// exactly the name vmlet gives it under this host's backup roots (an edited
-/// status cannot point a restore at another namespace's backup).
+/// agent's host ([`locate_backup_file`]).
 pub(super) async fn backup_file(
     agent: &Agent,
     namespace: &str,
     backup_name: &str,
 ) -> Result<Result<String, String>, Error> {
-    let backups: Api<VirtualMachineBackup> = Api::namespaced(agent.client.clone(), namespace);
-    let backup = backups.get_opt(backup_name).await.map_err(|source| Error::Kube {
+    let roots = agent.host.effective_backup_roots();
+    let found = locate_backup_file(
+        &agent.client,
+        namespace,
+        backup_name,
+        &agent.host.name,
+        &roots,
+        agent.storage.resolves_links(),
+    )
+    .await
+    .map_err(|source| Error::Kube {
         action: "read the VirtualMachineBackup of restore",
         pod: backup_name.to_owned(),
         source,
     })?;
-    let Some(backup) = backup else {
-        return Ok(Err(format!("spec.source.backup: namespace {namespace} has no VirtualMachineBackup {backup_name}")));
+    Ok(found.map_err(|why| format!("spec.source.backup: {why}")))
+}
+
+/// The file (absolute path of its qcow2, the newest of an incremental
+/// chain) of VirtualMachineBackup `backup_name` of `namespace` on host
+/// `host`, whose backup roots are `backup_roots` (symbolic links resolved
+/// when `resolves_links`, as [`check_host_file`] does): only a backup that
+/// succeeded, on that host, whose `status.location` is exactly the name
+/// vmlet gives it ([`backup_file_name`]: namespace, name, UID) under those
+/// roots. An edited status cannot point a reader at another namespace's
+/// file or at any other file. `Ok(Err)`: why not, naming the field (for a
+/// status message or an Event). Errors: reading the backup failed.
+pub(crate) async fn locate_backup_file(
+    client: &kube::Client,
+    namespace: &str,
+    backup_name: &str,
+    host: &str,
+    backup_roots: &[String],
+    resolves_links: bool,
+) -> Result<Result<String, String>, kube::Error> {
+    let backups: Api<VirtualMachineBackup> = Api::namespaced(client.clone(), namespace);
+    let Some(backup) = backups.get_opt(backup_name).await? else {
+        return Ok(Err(format!("namespace {namespace} has no VirtualMachineBackup {backup_name}")));
     };
     let backup_status = backup.status.clone().unwrap_or_default();
     if backup_status.phase != Some(OperationPhase::Succeeded) {
-        return Ok(Err(format!("spec.source.backup: VirtualMachineBackup {backup_name} has not succeeded")));
+        return Ok(Err(format!("VirtualMachineBackup {backup_name} has not succeeded")));
     }
-    if backup_status.node_name.as_deref() != Some(agent.host.name.as_str()) {
+    if backup_status.node_name.as_deref() != Some(host) {
         return Ok(Err(format!(
-            "VirtualMachineBackup {backup_name} is on host {}, not {}: the restore's pod must run there",
+            "VirtualMachineBackup {backup_name} is on host {}, not {host}: its disk can be made only there",
             backup_status.node_name.as_deref().unwrap_or("(none)"),
-            agent.host.name
         )));
     }
     let expected_file = backup_file_name(namespace, backup_name, &backup.uid().unwrap_or_default());
     let source = backup_status.location.clone().unwrap_or_default();
-    let backup_roots = agent.host.effective_backup_roots();
     let named_right = std::path::Path::new(&source).file_name().and_then(|f| f.to_str()) == Some(&expected_file);
-    if !named_right || check_host_file(&backup_roots, agent.storage.resolves_links(), &source).await.is_err() {
+    if !named_right || check_host_file(backup_roots, resolves_links, &source).await.is_err() {
         return Ok(Err(format!(
             "VirtualMachineBackup {backup_name}'s status.location {source:?} is not its file ({expected_file} under \
-             host {}'s backupRoots [{}]); refusing to read it",
-            agent.host.name,
+             host {host}'s backupRoots [{}]); refusing to read it",
             backup_roots.join(", ")
         )));
     }
