@@ -41,6 +41,9 @@ pub enum Reason {
     StorageNotAllowed,
     /// A VM's pod was bound to a host other than the one that holds the VM.
     PlacedOnAnotherHost,
+    /// The hypervisor stopped a VM's guest for an error and holds it
+    /// ([`vmlet_provider::Fault`]).
+    Faulted,
     /// The VM's host does not answer (a transient provider failure).
     HostNotResponding,
     /// The back end is busy with another operation on the VM.
@@ -103,6 +106,7 @@ impl Reason {
             Reason::NotAVirtualMachine => "NotAVirtualMachine",
             Reason::StorageNotAllowed => "StorageNotAllowed",
             Reason::PlacedOnAnotherHost => "PlacedOnAnotherHost",
+            Reason::Faulted => "Faulted",
             Reason::HostNotResponding => "HostNotResponding",
             Reason::ProviderBusy => "ProviderBusy",
             Reason::PermissionDenied => "PermissionDenied",
@@ -134,6 +138,7 @@ impl Reason {
                 | Reason::InvalidSpec
                 | Reason::StorageNotAllowed
                 | Reason::PlacedOnAnotherHost
+                | Reason::Faulted
                 | Reason::HostNotResponding
                 | Reason::ProviderBusy
                 | Reason::PermissionDenied

@@ -420,3 +420,56 @@ async fn a_vm_destroyed_behind_vmlet_restarts_under_always_and_stays_off_under_n
     assert_eq!(domstate(&env, "never"), "shut off");
     assert_eq!(env.pod_of("never").await, never_pod, "not replaced");
 }
+
+/// A guest QEMU stops by itself (as on a KVM internal error, which libvirt
+/// reports `paused (unknown)`) is shown as it is: the VM `Failed` with
+/// `ProviderError=True/Faulted` naming libvirt's reason and the QEMU log's
+/// last error line, a Warning Event, the pod still Running (the guest holds
+/// the host's memory) and not Ready; nothing is destroyed, and once the
+/// guest runs again the VM is Running again.
+#[tokio::test]
+async fn a_guest_the_hypervisor_stopped_for_an_error_shows_failed_with_why_until_it_runs_again() {
+    let mut env = TestEnv::new("qfault").await;
+    env.start_vmlet(&qemu_host());
+    env.apply_vm("web", SMALL());
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    let name = domain(&env, "web");
+    let (_, id_before) = virsh(&["domid", &name]);
+
+    // What QEMU writes to its log on a KVM internal error (the test cannot
+    // make this machine's KVM fail), then QEMU's own stop, not libvirt's.
+    let log = format!("/var/log/libvirt/qemu/{name}.log");
+    let mut file = std::fs::OpenOptions::new().append(true).open(&log).expect("the domain's QEMU log");
+    std::io::Write::write_all(&mut file, b"KVM internal error. Suberror: 1\nemulation failure\nEAX=00000000\n")
+        .unwrap();
+    let (ok, out) = virsh(&["qemu-monitor-command", &name, r#"{"execute":"stop"}"#]);
+    assert!(ok, "qemu-monitor-command stop: {out}");
+    let (_, reason) = virsh(&["domstate", "--reason", &name]);
+    assert_eq!(reason, "paused (unknown)");
+
+    let vm = env.wait_vm_phase("web", "Failed").await;
+    let conditions = vm.status.unwrap().conditions;
+    let error = conditions.iter().find(|c| c.type_ == "ProviderError").unwrap();
+    assert_eq!((error.status.as_str(), error.reason.as_str()), ("True", "Faulted"));
+    assert!(
+        error.message.contains("paused (unknown)")
+            && error.message.contains("the hypervisor's log says: emulation failure"),
+        "{}",
+        error.message
+    );
+    let ready = conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "Faulted"));
+    let pod_status = env.pods().get(&pod).await.unwrap().status.unwrap();
+    assert_eq!(pod_status.phase.as_deref(), Some("Running"));
+    let selector = format!("involvedObject.name={pod},reason=Faulted");
+    let events = env.kubectl(&["get", "events", "--field-selector", &selector, "-o", "jsonpath={.items[*].type}"]);
+    assert_eq!(events.trim(), "Warning", "one Warning Event");
+    assert_eq!(domstate(&env, "web"), "paused", "nothing destroys or resumes it behind the operator's back");
+
+    assert!(virsh(&["resume", &name]).0);
+    let vm = env.wait_vm_phase("web", "Running").await;
+    let error = vm.status.unwrap().conditions.into_iter().find(|c| c.type_ == "ProviderError").unwrap();
+    assert_eq!(error.status, "False");
+    assert_eq!(virsh(&["domid", &name]).1, id_before, "the same run of the guest");
+}

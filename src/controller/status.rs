@@ -199,8 +199,11 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
     } else if node.is_none() {
         VmPhase::Scheduling
     } else {
+        let faulted = waiting.is_some_and(|w| w.reason.as_deref() == Some(crate::node::pod_status::FAULTED));
         match pod_status.phase.as_deref() {
             Some("Running") if ready => VmPhase::Running,
+            // Held by the hypervisor for an error: not starting, failed.
+            Some("Running") if faulted => VmPhase::Failed,
             Some("Failed") => VmPhase::Failed,
             Some("Unknown") => VmPhase::Unknown,
             _ => VmPhase::Starting,
@@ -267,13 +270,18 @@ pub fn status_from_pod(vm: &VirtualMachine, pod: Option<&Pod>, designated: Optio
             None => condition("HostResponding", true, "HostResponding", "the VM's host answers", generation),
         },
     );
-    let provider_failed = waiting.filter(|w| w.reason.as_deref() == Some("ProviderFailed"));
+    let provider_failed =
+        waiting.filter(|w| matches!(w.reason.as_deref(), Some("ProviderFailed" | crate::node::pod_status::FAULTED)));
     set_condition(
         &mut status.conditions,
         match provider_failed {
-            Some(w) => {
-                condition("ProviderError", true, "ProviderFailed", w.message.as_deref().unwrap_or_default(), generation)
-            }
+            Some(w) => condition(
+                "ProviderError",
+                true,
+                w.reason.as_deref().unwrap_or("ProviderFailed"),
+                w.message.as_deref().unwrap_or_default(),
+                generation,
+            ),
             None => condition("ProviderError", false, "NoError", "the provider reports no error", generation),
         },
     );
@@ -369,6 +377,37 @@ mod tests {
         assert_eq!(find(&status, "Ready").reason, "ProviderFailed");
         let healthy = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.1").build();
         assert_eq!(find(&status_from_pod(&vm, Some(&healthy), Some("web-x7k2p")), "ProviderError").status, "False");
+    }
+
+    #[test]
+    fn a_vm_its_hypervisor_holds_for_an_error_is_failed_not_starting() {
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStateWaiting, ContainerStatus};
+        let vm = VmBuilder::new("web").build();
+        let mut pod = PodBuilder::for_vm(&vm).on_node("host-a").running("192.0.2.1").build();
+        let pod_status = pod.status.as_mut().unwrap();
+        pod_status.container_statuses = Some(vec![ContainerStatus {
+            name: "vm".into(),
+            ready: false,
+            state: Some(ContainerState {
+                waiting: Some(ContainerStateWaiting {
+                    reason: Some("Faulted".into()),
+                    message: Some("the hypervisor stopped the guest: paused (watchdog)".into()),
+                }),
+                ..ContainerState::default()
+            }),
+            ..ContainerStatus::default()
+        }]);
+        for condition in pod_status.conditions.iter_mut().flatten().filter(|c| c.type_.ends_with("Ready")) {
+            condition.status = "False".into();
+        }
+        let status = status_from_pod(&vm, Some(&pod), Some("web-x7k2p"));
+        assert_eq!(status.phase, Some(VmPhase::Failed));
+        let error = find(&status, "ProviderError");
+        assert_eq!(
+            (error.status.as_str(), error.reason.as_str(), error.message.as_str()),
+            ("True", "Faulted", "the hypervisor stopped the guest: paused (watchdog)")
+        );
+        assert_eq!(find(&status, "Ready").reason, "Faulted");
     }
 
     #[test]

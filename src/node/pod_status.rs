@@ -99,7 +99,11 @@ pub fn pod_status(pod: &Pod, host_ip: &str, observed: &Observed<'_>, restarted: 
         Observed::Vm { status, provider } => {
             let running = status.power.is_active();
             let ready = status.power == PowerState::Running;
-            let state = if running {
+            let state = if let Some(fault) = &status.fault {
+                // Active (it holds the host's CPU and memory: the pod stays
+                // Running) but its guest does not run.
+                waiting(FAULTED, &fault_message(fault))
+            } else if running {
                 ContainerState {
                     running: Some(ContainerStateRunning {
                         started_at: Some(if restarted {
@@ -212,6 +216,16 @@ fn pod_ips(addresses: &[std::net::IpAddr]) -> Vec<String> {
     std::iter::once(first).chain(other).map(ToString::to_string).collect()
 }
 
+/// The container's waiting reason while the hypervisor holds the VM
+/// stopped for an error ([`vmlet_provider::Fault`]); the controller shows
+/// the VM `Failed` with it.
+pub const FAULTED: &str = "Faulted";
+
+/// What a pod (and its VM) says about `fault`.
+pub fn fault_message(fault: &vmlet_provider::Fault) -> String {
+    format!("the hypervisor stopped the guest: {fault}; resume it (virsh resume) or restart the VM (scale to 0 and 1)")
+}
+
 fn waiting(reason: &str, message: &str) -> ContainerState {
     ContainerState {
         waiting: Some(ContainerStateWaiting { reason: Some(reason.into()), message: Some(message.into()) }),
@@ -270,6 +284,7 @@ mod tests {
             backend_id: "0b5c3b3e-1111-4000-8000-00000000000a".into(),
             power,
             stop_reason: None,
+            fault: None,
             cpus: 2,
             memory_bytes: 1 << 30,
             max_cpus: 2,
@@ -310,6 +325,33 @@ mod tests {
         assert_eq!(container.started, Some(true));
         assert!(container.state.as_ref().unwrap().running.is_some());
         assert!(status.start_time.is_some());
+    }
+
+    #[test]
+    fn a_vm_the_hypervisor_paused_for_an_error_is_running_but_waits_faulted_and_is_not_ready() {
+        let mut vm = vm_status(PowerState::Paused);
+        vm.fault = Some(vmlet_provider::Fault {
+            reason: "paused (I/O error): a disk failed".into(),
+            detail: Some("block I/O error in device 'vda'".into()),
+        });
+        let status = pod_status(&bound_pod(), "127.0.0.1", &Observed::Vm { status: &vm, provider: "libvirt" }, false);
+        assert_eq!(status.phase.as_deref(), Some("Running"), "it still holds the host's CPU and memory");
+        let container = &status.container_statuses.as_ref().unwrap()[0];
+        assert!(!container.ready);
+        let waiting = container.state.as_ref().unwrap().waiting.as_ref().unwrap();
+        assert_eq!(waiting.reason.as_deref(), Some(FAULTED));
+        assert_eq!(
+            waiting.message.as_deref(),
+            Some(
+                "the hypervisor stopped the guest: paused (I/O error): a disk failed; the hypervisor's log says: \
+                 block I/O error in device 'vda'; resume it (virsh resume) or restart the VM (scale to 0 and 1)"
+            )
+        );
+        vm.fault = None;
+        let resumed = pod_status(&bound_pod(), "127.0.0.1", &Observed::Vm { status: &vm, provider: "libvirt" }, false);
+        let container = &resumed.container_statuses.as_ref().unwrap()[0];
+        assert!(container.state.as_ref().unwrap().running.is_some(), "a pause asked for is no fault");
+        assert!(!container.ready, "a paused guest is not ready");
     }
 
     #[test]

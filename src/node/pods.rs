@@ -194,6 +194,18 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             } else {
                 (status, None)
             };
+            if let Some(fault) = &status.fault {
+                // Once per fault: the pod says Faulted from then on.
+                let already = pod
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.container_statuses.as_ref()?.first()?.state.as_ref()?.waiting.as_ref())
+                    .is_some_and(|w| w.reason.as_deref() == Some(super::pod_status::FAULTED));
+                if !already {
+                    warn!(vm.uid = %vm.spec.id, domain = %status.backend_name, fault = %fault, "the hypervisor stopped the guest");
+                    agent.events.publish(pod, Reason::Faulted, &super::pod_status::fault_message(fault));
+                }
+            }
             let provider_kind = agent.provider.kind();
             let running = Resources { cpus: status.cpus, memory_bytes: status.memory_bytes };
             write_status(pod, agent, |p| {

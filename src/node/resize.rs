@@ -221,6 +221,7 @@ mod tests {
             backend_id: "b1".into(),
             power: PowerState::Running,
             stop_reason: None,
+            fault: None,
             cpus: now.cpus,
             memory_bytes: now.memory_bytes,
             max_cpus: max.cpus,

@@ -247,6 +247,33 @@ pub enum StopReason {
     Unknown,
 }
 
+/// Why the hypervisor holds an active guest that does not run: it stopped
+/// it for an error, not because anyone asked (libvirt: a domain paused for
+/// an I/O error, a watchdog, a guest panic, a failed post-copy migration, or
+/// by QEMU itself, which libvirt calls `unknown`: a KVM internal error such
+/// as "emulation failure"). A pause someone asked for (suspend, a
+/// migration's or a snapshot's pause) is no fault. Reported as
+/// [`VmStatus::fault`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// The back end's state and reason in its words, e.g. `paused (I/O
+    /// error)`, with what it usually means.
+    pub reason: String,
+    /// The hypervisor's own last error line for the VM's current run, when
+    /// the provider can read it (libvirt: the QEMU log of a local host,
+    /// `/var/log/libvirt/qemu/<domain>.log`), at most 512 bytes.
+    pub detail: Option<String>,
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.detail {
+            Some(detail) => write!(f, "{}; the hypervisor's log says: {detail}", self.reason),
+            None => f.write_str(&self.reason),
+        }
+    }
+}
+
 /// What a provider reports about one of vmlet's VMs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VmStatus {
@@ -261,6 +288,9 @@ pub struct VmStatus {
     pub power: PowerState,
     /// Why it stopped, for an inactive VM (`None` while active).
     pub stop_reason: Option<StopReason>,
+    /// Why an active VM does not run ([`Fault`]); `None` while it runs, for
+    /// a pause someone asked for, and for an inactive VM.
+    pub fault: Option<Fault>,
     /// Virtual CPUs the VM has now (online vCPUs of a running VM, the
     /// definition's of an inactive one).
     pub cpus: u32,

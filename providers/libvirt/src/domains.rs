@@ -2,12 +2,13 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::path::Path;
 use std::sync::{Mutex, PoisonError};
 
 use virt::connect::Connect;
 use virt::domain::{Domain, DomainInfo, DomainState, DomainStateEnum};
 use virt::error::Error as VirtError;
-use vmlet_provider::{Error, ErrorKind, PowerState, Resources, Result, StopReason, VmId, VmStatus};
+use vmlet_provider::{Error, ErrorKind, Fault, PowerState, Resources, Result, StopReason, VmId, VmStatus};
 
 use crate::error::{from_libvirt, is_no_domain, is_no_metadata};
 use crate::xml::{interfaces, parse_identity, DomainInterface, Identity, Size, METADATA_NS};
@@ -106,7 +107,11 @@ pub(crate) fn find(conn: &Connect, cache: &UuidCache, id: &VmId) -> Result<Optio
 /// and whose interfaces' MAC addresses say which guest addresses are the
 /// VM's ([`guest_addresses`]); an inactive domain's definition is what it
 /// has, so it costs no XML (and reports no interfaces).
-pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus> {
+///
+/// A paused domain whose reason is an error ([`fault_of`]) reports it as
+/// [`VmStatus::fault`], with the last error line of its QEMU log when
+/// `qemu_logs` names the directory that holds it (a local host's).
+pub(crate) fn status_of(domain: &Domain, identity: Identity, qemu_logs: Option<&Path>) -> Result<VmStatus> {
     let info = domain.info().map_err(|e| from_libvirt("read domain info", e))?;
     let backend_id = domain.uuid_string().map_err(|e| from_libvirt("read domain uuid", e))?;
     let backend_name = domain.name().map_err(|e| from_libvirt("read domain name", e))?;
@@ -124,12 +129,22 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity) -> Result<VmStatus>
         let (_, reason) = domain.state().map_err(|e| from_libvirt("read domain state", e))?;
         (Vec::new(), 0, Some(stop_reason_from_libvirt(reason)), None)
     };
+    let fault = if power == PowerState::Paused {
+        let (_, reason) = domain.state().map_err(|e| from_libvirt("read domain state", e))?;
+        fault_of(reason).map(|reason| Fault {
+            reason: reason.to_owned(),
+            detail: qemu_logs.and_then(|dir| last_error_line(&dir.join(format!("{backend_name}.log")))),
+        })
+    } else {
+        None
+    };
     Ok(VmStatus {
         id: identity.id,
         backend_name,
         backend_id,
         power,
         stop_reason,
+        fault,
         cpus: info.nr_virt_cpu,
         memory_bytes: info.memory.saturating_mul(1024),
         max_cpus,
@@ -179,6 +194,69 @@ pub(crate) fn power_from_libvirt(state: DomainStateEnum) -> PowerState {
         DomainStateEnum::Known(DomainState::Crashed) => PowerState::Crashed,
         DomainStateEnum::Known(DomainState::NoState) | DomainStateEnum::Unknown(_) => PowerState::Unknown,
     }
+}
+
+/// What a paused domain's state reason (`virDomainPausedReason`) says when
+/// it is an error the hypervisor paused the guest for, in libvirt's words
+/// (`virsh domstate --reason`) and what it usually means; `None` for a pause
+/// someone asked for (suspend, migration, save, dump, snapshot, start-up,
+/// post-copy, shutdown).
+pub(crate) fn fault_of(reason: virt::domain::DomainStateReasonEnum) -> Option<&'static str> {
+    use virt::domain::{DomainPausedReason as P, DomainStateReason as R};
+    use virt::enumutil::Enum;
+    let Enum::Known(R::Paused(Enum::Known(paused))) = reason else { return None };
+    Some(match paused {
+        P::Unknown => "paused (unknown): QEMU stopped the guest by itself, e.g. on a KVM internal error",
+        P::IOError => "paused (I/O error): a disk failed and its error policy stops the guest",
+        P::Watchdog => "paused (watchdog): the guest's watchdog fired",
+        P::Crashed => "paused (crashed): the guest panicked",
+        P::PostCopyFailed => "paused (post-copy failed): a post-copy migration failed",
+        P::APIError => "paused (api error): a libvirt call on the domain failed",
+        P::User
+        | P::Migration
+        | P::Save
+        | P::Dump
+        | P::FromSnapshot
+        | P::ShuttingDown
+        | P::Snapshot
+        | P::StartingUp
+        | P::PostCopy => return None,
+    })
+}
+
+/// The most bytes of a QEMU log [`last_error_line`] reads, from its end.
+const LOG_TAIL_BYTES: u64 = 64 * 1024;
+
+/// The most bytes of a log line a [`Fault`] carries.
+const MAX_DETAIL_BYTES: usize = 512;
+
+/// The last line of the QEMU log `path` that says `error` or `failure` (any
+/// case) since libvirt's last `starting up` line (the VM's current run),
+/// QEMU's command line left out,
+/// looking at the log's last 64 KiB only; at most [`MAX_DETAIL_BYTES`],
+/// cut at a character boundary. `None` when there is none or the file
+/// cannot be read (no log here).
+pub(crate) fn last_error_line(path: &Path) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    let length = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(length.saturating_sub(LOG_TAIL_BYTES))).ok()?;
+    let mut tail = Vec::new();
+    file.take(LOG_TAIL_BYTES).read_to_end(&mut tail).ok()?;
+    let text = String::from_utf8_lossy(&tail);
+    let run = text.rsplit_once("starting up").map_or(text.as_ref(), |(_, after)| after);
+    // libvirt writes QEMU's command line first (`LC_ALL=C … \`, one
+    // option per line), whose `werror=`/`rerror=` options are no errors.
+    let command_line = |line: &str| line.starts_with('-') || line.ends_with('\\') || line.contains("LC_ALL=");
+    let line = run.lines().rev().map(str::trim).filter(|line| !command_line(line)).find(|line| {
+        let lower = line.to_ascii_lowercase();
+        lower.contains("error") || lower.contains("failure")
+    })?;
+    let mut end = line.len().min(MAX_DETAIL_BYTES);
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some(line[..end].to_owned())
 }
 
 /// Why an inactive domain stopped, from libvirt's state reason
@@ -310,5 +388,45 @@ mod tests {
             assert_eq!(power_from_libvirt(DomainStateEnum::Known(state)), power, "{state:?}");
         }
         assert_eq!(power_from_libvirt(DomainStateEnum::Unknown(99)), PowerState::Unknown);
+    }
+
+    #[test]
+    fn the_last_error_of_the_current_run_is_the_faults_detail() {
+        let dir = std::env::temp_dir().join(format!("vmlet-qemu-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("team-a_web.log");
+        let text = "2026-12-03 10:00:00.000+0000: starting up libvirt version: 9.0.0\n\
+                    KVM internal error. Suberror: 3 (an older run)\n\
+                    2026-12-03 11:00:00.000+0000: starting up libvirt version: 9.0.0\n\
+                    LC_ALL=C \\\n\
+                    -blockdev '{\"driver\":\"file\",\"werror\":\"stop\"}' \\\n\
+                    -msg timestamp=on\n\
+                    char device redirected to /dev/pts/3 (label charserial0)\n\
+                    KVM internal error. Suberror: 1\n\
+                    emulation failure\n\
+                    EAX=00000000 EBX=00000000\n";
+        std::fs::write(&log, text).unwrap();
+        assert_eq!(last_error_line(&log).as_deref(), Some("emulation failure"));
+        std::fs::write(&log, "2026-12-03: starting up\nLC_ALL=C \\\n-drive werror=stop\n").unwrap();
+        assert_eq!(last_error_line(&log), None, "the command line is no error");
+        std::fs::write(&log, format!("starting up\nerror: {}\n", "é".repeat(400))).unwrap();
+        let long = last_error_line(&log).unwrap();
+        assert!(long.len() <= MAX_DETAIL_BYTES && long.starts_with("error: é"), "{long}");
+        assert_eq!(last_error_line(&dir.join("no-such.log")), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn only_a_pause_for_an_error_is_a_fault() {
+        use virt::domain::{DomainPausedReason as P, DomainShutoffReason, DomainStateReason as R};
+        use virt::enumutil::Enum;
+        let paused = |reason| Enum::Known(R::Paused(Enum::Known(reason)));
+        for reason in [P::Unknown, P::IOError, P::Watchdog, P::Crashed, P::PostCopyFailed, P::APIError] {
+            assert!(fault_of(paused(reason)).is_some_and(|f| f.starts_with("paused (")), "{reason:?}");
+        }
+        for reason in [P::User, P::Migration, P::Save, P::Snapshot, P::StartingUp, P::PostCopy] {
+            assert_eq!(fault_of(paused(reason)), None, "{reason:?}");
+        }
+        assert_eq!(fault_of(Enum::Known(R::Shutoff(Enum::Known(DomainShutoffReason::Crashed)))), None);
     }
 }

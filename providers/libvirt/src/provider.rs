@@ -353,6 +353,12 @@ pub(crate) fn not_completed(operation: &'static str, err: tokio::task::JoinError
 }
 
 impl Host {
+    /// Where libvirt keeps this host's QEMU logs (`<domain>.log`), when vmlet
+    /// can read them: a local system daemon's (`qemu:///system`).
+    pub(crate) fn qemu_logs(&self) -> Option<&'static Path> {
+        (self.connection.uri() == "qemu:///system").then(|| Path::new("/var/log/libvirt/qemu"))
+    }
+
     /// The domain with identity `id`, or a `NotFound` error naming it.
     pub(crate) fn require(&self, conn: &Connect, operation: &'static str, id: &VmId) -> Result<Domain> {
         find(conn, &self.uuids, id)?
@@ -365,7 +371,7 @@ impl Host {
             return Ok(None);
         };
         match identity_of(&domain) {
-            Ok(Some(identity)) => status_of(&domain, identity).map(Some),
+            Ok(Some(identity)) => status_of(&domain, identity, self.qemu_logs()).map(Some),
             Ok(None) => Ok(None),
             Err(err) if is_no_domain(&err) => Ok(None),
             Err(err) => Err(from_libvirt("read domain metadata", err)),
@@ -399,7 +405,7 @@ impl Host {
                 if let Ok(uuid) = domain.uuid_string() {
                     self.uuids.insert(id.clone(), uuid);
                 }
-                status_of(&domain, identity).map(Location::ThisHost)
+                status_of(&domain, identity, self.qemu_logs()).map(Location::ThisHost)
             }
             Ok(_) => Ok(Location::NotOnThisHost),
             Err(err) if is_no_domain(&err) => Ok(Location::NotOnThisHost),
@@ -445,7 +451,7 @@ impl Host {
                 ),
             )
         })?;
-        let status = status_of(&domain, identity)?;
+        let status = status_of(&domain, identity, self.qemu_logs())?;
         self.uuids.insert(spec.id.clone(), status.backend_id.clone());
         tracing::info!(domain = %name, domain.uuid = %status.backend_id, "domain defined");
         Ok(status)
@@ -849,7 +855,7 @@ impl Provider for LibvirtProvider {
         self.blocking("list domains", |host, conn| {
             let mut statuses = Vec::new();
             for (domain, identity) in scan(conn, &host.uuids)? {
-                match status_of(&domain, identity) {
+                match status_of(&domain, identity, host.qemu_logs()) {
                     Ok(status) => statuses.push(status),
                     // Undefined during the scan.
                     Err(err) if err.kind == ErrorKind::NotFound => {}

@@ -118,6 +118,8 @@ pub(crate) fn status_of(server: &Server, next: Option<&Flavor>) -> VmStatus {
         backend_id: server.id.clone(),
         power,
         stop_reason: if power.is_active() { None } else { stop_reason },
+        // Nova tells no hypervisor fault of a paused server apart from a pause asked for.
+        fault: None,
         cpus: vcpus,
         memory_bytes,
         max_cpus: vcpus,

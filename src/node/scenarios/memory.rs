@@ -117,6 +117,7 @@ impl Provider for MemoryHost {
             backend_id: format!("{}-{}", self.name, state.next_backend_id),
             power: PowerState::Off,
             stop_reason: None,
+            fault: None,
             cpus: spec.cpus,
             memory_bytes: spec.memory_bytes,
             max_cpus: spec.cpus,
