@@ -199,6 +199,15 @@ async fn start_kubelet() -> Kubelet {
 /// a fresh self-signed certificate, and with `extra` VM pods `(namespace, name,
 /// node)`.
 async fn start_kubelet_with(serving: Option<(PathBuf, PathBuf)>, extra: &[(&str, &str, &str)]) -> Kubelet {
+    start_kubelet_tuned(serving, extra, |_| {}).await
+}
+
+/// As [`start_kubelet_with`], with `tune` applied to the API's config.
+async fn start_kubelet_tuned(
+    serving: Option<(PathBuf, PathBuf)>,
+    extra: &[(&str, &str, &str)],
+    tune: impl FnOnce(&mut ApiConfig),
+) -> Kubelet {
     common::cluster();
     let client = common::client().await;
     let dir = tempfile::tempdir().unwrap();
@@ -252,13 +261,14 @@ async fn start_kubelet_with(serving: Option<(PathBuf, PathBuf)>, extra: &[(&str,
         PodEntry { vm: None, ..entry("attacker", "forged", "host-a", true) },
     );
     let directory = Directory { pods };
-    let config = ApiConfig {
+    let mut config = ApiConfig {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         tls_cert_file: Some(cert_file),
         tls_key_file: Some(key_file),
         client_ca_file: Some(pki().join("ca.crt")),
         ..ApiConfig::default()
     };
+    tune(&mut config);
     let server = Server::bind(config, Arc::new(directory), client).await.expect("bind the kubelet API");
     let addr = server.local_addr();
     let stop = CancellationToken::new();
@@ -277,6 +287,11 @@ enum Credentials<'a> {
 
 impl Kubelet {
     async fn connect(&self, creds: Credentials<'_>) -> TlsStream<TcpStream> {
+        self.try_connect(creds).await.expect("TLS handshake")
+    }
+
+    /// A TLS connection, or why the handshake failed.
+    async fn try_connect(&self, creds: Credentials<'_>) -> std::io::Result<TlsStream<TcpStream>> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut roots = rustls::RootCertStore::empty();
         roots.add(self.serving_cert.clone()).unwrap();
@@ -297,25 +312,92 @@ impl Kubelet {
         };
         let tcp = TcpStream::connect(self.addr).await.unwrap();
         let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-        connector.connect(ServerName::try_from("127.0.0.1").unwrap(), tcp).await.expect("TLS handshake")
+        connector.connect(ServerName::try_from("127.0.0.1").unwrap(), tcp).await
     }
 
-    /// A plain request: status and body.
-    async fn get(&self, creds: Credentials<'_>, path: &str) -> (u16, String) {
-        let stream = self.connect(creds).await;
+    /// Poll `path` until it answers `status` (to a generous deadline); the body.
+    async fn wait_for_status(&self, what: &str, creds: Credentials<'_>, path: &str, status: u16) -> String {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        loop {
+            if let Ok(stream) = self.try_connect(creds).await {
+                if let Some((got, body)) = Self::request(stream, creds, path).await {
+                    if got == status {
+                        return body;
+                    }
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+
+    /// One request on `stream`: status and body, or `None` when the
+    /// connection broke.
+    async fn request(stream: TlsStream<TcpStream>, creds: Credentials<'_>, path: &str) -> Option<(u16, String)> {
         let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.ok()?;
         tokio::spawn(conn);
         let mut req = hyper::Request::get(path).header("host", "127.0.0.1");
         if let Credentials::Token(token) = creds {
             req = req.header("authorization", format!("Bearer {token}"));
         }
         let response =
-            sender.send_request(req.body(http_body_util::Empty::<axum::body::Bytes>::new()).unwrap()).await.unwrap();
+            sender.send_request(req.body(http_body_util::Empty::<axum::body::Bytes>::new()).unwrap()).await.ok()?;
         let status = response.status().as_u16();
-        let body = response.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8_lossy(&body).into_owned())
+        let body = response.into_body().collect().await.ok()?.to_bytes();
+        Some((status, String::from_utf8_lossy(&body).into_owned()))
     }
+
+    /// A plain request: status and body.
+    async fn get(&self, creds: Credentials<'_>, path: &str) -> (u16, String) {
+        let stream = self.connect(creds).await;
+        Self::request(stream, creds, path).await.expect("a response")
+    }
+}
+
+// ---------------------------------------------------------------- connection limits
+
+/// Read from `stream` until the server closes it; panics past a generous
+/// deadline (a hang guard, not a measurement).
+async fn wait_closed_by_server(stream: &mut TlsStream<TcpStream>, what: &str) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(120), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    });
+    read.await.unwrap_or_else(|_| panic!("the server never closed {what}"));
+}
+
+#[tokio::test]
+async fn connections_past_the_limit_are_closed_at_once_and_freed_slots_serve_again() {
+    let kubelet = start_kubelet_tuned(None, &[], |c| c.max_connections = Some(2)).await;
+    let first = kubelet.connect(Credentials::ApiServerCert).await;
+    let second = kubelet.connect(Credentials::ApiServerCert).await;
+    // Both slots are held by clients that say nothing: a third is closed
+    // before its TLS handshake completes.
+    assert!(kubelet.try_connect(Credentials::ApiServerCert).await.is_err(), "a third connection was served");
+    drop(first);
+    // Once the server saw the first go, its slot serves a request.
+    let served = kubelet.wait_for_status("a freed slot to serve /pods", Credentials::ApiServerCert, "/pods", 200).await;
+    assert!(served.contains("\"vm-1\""), "{served}");
+    drop(second);
+}
+
+#[tokio::test]
+async fn a_client_that_sends_no_or_half_a_request_header_is_cut_off() {
+    let kubelet = start_kubelet_tuned(None, &[], |c| c.request_header_timeout_seconds = Some(2)).await;
+    let mut silent = kubelet.connect(Credentials::ApiServerCert).await;
+    let mut slow = kubelet.connect(Credentials::ApiServerCert).await;
+    tokio::io::AsyncWriteExt::write_all(&mut slow, b"GET /pods HTTP/1.1\r\nhost: 127.0.0.1\r\n").await.unwrap();
+    wait_closed_by_server(&mut silent, "a connection that sent nothing").await;
+    wait_closed_by_server(&mut slow, "a connection that sent half a header").await;
+    // An ordinary request is unaffected.
+    assert_eq!(kubelet.get(Credentials::ApiServerCert, "/pods").await.0, 200);
 }
 
 // ---------------------------------------------------------------- authn/authz

@@ -96,7 +96,34 @@ pub struct ApiConfig {
     /// names); default: the node IP and the node names (see [`ApiConfig::resolve`]).
     #[serde(default)]
     pub serving_cert_sans: Vec<String>,
+    /// Connections served at once (TLS handshakes included); one past it is
+    /// closed as soon as it is accepted. Default [`DEFAULT_MAX_CONNECTIONS`].
+    /// An `exec`/`attach` counts until its stream is upgraded (SPDY,
+    /// WebSocket); the upgraded stream is no longer counted here.
+    #[serde(default)]
+    pub max_connections: Option<usize>,
+    /// Seconds a connection may take to send a request's headers, counted
+    /// from when the server waits for them (so also an idle keep-alive
+    /// connection's wait for its next request); then it is closed. Default
+    /// [`DEFAULT_HEADER_TIMEOUT`] (30 s). An upgraded stream (exec, attach)
+    /// and a response being streamed (`logs -f`) are not bound by it.
+    #[serde(default)]
+    pub request_header_timeout_seconds: Option<u64>,
 }
+
+/// Connections the kubelet API serves at once unless configured
+/// ([`ApiConfig::max_connections`]).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+
+/// How long a connection may take to send request headers unless configured
+/// ([`ApiConfig::request_header_timeout_seconds`]).
+pub const DEFAULT_HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How often, at most, the listener logs that it closes connections past its limit.
+const REFUSAL_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// How long a TLS handshake may take before the connection is closed.
+const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl ApiConfig {
     /// Fill the defaults that depend on the rest of vmlet's config: listen on
@@ -119,6 +146,12 @@ impl ApiConfig {
         match (&self.tls_cert_file, &self.tls_key_file) {
             (Some(_), None) => Err(("tlsKeyFile".into(), "is missing; give it with tlsCertFile, or neither".into())),
             (None, Some(_)) => Err(("tlsCertFile".into(), "is missing; give it with tlsKeyFile, or neither".into())),
+            _ if self.max_connections == Some(0) => {
+                Err(("maxConnections".into(), "is 0, which serves nothing; leave it out for 1024".into()))
+            }
+            _ if self.request_header_timeout_seconds == Some(0) => {
+                Err(("requestHeaderTimeoutSeconds".into(), "is 0; leave it out for 30".into()))
+            }
             _ => Ok(()),
         }
     }
@@ -166,6 +199,9 @@ pub struct Server {
     listener: tokio::net::TcpListener,
     tls: tokio_rustls::TlsAcceptor,
     router: axum::Router,
+    /// One permit per connection served ([`ApiConfig::max_connections`]).
+    connections: Arc<tokio::sync::Semaphore>,
+    header_timeout: std::time::Duration,
 }
 
 impl Server {
@@ -180,7 +216,16 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ApiError::Bind { addr, source })?;
         let auth = auth::Auth::new(client, config.anonymous_auth, config.authorization_mode);
         let router = routes::router(routes::ApiState::new(directory, Arc::new(auth)));
-        Ok(Server { listener, tls: tokio_rustls::TlsAcceptor::from(Arc::new(tls)), router })
+        let max_connections = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+        let header_timeout =
+            config.request_header_timeout_seconds.map_or(DEFAULT_HEADER_TIMEOUT, std::time::Duration::from_secs);
+        Ok(Server {
+            listener,
+            tls: tokio_rustls::TlsAcceptor::from(Arc::new(tls)),
+            router,
+            connections: Arc::new(tokio::sync::Semaphore::new(max_connections)),
+            header_timeout,
+        })
     }
 
     /// The bound address.
@@ -190,9 +235,14 @@ impl Server {
 
     /// Serve connections until `shutdown` (after a failed accept, e.g. out of
     /// file descriptors, the next waits [`ACCEPT_ERROR_PAUSE`]); connections in flight are left to
-    /// finish on their own tasks.
+    /// finish on their own tasks. A connection past
+    /// [`ApiConfig::max_connections`] is closed at once (logged at most once
+    /// a minute); one that sends no request headers in time is closed
+    /// ([`ApiConfig::request_header_timeout_seconds`]).
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!(addr = %self.local_addr(), "kubelet API listening");
+        let mut refused_since_log: u64 = 0;
+        let mut last_refusal_log: Option<std::time::Instant> = None;
         loop {
             let (tcp, peer) = tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -211,11 +261,24 @@ impl Server {
                     }
                 },
             };
+            let Ok(permit) = Arc::clone(&self.connections).try_acquire_owned() else {
+                drop(tcp);
+                refused_since_log += 1;
+                if last_refusal_log.is_none_or(|at| at.elapsed() >= REFUSAL_LOG_INTERVAL) {
+                    tracing::warn!(%peer, refused = refused_since_log, "kubelet API at its connection limit (kubeletApi.maxConnections); closing new connections");
+                    refused_since_log = 0;
+                    last_refusal_log = Some(std::time::Instant::now());
+                }
+                continue;
+            };
             let tls = self.tls.clone();
             let router = self.router.clone();
             let shutdown = shutdown.clone();
+            let header_timeout = self.header_timeout;
             tokio::spawn(async move {
-                let handshake = tokio::time::timeout(std::time::Duration::from_secs(10), tls.accept(tcp));
+                // Held until the connection (and any stream upgraded from it) ends.
+                let _permit = permit;
+                let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(tcp));
                 let stream = match handshake.await {
                     Ok(Ok(stream)) => stream,
                     Ok(Err(e)) => {
@@ -244,6 +307,8 @@ impl Server {
                     }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(header_timeout)
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
                     .with_upgrades();
                 let mut conn = std::pin::pin!(conn);
@@ -292,6 +357,17 @@ mod tests {
         assert_eq!(config.serving_cert_sans, ["10.0.0.5", "host-a"]);
         assert!(!config.anonymous_auth);
         assert_eq!(config.authorization_mode, AuthorizationMode::Webhook);
+    }
+
+    #[test]
+    fn connection_limits_of_zero_are_refused_naming_the_field() {
+        let config = ApiConfig { max_connections: Some(0), ..ApiConfig::default() };
+        assert_eq!(config.validate().unwrap_err().0, "maxConnections");
+        let config = ApiConfig { request_header_timeout_seconds: Some(0), ..ApiConfig::default() };
+        assert_eq!(config.validate().unwrap_err().0, "requestHeaderTimeoutSeconds");
+        let config: ApiConfig = serde_yaml::from_str("maxConnections: 64\nrequestHeaderTimeoutSeconds: 5").unwrap();
+        assert_eq!((config.max_connections, config.request_header_timeout_seconds), (Some(64), Some(5)));
+        assert!(config.validate().is_ok());
     }
 
     #[test]
