@@ -14,6 +14,10 @@ use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, 
 pub const VERSION: u16 = 3;
 /// Largest payload a frame can carry (24-bit length).
 pub const MAX_PAYLOAD: usize = (1 << 24) - 1;
+/// Largest frame payload accepted from a peer (1 MiB): a frame header that
+/// announces more is a protocol error at once, before its payload is
+/// buffered. kubectl and the API server send DATA of at most 32 KiB.
+pub const MAX_RECEIVED_PAYLOAD: usize = 1 << 20;
 /// Largest decompressed header block accepted (as spdystream: 1 MiB per field).
 pub const MAX_HEADER_BLOCK: usize = 1 << 20;
 /// Most header pairs accepted in one block.
@@ -177,6 +181,9 @@ pub enum FrameError {
     /// The zlib header stream is corrupt or too large.
     #[error("header block: {0}")]
     HeaderBlock(String),
+    /// A frame announces a payload larger than [`MAX_RECEIVED_PAYLOAD`].
+    #[error("a frame of {0} bytes; at most {MAX_RECEIVED_PAYLOAD} are accepted")]
+    TooLarge(usize),
 }
 
 fn invalid(frame: &'static str, why: &'static str) -> FrameError {
@@ -214,6 +221,9 @@ impl FrameDecoder {
         let first = be32(&buf[0..4]);
         let flags = buf[4];
         let length = (be32(&buf[4..8]) & 0x00ff_ffff) as usize;
+        if length > MAX_RECEIVED_PAYLOAD {
+            return Err(FrameError::TooLarge(length));
+        }
         let total = 8 + length;
         if buf.len() < total {
             return Ok(None);
@@ -720,5 +730,16 @@ mod tests {
     fn unknown_control_frames_are_skipped() {
         let wire = [0x80, 0x03, 0x00, 0x0a, 0, 0, 0, 2, 9, 9, 0x80, 0x03, 0x00, 0x06, 0, 0, 0, 4, 0, 0, 0, 3];
         assert_eq!(decode_all(&wire).unwrap(), vec![Frame::Unknown { frame_type: 10 }, Frame::Ping { id: 3 }]);
+    }
+
+    #[test]
+    fn a_frame_announcing_more_than_a_mebibyte_is_refused_from_its_header_alone() {
+        let mut header = 1u32.to_be_bytes().to_vec();
+        header.extend_from_slice(&[0, 0xff, 0xff, 0xff]);
+        let err = FrameDecoder::new().decode(&header).unwrap_err();
+        assert!(matches!(err, FrameError::TooLarge(0x00ff_ffff)), "{err}");
+        let mut at_limit = 1u32.to_be_bytes().to_vec();
+        at_limit.extend_from_slice(&length_word(0, MAX_RECEIVED_PAYLOAD));
+        assert_eq!(FrameDecoder::new().decode(&at_limit).unwrap(), None, "waits for the payload");
     }
 }

@@ -7,7 +7,11 @@
 //! queue, so the header compression state and frame order stay consistent.
 //!
 //! Flow control (SPDY/3.1): data we receive is credited back with WINDOW_UPDATE
-//! (stream and session) as the reader consumes it. Data we send is held to the
+//! (stream and session) as the reader consumes it. As the Kubernetes peer
+//! does not honour windows, memory is bounded instead: a frame of at most
+//! 1 MiB ([`frame::MAX_RECEIVED_PAYLOAD`]), at most [`STREAM_BUFFER_BYTES`]
+//! waiting per stream before the session stops reading, at most
+//! [`MAX_STREAMS`] streams: about 9 MiB per session at worst. Data we send is held to the
 //! peer's windows once the peer shows it takes part in flow control (it sent
 //! SETTINGS_INITIAL_WINDOW_SIZE or a WINDOW_UPDATE). The Kubernetes peer
 //! (moby/spdystream) implements none: it never sends WINDOW_UPDATE, so holding
@@ -25,6 +29,17 @@ pub const DEFAULT_WINDOW: i64 = 64 * 1024;
 const MAX_CHUNK: usize = 32 * 1024;
 /// DATA frames buffered per stream before the reader waits (backpressure).
 const STREAM_BUFFER: usize = 32;
+/// Bytes of DATA buffered per stream before the session stops reading the
+/// connection (backpressure): a peer that ignores flow control (as
+/// moby/spdystream does) and a guest that does not read hold at most this
+/// much per stream. At least [`frame::MAX_RECEIVED_PAYLOAD`].
+pub const STREAM_BUFFER_BYTES: usize = 1 << 20;
+/// Streams a peer may open in one session; more are refused with
+/// RST_STREAM REFUSED_STREAM. The remote-command protocol opens at most 5
+/// (error, stdin, stdout, stderr, resize).
+pub const MAX_STREAMS: usize = 8;
+
+const _: () = assert!(frame::MAX_RECEIVED_PAYLOAD <= STREAM_BUFFER_BYTES, "a frame must fit a stream's budget");
 
 /// A session-level failure.
 #[derive(Debug, thiserror::Error)]
@@ -34,8 +49,14 @@ pub enum SessionError {
     Closed(u32),
 }
 
+/// Data received on a stream, with the share of the stream's byte budget it
+/// holds until its reader took it.
+type Received = (Vec<u8>, tokio::sync::OwnedSemaphorePermit);
+
 struct StreamState {
-    data: Option<mpsc::Sender<Vec<u8>>>,
+    data: Option<mpsc::Sender<Received>>,
+    /// The stream's byte budget ([`STREAM_BUFFER_BYTES`]).
+    budget: Arc<tokio::sync::Semaphore>,
     send_window: i64,
     reset: bool,
 }
@@ -83,7 +104,7 @@ pub struct SendHalf {
 /// Reads data the client sent on one stream.
 pub struct RecvHalf {
     id: u32,
-    rx: mpsc::Receiver<Vec<u8>>,
+    rx: mpsc::Receiver<Received>,
     shared: Arc<Shared>,
 }
 
@@ -210,7 +231,7 @@ impl RecvHalf {
     /// The next data the client sent; `None` after its FIN, a reset or the end
     /// of the connection. Credits the bytes back to the client's windows.
     pub async fn read(&mut self) -> Option<Vec<u8>> {
-        let data = self.rx.recv().await?;
+        let (data, _budget) = self.rx.recv().await?;
         if !data.is_empty() {
             let delta = data.len() as u32;
             for stream_id in [self.id, 0] {
@@ -303,11 +324,15 @@ async fn dispatch(frame: Frame, shared: &Arc<Shared>, incoming: &mpsc::Sender<Sp
                 let mut state = shared.state.lock().expect("spdy state");
                 if state.go_away || stream_id % 2 == 0 || stream_id <= state.last_stream {
                     Some(if stream_id <= state.last_stream { rst::PROTOCOL_ERROR } else { rst::REFUSED_STREAM })
+                } else if state.streams.len() >= MAX_STREAMS {
+                    state.last_stream = stream_id;
+                    Some(rst::REFUSED_STREAM)
                 } else {
                     state.last_stream = stream_id;
                     let window = state.initial_send_window;
                     let data = (flags & FLAG_FIN == 0).then_some(tx);
-                    state.streams.insert(stream_id, StreamState { data, send_window: window, reset: false });
+                    let budget = Arc::new(tokio::sync::Semaphore::new(STREAM_BUFFER_BYTES));
+                    state.streams.insert(stream_id, StreamState { data, budget, send_window: window, reset: false });
                     None
                 }
             };
@@ -335,7 +360,7 @@ async fn dispatch(frame: Frame, shared: &Arc<Shared>, incoming: &mpsc::Sender<Sp
                 match state.streams.get_mut(&stream_id) {
                     None => None,
                     Some(s) => {
-                        let tx = s.data.clone();
+                        let tx = s.data.clone().map(|tx| (tx, Arc::clone(&s.budget)));
                         if flags & FLAG_FIN != 0 {
                             s.data = None;
                         }
@@ -346,10 +371,14 @@ async fn dispatch(frame: Frame, shared: &Arc<Shared>, incoming: &mpsc::Sender<Sp
             match target {
                 None => send(Frame::RstStream { stream_id, status: rst::INVALID_STREAM }).await,
                 Some(None) => true, // data after FIN or reset: dropped
-                Some(Some(tx)) => {
+                Some(Some((tx, budget))) => {
                     if !data.is_empty() {
-                        // Waits while the stream's reader is behind (backpressure).
-                        let _ = tx.send(data).await;
+                        // Waits while the stream's reader is behind
+                        // (backpressure): the connection is not read meanwhile.
+                        // A frame is at most MAX_RECEIVED_PAYLOAD, which fits the budget.
+                        let bytes = u32::try_from(data.len()).unwrap_or(u32::MAX);
+                        let Ok(permit) = budget.acquire_many_owned(bytes).await else { return true };
+                        let _ = tx.send((data, permit)).await;
                     }
                     true
                 }
@@ -401,5 +430,103 @@ async fn dispatch(frame: Frame, shared: &Arc<Shared>, incoming: &mpsc::Sender<Sp
         // nothing the remote-command protocol uses. Their header blocks were
         // still inflated, keeping the zlib state in step.
         Frame::SynReply { .. } | Frame::Headers { .. } | Frame::Unknown { .. } => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Frames the server sends on `reader`, until `want` says one is the
+    /// last to wait for (a hang guard of 30 s, not a measurement).
+    async fn frames_until<R: AsyncRead + Unpin>(reader: &mut R, want: impl Fn(&Frame) -> bool) -> Vec<Frame> {
+        let mut decoder = FrameDecoder::new();
+        let (mut buf, mut frames, mut chunk) = (Vec::new(), Vec::new(), vec![0u8; 4096]);
+        let read = async {
+            loop {
+                while let Some((frame, used)) = decoder.decode(&buf).expect("the server's frames decode") {
+                    buf.drain(..used);
+                    let done = want(&frame);
+                    frames.push(frame);
+                    if done {
+                        return;
+                    }
+                }
+                let n = reader.read(&mut chunk).await.expect("read");
+                assert!(n > 0, "the session closed before the frame waited for; got {frames:?}");
+                buf.extend_from_slice(&chunk[..n]);
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), read).await.expect("the server answered");
+        frames
+    }
+
+    fn syn(stream_id: u32) -> Frame {
+        let headers = vec![("streamtype".to_owned(), "stdin".to_owned())];
+        Frame::SynStream { stream_id, associated_to: 0, priority: 0, flags: 0, headers }
+    }
+
+    #[tokio::test]
+    async fn streams_past_the_cap_are_refused_and_an_oversized_frame_ends_the_session() {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let mut session = Session::start(server);
+        let (mut reader, mut writer) = tokio::io::split(client);
+        let mut encoder = FrameEncoder::new();
+        let mut out = Vec::new();
+        for n in 0..=MAX_STREAMS as u32 {
+            encoder.encode(&syn(2 * n + 1), &mut out);
+        }
+        writer.write_all(&out).await.unwrap();
+        for _ in 0..MAX_STREAMS {
+            session.accept().await.expect("a stream within the cap");
+        }
+        let refused_id = 2 * MAX_STREAMS as u32 + 1;
+        let frames = frames_until(&mut reader, |f| matches!(f, Frame::RstStream { .. })).await;
+        assert_eq!(frames.last(), Some(&Frame::RstStream { stream_id: refused_id, status: rst::REFUSED_STREAM }));
+
+        // A DATA frame announcing 16 MiB: GOAWAY (protocol error) as soon as
+        // its 8-byte header arrives; its payload is never waited for.
+        let mut header = 1u32.to_be_bytes().to_vec();
+        header.extend_from_slice(&[0, 0xff, 0xff, 0xff]);
+        writer.write_all(&header).await.unwrap();
+        let frames = frames_until(&mut reader, |f| matches!(f, Frame::GoAway { .. })).await;
+        assert_eq!(frames.last(), Some(&Frame::GoAway { last_good_stream_id: refused_id, status: 1 }));
+    }
+
+    #[tokio::test]
+    async fn a_stream_whose_reader_is_behind_stops_the_session_reading_at_its_byte_budget() {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let mut session = Session::start(server);
+        let (mut reader, mut writer) = tokio::io::split(client);
+        let mut encoder = FrameEncoder::new();
+        let mut out = Vec::new();
+        encoder.encode(&syn(1), &mut out);
+        writer.write_all(&out).await.unwrap();
+        let mut stream = session.accept().await.unwrap();
+        // Two frames of 1 MiB (the budget) that nobody reads, then a PING:
+        // the second frame waits for budget, so the PING is not read (nor
+        // echoed) until the stream's reader takes the first frame.
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            let data = vec![7u8; frame::MAX_RECEIVED_PAYLOAD];
+            encoder.encode(&Frame::Data { stream_id: 1, flags: 0, data }, &mut out);
+        }
+        encoder.encode(&Frame::Ping { id: 1 }, &mut out);
+        let write = tokio::spawn(async move {
+            writer.write_all(&out).await.unwrap();
+            writer
+        });
+        let first = stream.recv.read().await.expect("the first frame");
+        assert_eq!(first.len(), frame::MAX_RECEIVED_PAYLOAD);
+        let frames = frames_until(&mut reader, |f| matches!(f, Frame::Ping { .. })).await;
+        assert!(frames.contains(&Frame::Ping { id: 1 }));
+        let budget = {
+            let state = stream.recv.shared.state.lock().unwrap();
+            state.streams.get(&1).unwrap().budget.available_permits()
+        };
+        assert_eq!(budget, 0, "the second frame holds the whole budget while unread");
+        assert_eq!(stream.recv.read().await.expect("the second frame").len(), frame::MAX_RECEIVED_PAYLOAD);
+        drop(write.await.unwrap());
     }
 }
