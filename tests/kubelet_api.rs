@@ -315,14 +315,22 @@ impl Kubelet {
         connector.connect(ServerName::try_from("127.0.0.1").unwrap(), tcp).await
     }
 
-    /// Poll `path` until it answers `status` (to a generous deadline); the body.
-    async fn wait_for_status(&self, what: &str, creds: Credentials<'_>, path: &str, status: u16) -> String {
+    /// Poll `path` (a new connection each time; a refused one is tried
+    /// again) until its status satisfies `wanted`, to a generous deadline;
+    /// that status and body.
+    async fn wait_for_answer(
+        &self,
+        what: &str,
+        creds: Credentials<'_>,
+        path: &str,
+        wanted: impl Fn(u16) -> bool,
+    ) -> (u16, String) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
         loop {
             if let Ok(stream) = self.try_connect(creds).await {
-                if let Some((got, body)) = Self::request(stream, creds, path).await {
-                    if got == status {
-                        return body;
+                if let Some((status, body)) = Self::request(stream, creds, path).await {
+                    if wanted(status) {
+                        return (status, body);
                     }
                 }
             }
@@ -383,7 +391,8 @@ async fn connections_past_the_limit_are_closed_at_once_and_freed_slots_serve_aga
     assert!(kubelet.try_connect(Credentials::ApiServerCert).await.is_err(), "a third connection was served");
     drop(first);
     // Once the server saw the first go, its slot serves a request.
-    let served = kubelet.wait_for_status("a freed slot to serve /pods", Credentials::ApiServerCert, "/pods", 200).await;
+    let (_, served) =
+        kubelet.wait_for_answer("a freed slot to serve /pods", Credentials::ApiServerCert, "/pods", |s| s == 200).await;
     assert!(served.contains("\"vm-1\""), "{served}");
     drop(second);
 }
@@ -398,6 +407,33 @@ async fn a_client_that_sends_no_or_half_a_request_header_is_cut_off() {
     wait_closed_by_server(&mut slow, "a connection that sent half a header").await;
     // An ordinary request is unaffected.
     assert_eq!(kubelet.get(Credentials::ApiServerCert, "/pods").await.0, 200);
+}
+
+#[tokio::test]
+async fn exec_and_attach_past_the_pod_and_process_caps_get_429_until_a_stream_ends() {
+    let kubelet = start_kubelet_tuned(None, &[("ns", "vm-2", "host-a")], |c| {
+        c.max_streams = Some(3);
+        c.max_streams_per_pod = Some(2);
+    })
+    .await;
+    let cat = |pod: &str| format!("/exec/ns/{pod}/vm?command=cat&stdin=1&stdout=1");
+    let first = websocket(&kubelet, &cat("vm-1")).await;
+    let _second = websocket(&kubelet, "/attach/ns/vm-1/vm?stdin=1&stdout=1").await;
+    // The pod's cap: refused before any upgrade, with why.
+    let (status, message) = kubelet.get(Credentials::ApiServerCert, &cat("vm-1")).await;
+    assert_eq!(status, 429, "{message}");
+    assert!(message.contains("pod ns/vm-1 has 2 exec/attach streams open"), "{message}");
+    // Another pod has its own, until the process's cap.
+    let _third = websocket(&kubelet, &cat("vm-2")).await;
+    let (status, message) = kubelet.get(Credentials::ApiServerCert, "/attach/ns/vm-2/vm?stdout=1").await;
+    assert_eq!(status, 429, "{message}");
+    assert!(message.contains("this vmlet serves 3 exec/attach streams"), "{message}");
+    // A stream that ends frees its slot.
+    drop(first);
+    let (status, message) = kubelet
+        .wait_for_answer("a slot of pod vm-1 to free", Credentials::ApiServerCert, &cat("vm-1"), |s| s != 429)
+        .await;
+    assert_eq!(status, 400, "without upgrade headers, past the caps: {message}");
 }
 
 // ---------------------------------------------------------------- authn/authz

@@ -3,7 +3,8 @@
 //! console, through [`vmlet_provider::Console`]), over [`crate::streams`].
 //!
 //! Everything that can be refused is refused before the upgrade, with an HTTP
-//! status and a message (404 unknown pod or container, 501 capability missing);
+//! status and a message (404 unknown pod or container, 501 capability missing,
+//! 429 past the stream caps of [`super::slots`]);
 //! failures after it are reported on the error stream.
 
 use super::routes::{lacks, not_a_vm_pod, not_found, text, ApiState};
@@ -48,6 +49,17 @@ fn vm_pod(state: &ApiState, path: &PodPath) -> Result<(PodEntry, vmlet_provider:
     Ok((entry, vm))
 }
 
+/// A stream slot for the pod of `path` ([`super::slots`]), held for as long
+/// as the stream runs; the error is the 429 response to send.
+fn take_slot(state: &ApiState, path: &PodPath) -> Result<super::slots::StreamSlot, Box<Response>> {
+    let (namespace, pod) =
+        (path.get("namespace").map(String::as_str).unwrap_or(""), path.get("pod").map(String::as_str).unwrap_or(""));
+    state.slots.take(namespace, pod).map_err(|message| {
+        tracing::warn!(pod.namespace = namespace, pod.name = pod, %message, "stream refused");
+        Box::new(text(StatusCode::TOO_MANY_REQUESTS, message))
+    })
+}
+
 /// `GET|POST /exec/...`: `command` (repeated), `stdin`, `stdout`, `stderr`, `tty`.
 pub async fn exec(
     State(state): State<ApiState>,
@@ -73,8 +85,13 @@ pub async fn exec(
         Ok(opts) => opts,
         Err(message) => return text(StatusCode::BAD_REQUEST, message),
     };
+    let slot = match take_slot(&state, &path) {
+        Ok(slot) => slot,
+        Err(response) => return *response,
+    };
     tracing::info!(pod.namespace = %path["namespace"], pod.name = %path["pod"], node.name = %entry.node, ?command, "exec");
     streams::upgrade(req.map(Body::new), opts, move |io| async move {
+        let _slot = slot;
         let Some(guest) = entry.provider.guest_exec() else {
             return Outcome::Failure { code: 501, reason: "NotImplemented".into(), message: "no guest exec".into() };
         };
@@ -105,8 +122,13 @@ pub async fn attach(
         Ok(opts) => opts,
         Err(message) => return text(StatusCode::BAD_REQUEST, message),
     };
+    let slot = match take_slot(&state, &path) {
+        Ok(slot) => slot,
+        Err(response) => return *response,
+    };
     tracing::info!(pod.namespace = %path["namespace"], pod.name = %path["pod"], node.name = %entry.node, "attach");
     streams::upgrade(req.map(Body::new), opts, move |io| async move {
+        let _slot = slot;
         let Some(console) = entry.provider.console() else {
             return Outcome::Failure { code: 501, reason: "NotImplemented".into(), message: "no console".into() };
         };

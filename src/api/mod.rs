@@ -16,6 +16,7 @@ pub mod auth;
 pub mod exec;
 pub mod logs;
 pub mod routes;
+pub mod slots;
 pub mod stats;
 pub mod tls;
 
@@ -109,6 +110,14 @@ pub struct ApiConfig {
     /// and a response being streamed (`logs -f`) are not bound by it.
     #[serde(default)]
     pub request_header_timeout_seconds: Option<u64>,
+    /// `exec` and `attach` streams served at once by this process; one past
+    /// it gets 429. Default [`slots::DEFAULT_MAX_STREAMS`] (256).
+    #[serde(default)]
+    pub max_streams: Option<usize>,
+    /// `exec` and `attach` streams served at once to one pod; one past it
+    /// gets 429. Default [`slots::DEFAULT_MAX_STREAMS_PER_POD`] (16).
+    #[serde(default)]
+    pub max_streams_per_pod: Option<usize>,
 }
 
 /// Connections the kubelet API serves at once unless configured
@@ -152,6 +161,13 @@ impl ApiConfig {
             _ if self.request_header_timeout_seconds == Some(0) => {
                 Err(("requestHeaderTimeoutSeconds".into(), "is 0; leave it out for 30".into()))
             }
+            _ if self.max_streams == Some(0) => {
+                Err(("maxStreams".into(), "is 0, which refuses every exec and attach; leave it out for 256".into()))
+            }
+            _ if self.max_streams_per_pod == Some(0) => Err((
+                "maxStreamsPerPod".into(),
+                "is 0, which refuses every exec and attach; leave it out for 16".into(),
+            )),
             _ => Ok(()),
         }
     }
@@ -215,7 +231,11 @@ impl Server {
         let addr = config.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 10250)));
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ApiError::Bind { addr, source })?;
         let auth = auth::Auth::new(client, config.anonymous_auth, config.authorization_mode);
-        let router = routes::router(routes::ApiState::new(directory, Arc::new(auth)));
+        let slots = slots::StreamSlots::new(
+            config.max_streams.unwrap_or(slots::DEFAULT_MAX_STREAMS),
+            config.max_streams_per_pod.unwrap_or(slots::DEFAULT_MAX_STREAMS_PER_POD),
+        );
+        let router = routes::router(routes::ApiState::new(directory, Arc::new(auth), Arc::new(slots)));
         let max_connections = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
         let header_timeout =
             config.request_header_timeout_seconds.map_or(DEFAULT_HEADER_TIMEOUT, std::time::Duration::from_secs);

@@ -24,12 +24,14 @@ pub struct ApiState {
     pub auth: Arc<Auth>,
     /// CPU counters for rates.
     pub rates: Arc<stats::RateCache>,
+    /// The exec and attach streams running, against their caps.
+    pub slots: Arc<super::slots::StreamSlots>,
 }
 
 impl ApiState {
-    /// State over `directory` and `auth`.
-    pub fn new(directory: Arc<dyn PodDirectory>, auth: Arc<Auth>) -> ApiState {
-        ApiState { directory, auth, rates: Arc::default() }
+    /// State over `directory`, `auth` and the stream caps `slots`.
+    pub fn new(directory: Arc<dyn PodDirectory>, auth: Arc<Auth>, slots: Arc<super::slots::StreamSlots>) -> ApiState {
+        ApiState { directory, auth, rates: Arc::default(), slots }
     }
 }
 
