@@ -154,31 +154,26 @@ pub fn find_tail_start(file: &mut File, tail: u64) -> std::io::Result<u64> {
         newlines += block.iter().filter(|&&b| b == b'\n').count() as u64;
         right = left;
     }
-    // Skip lines at the front of the scanned region until `tail` remain.
+    // Skip lines at the front of the scanned region (at most one block past
+    // what is kept) until `tail` remain, reading it a block at a time.
     let mut start = left;
-    let mut region = Vec::new();
+    let mut skip = newlines.saturating_sub(tail);
     file.seek(SeekFrom::Start(left))?;
-    file.by_ref().take(size - left).read_to_end(&mut region)?;
-    let mut at = 0usize;
-    while newlines > tail {
-        match region[at..].iter().position(|&b| b == b'\n') {
-            Some(i) => {
-                at += i + 1;
-                start = left + at as u64;
-                newlines -= 1;
+    while skip > 0 && start < size {
+        let len = BLOCK.min(size - start) as usize;
+        block.resize(len, 0);
+        file.read_exact(&mut block)?;
+        for (i, &b) in block.iter().enumerate() {
+            if b == b'\n' {
+                skip -= 1;
+                if skip == 0 {
+                    return Ok(start + i as u64 + 1);
+                }
             }
-            None => break,
         }
+        start += len as u64;
     }
-    Ok(start)
-}
-
-/// What the reader does at the end of the file in follow mode.
-pub enum FollowStep {
-    /// Look for more data.
-    Continue,
-    /// End the stream.
-    Stop,
+    Ok(left)
 }
 
 /// Turns records into output bytes under the options.
@@ -212,69 +207,100 @@ impl Writer<'_> {
     }
 }
 
-/// Read `path` under `opts`, handing output to `sink` (false: the client is
-/// gone). At the end of the file with `follow`, asks `at_end` whether to wait
-/// for more. Blocking: run on a blocking thread.
-pub fn read_log(
+/// Where a read of one log file stands between [`read_chunk`] calls.
+#[derive(Clone, Debug)]
+pub struct LogCursor {
+    /// The file offset of the next record; `None` before the first call
+    /// (which starts `tailLines` before the end).
+    offset: Option<u64>,
+    /// Records still to send without `follow` and with `tailLines`.
+    records_left: Option<u64>,
+    /// Output bytes still allowed (`limitBytes`).
+    remain: u64,
+    /// The output is at the start of a line (for `timestamps`).
+    new_line: bool,
+}
+
+impl LogCursor {
+    /// The start of a read under `opts`.
+    pub fn new(opts: &LogOptions) -> LogCursor {
+        LogCursor {
+            offset: None,
+            records_left: opts.tail_lines.filter(|_| !opts.follow),
+            remain: opts.limit_bytes.unwrap_or(u64::MAX),
+            new_line: true,
+        }
+    }
+}
+
+/// How a [`read_chunk`] call ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkEnd {
+    /// The chunk is full: call again at once.
+    More,
+    /// At the end of the file with `follow` (a record may be half written):
+    /// call again once more may have been appended.
+    AtEnd,
+    /// Nothing more to send (end of file, `tailLines` or `limitBytes`).
+    Done,
+}
+
+/// Read from `path` under `opts` where `cursor` stands, up to about `max`
+/// output bytes (one record may go past it); the output and how the read
+/// ended. Each call opens the file anew and holds nothing between calls, so
+/// a follower costs no thread while it waits (the caller sleeps between
+/// [`ChunkEnd::AtEnd`] calls). Blocking: run on a blocking thread.
+/// Errors: the file cannot be opened or read.
+pub fn read_chunk(
     path: &Path,
     opts: &LogOptions,
-    sink: &mut dyn FnMut(Vec<u8>) -> bool,
-    at_end: &mut dyn FnMut() -> FollowStep,
-) -> std::io::Result<()> {
+    cursor: &mut LogCursor,
+    max: usize,
+) -> std::io::Result<(Vec<u8>, ChunkEnd)> {
     let mut file = File::open(path)?;
-    let start = match opts.tail_lines {
-        Some(tail) => find_tail_start(&mut file, tail)?,
-        None => 0,
+    let start = match cursor.offset {
+        Some(offset) => offset,
+        None => match opts.tail_lines {
+            Some(tail) => find_tail_start(&mut file, tail)?,
+            None => 0,
+        },
     };
+    cursor.offset = Some(start);
     file.seek(SeekFrom::Start(start))?;
     let mut reader = BufReader::new(file);
-    let limited = opts.tail_lines.filter(|_| !opts.follow);
-    let mut remaining = limited;
-    let mut writer = Writer { opts, remain: opts.limit_bytes.unwrap_or(u64::MAX), new_line: true };
+    let mut writer = Writer { opts, remain: cursor.remain, new_line: cursor.new_line };
     let mut line = Vec::new();
     let mut out = Vec::new();
-    loop {
-        if remaining == Some(0) {
-            break;
+    let end = loop {
+        if cursor.records_left == Some(0) {
+            break ChunkEnd::Done;
+        }
+        if out.len() >= max {
+            break ChunkEnd::More;
         }
         line.clear();
         let n = reader.read_until(b'\n', &mut line)?;
         let complete = line.last() == Some(&b'\n');
-        if !complete {
-            if opts.follow {
-                // Not a whole record yet: go back and wait for the rest.
-                reader.seek_relative(-(n as i64))?;
-                if !out.is_empty() && !sink(std::mem::take(&mut out)) {
-                    return Ok(());
-                }
-                match at_end() {
-                    FollowStep::Continue => continue,
-                    FollowStep::Stop => break,
-                }
-            }
-            if n == 0 {
-                break;
-            }
+        if !complete && opts.follow {
+            // Not a whole record yet: the next call reads it again.
+            break ChunkEnd::AtEnd;
         }
+        if n == 0 {
+            break ChunkEnd::Done;
+        }
+        cursor.offset = Some(cursor.offset.unwrap_or(start) + n as u64);
         let Some(record) = parse_cri_line(&line) else { continue };
         let more = writer.write(&record, &mut out);
-        if let Some(r) = remaining.as_mut() {
-            *r -= 1;
+        if let Some(left) = cursor.records_left.as_mut() {
+            *left -= 1;
         }
-        if !more {
-            break;
+        if !more || !complete {
+            break ChunkEnd::Done;
         }
-        if out.len() >= 32 * 1024 && !sink(std::mem::take(&mut out)) {
-            return Ok(());
-        }
-        if !complete {
-            break;
-        }
-    }
-    if !out.is_empty() {
-        sink(out);
-    }
-    Ok(())
+    };
+    cursor.remain = writer.remain;
+    cursor.new_line = writer.new_line;
+    Ok((out, end))
 }
 
 #[cfg(test)]
@@ -294,18 +320,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("0.log");
         std::fs::write(&path, LOG).unwrap();
+        String::from_utf8(read_to_end(&path, &opts, &mut LogCursor::new(&opts), 7)).unwrap()
+    }
+
+    /// [`read_chunk`] of `max` bytes until it is not [`ChunkEnd::More`].
+    fn read_to_end(path: &Path, opts: &LogOptions, cursor: &mut LogCursor, max: usize) -> Vec<u8> {
         let mut out = Vec::new();
-        read_log(
-            &path,
-            &opts,
-            &mut |chunk| {
-                out.extend(chunk);
-                true
-            },
-            &mut || FollowStep::Stop,
-        )
-        .unwrap();
-        String::from_utf8(out).unwrap()
+        loop {
+            let (chunk, end) = read_chunk(path, opts, cursor, max).unwrap();
+            out.extend(chunk);
+            if end != ChunkEnd::More {
+                return out;
+            }
+        }
     }
 
     fn q(s: &str) -> Vec<(String, String)> {
@@ -350,33 +377,33 @@ mod tests {
     }
 
     #[test]
-    fn follow_streams_appended_records_until_told_to_stop() {
+    fn follow_streams_appended_records_call_by_call() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("0.log");
         std::fs::write(&path, "2024-05-01T10:00:00Z stdout F one\n2024-05-01T10:00:01Z stdout F tw").unwrap();
-        let mut out = Vec::new();
-        let mut rounds = 0;
-        let append = path.clone();
-        read_log(
-            &path,
-            &LogOptions { follow: true, tail_lines: Some(1), ..Default::default() },
-            &mut |chunk| {
-                out.extend(chunk);
-                true
-            },
-            &mut || {
-                rounds += 1;
-                if rounds == 1 {
-                    let mut f = std::fs::OpenOptions::new().append(true).open(&append).unwrap();
-                    f.write_all(b"o\n2024-05-01T10:00:02Z stdout F three\n").unwrap();
-                    FollowStep::Continue
-                } else {
-                    FollowStep::Stop
-                }
-            },
-        )
-        .unwrap();
-        assert_eq!(String::from_utf8(out).unwrap(), "one\ntwo\nthree\n");
+        let opts = LogOptions { follow: true, tail_lines: Some(1), ..Default::default() };
+        let mut cursor = LogCursor::new(&opts);
+        let (first, end) = read_chunk(&path, &opts, &mut cursor, 1024).unwrap();
+        assert_eq!((String::from_utf8(first).unwrap().as_str(), end), ("one\n", ChunkEnd::AtEnd));
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"o\n2024-05-01T10:00:02Z stdout F three\n").unwrap();
+        let (next, end) = read_chunk(&path, &opts, &mut cursor, 1024).unwrap();
+        assert_eq!((String::from_utf8(next).unwrap().as_str(), end), ("two\nthree\n", ChunkEnd::AtEnd));
+        let (none, end) = read_chunk(&path, &opts, &mut cursor, 1024).unwrap();
+        assert_eq!((none.len(), end), (0, ChunkEnd::AtEnd));
+    }
+
+    #[test]
+    fn a_tail_past_the_start_reads_the_file_in_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("0.log");
+        let lines: String = (0..5000).map(|i| format!("2024-05-01T10:00:00Z stdout F line {i}\n")).collect();
+        std::fs::write(&path, &lines).unwrap();
+        let mut file = File::open(&path).unwrap();
+        assert_eq!(find_tail_start(&mut file, 5000).unwrap(), 0);
+        assert_eq!(find_tail_start(&mut file, 1_000_000).unwrap(), 0);
+        let last_two = lines.rfind("2024-05-01T10:00:00Z stdout F line 4998").unwrap() as u64;
+        assert_eq!(find_tail_start(&mut file, 2).unwrap(), last_two);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! small handlers (`/healthz`, `/pods`, `/containerLogs`).
 
 use super::auth::{self, Attributes, Auth, PeerCertificate};
-use super::logs::{self, FollowStep};
+use super::logs;
 use super::{exec, stats, PodDirectory};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State};
@@ -120,6 +120,9 @@ async fn pods(State(state): State<ApiState>) -> Response {
 /// How often a follower looks for appended console output.
 const FOLLOW_POLL: Duration = Duration::from_millis(250);
 
+/// Bytes of console history read per blocking call (about; one record may go past).
+const LOG_CHUNK_BYTES: usize = 32 * 1024;
+
 async fn container_logs(
     State(state): State<ApiState>,
     Path((namespace, pod, container)): Path<(String, String, String)>,
@@ -171,25 +174,41 @@ async fn container_logs(
     let directory = state.directory.clone();
     let pod_uid = entry.pod.metadata.uid.clone();
     let log_dir = entry.log_dir.clone();
-    let follow = opts.follow && !opts.previous;
-    tokio::task::spawn_blocking(move || {
-        let mut sink = |chunk: Vec<u8>| tx.blocking_send(chunk).is_ok();
-        let mut at_end = || {
-            if !follow {
-                return FollowStep::Stop;
+    let opts = logs::LogOptions { follow: opts.follow && !opts.previous, ..opts };
+    // Reads run on a blocking thread a chunk at a time; waiting (for the
+    // client to take a chunk, or for the guest to write more) holds none.
+    tokio::spawn(async move {
+        let mut cursor = logs::LogCursor::new(&opts);
+        loop {
+            let (file, read_opts, mut at) = (path.clone(), opts.clone(), cursor.clone());
+            let read = tokio::task::spawn_blocking(move || {
+                logs::read_chunk(&file, &read_opts, &mut at, LOG_CHUNK_BYTES).map(|read| (read, at))
+            });
+            let ((chunk, end), at) = match read.await {
+                Ok(Ok(read)) => read,
+                Ok(Err(e)) => {
+                    tracing::debug!(path = %path.display(), error = %e, "reading console history");
+                    return;
+                }
+                Err(_) => return,
+            };
+            cursor = at;
+            if !chunk.is_empty() && tx.send(chunk).await.is_err() {
+                return;
             }
-            std::thread::sleep(FOLLOW_POLL);
-            let pod_still_here = directory.lookup(&namespace, &pod).is_some_and(|e| e.pod.metadata.uid == pod_uid);
-            let newer_boot = logs::boot_files(&log_dir).last().is_some_and(|(b, _)| *b > boot);
-            if tx.is_closed() || !pod_still_here || newer_boot {
-                FollowStep::Stop
-            } else {
-                FollowStep::Continue
+            match end {
+                logs::ChunkEnd::More => {}
+                logs::ChunkEnd::Done => return,
+                logs::ChunkEnd::AtEnd => {
+                    tokio::time::sleep(FOLLOW_POLL).await;
+                    let pod_still_here =
+                        directory.lookup(&namespace, &pod).is_some_and(|e| e.pod.metadata.uid == pod_uid);
+                    let newer_boot = logs::boot_files(&log_dir).last().is_some_and(|(b, _)| *b > boot);
+                    if tx.is_closed() || !pod_still_here || newer_boot {
+                        return;
+                    }
+                }
             }
-        };
-        let opts = logs::LogOptions { follow, ..opts };
-        if let Err(e) = logs::read_log(&path, &opts, &mut sink, &mut at_end) {
-            tracing::debug!(path = %path.display(), error = %e, "reading console history");
         }
     });
     let body = futures::stream::unfold(rx, |mut rx| async move {
