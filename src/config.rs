@@ -118,6 +118,39 @@ pub struct Config {
     /// KubeVirt keeps hostDisk to administrators. Default: none.
     #[serde(default)]
     pub trusted_namespaces: Vec<String>,
+    /// How much serial-console history vmlet keeps per VM (`kubectl logs`),
+    /// as the kubelet's `containerLogMaxFiles`/`containerLogMaxSize`.
+    #[serde(default)]
+    pub console_history: ConsoleHistoryConfig,
+}
+
+/// Limits of a VM's console history ([`Config::console_history`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ConsoleHistoryConfig {
+    /// Boots kept (one file each; `kubectl logs --previous` reads the one
+    /// before the current). Default 5; at least 2.
+    #[serde(default = "default_history_boots")]
+    pub max_boots: u32,
+    /// Bytes of history kept per boot, in MiB: past it, the older half of
+    /// that boot's file is dropped (a `logs -f` reading it then ends).
+    /// Default 10; at least 1.
+    #[serde(default = "default_history_mib")]
+    pub max_mib_per_boot: u64,
+}
+
+impl Default for ConsoleHistoryConfig {
+    fn default() -> Self {
+        ConsoleHistoryConfig { max_boots: default_history_boots(), max_mib_per_boot: default_history_mib() }
+    }
+}
+
+fn default_history_boots() -> u32 {
+    5
+}
+
+fn default_history_mib() -> u64 {
+    10
 }
 
 /// One hypervisor host.
@@ -394,6 +427,15 @@ impl Config {
                 "leaseDurationSeconds".into(),
                 format!("{} is too short; use at least 10 (default 40)", self.lease_duration_seconds),
             );
+        }
+        if self.console_history.max_boots < 2 {
+            return invalid(
+                "consoleHistory.maxBoots".into(),
+                "must be at least 2 (the current boot and the previous one); default 5".into(),
+            );
+        }
+        if self.console_history.max_mib_per_boot == 0 {
+            return invalid("consoleHistory.maxMibPerBoot".into(), "must be at least 1; default 10".into());
         }
         if let Err((field, message)) = self.kubelet_api.validate() {
             return invalid(format!("kubeletApi.{field}"), message);

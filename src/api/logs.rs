@@ -219,6 +219,10 @@ pub struct LogCursor {
     remain: u64,
     /// The output is at the start of a line (for `timestamps`).
     new_line: bool,
+    /// The file's inode when the read began: a file trimmed since (the
+    /// recorder replaces it) ends the read rather than being read at an
+    /// offset of the old one.
+    inode: Option<u64>,
 }
 
 impl LogCursor {
@@ -229,6 +233,7 @@ impl LogCursor {
             records_left: opts.tail_lines.filter(|_| !opts.follow),
             remain: opts.limit_bytes.unwrap_or(u64::MAX),
             new_line: true,
+            inode: None,
         }
     }
 }
@@ -258,6 +263,11 @@ pub fn read_chunk(
     max: usize,
 ) -> std::io::Result<(Vec<u8>, ChunkEnd)> {
     let mut file = File::open(path)?;
+    let inode = std::os::unix::fs::MetadataExt::ino(&file.metadata()?);
+    if cursor.inode.is_some_and(|first| first != inode) {
+        return Ok((Vec::new(), ChunkEnd::Done));
+    }
+    cursor.inode = Some(inode);
     let start = match cursor.offset {
         Some(offset) => offset,
         None => match opts.tail_lines {
@@ -391,6 +401,12 @@ mod tests {
         assert_eq!((String::from_utf8(next).unwrap().as_str(), end), ("two\nthree\n", ChunkEnd::AtEnd));
         let (none, end) = read_chunk(&path, &opts, &mut cursor, 1024).unwrap();
         assert_eq!((none.len(), end), (0, ChunkEnd::AtEnd));
+        // The recorder trimmed the history (a new file in its place): the
+        // follow ends rather than read the new file at the old offset.
+        let trimmed = dir.path().join("trimmed");
+        std::fs::write(&trimmed, "2024-05-01T10:00:03Z stdout F four\n").unwrap();
+        std::fs::rename(&trimmed, &path).unwrap();
+        assert_eq!(read_chunk(&path, &opts, &mut cursor, 1024).unwrap(), (Vec::new(), ChunkEnd::Done));
     }
 
     #[test]

@@ -59,9 +59,25 @@ pub enum RecordError {
     },
 }
 
+/// How much history [`record`] keeps in a VM's directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Boot files kept (the newest); older ones are deleted when a boot starts.
+    pub boots: u32,
+    /// Bytes a boot's file may hold; past it, its older half is dropped.
+    pub bytes_per_boot: u64,
+}
+
+impl From<crate::config::ConsoleHistoryConfig> for Limits {
+    fn from(config: crate::config::ConsoleHistoryConfig) -> Self {
+        Limits { boots: config.max_boots, bytes_per_boot: config.max_mib_per_boot.saturating_mul(1 << 20) }
+    }
+}
+
 /// Read whatever new console output the provider has for `id` and append it to
-/// the log in `dir`. Returns the number of console bytes consumed.
-pub async fn record(console: &dyn Console, id: &VmId, dir: &Path) -> Result<u64, RecordError> {
+/// the log in `dir`, within `limits`. Returns the number of console bytes
+/// consumed.
+pub async fn record(console: &dyn Console, id: &VmId, dir: &Path, limits: Limits) -> Result<u64, RecordError> {
     let io = |path: &Path| {
         let path = path.to_owned();
         move |source| RecordError::Io { path, source }
@@ -79,8 +95,12 @@ pub async fn record(console: &dyn Console, id: &VmId, dir: &Path) -> Result<u64,
             if state.boot.is_some() {
                 // A new boot: flush the old one's unfinished line, start a new file.
                 let pending = std::mem::take(&mut state.pending);
-                append(dir, state.index, &records(&pending, true, &mut Vec::new())).map_err(io(dir))?;
+                append(dir, state.index, &records(&pending, true, &mut Vec::new()), limits).map_err(io(dir))?;
                 state.index += 1;
+                if let Some(oldest) = (state.index + 1).checked_sub(limits.boots).and_then(|kept| kept.checked_sub(1)) {
+                    // Only the newest `boots` files stay.
+                    let _ = std::fs::remove_file(dir.join(format!("{oldest}.log")));
+                }
             }
             state.boot = Some(chunk.boot.clone());
             state.offset = 0;
@@ -98,7 +118,7 @@ pub async fn record(console: &dyn Console, id: &VmId, dir: &Path) -> Result<u64,
         pending.extend_from_slice(&chunk.data);
         let text = records(&pending, false, &mut state.pending);
         std::fs::create_dir_all(dir).map_err(io(dir))?;
-        append(dir, state.index, &text).map_err(io(dir))?;
+        append(dir, state.index, &text, limits).map_err(io(dir))?;
         if chunk.data.len() < CHUNK {
             break;
         }
@@ -158,16 +178,44 @@ fn records(data: &[u8], flush: bool, rest: &mut Vec<u8>) -> Vec<u8> {
 /// to `dir/0.log`, creating the directory: the log of a pod that is not a
 /// VM's (a backup's progress), which has one "boot".
 pub fn append_lines(dir: &Path, lines: &str) -> std::io::Result<()> {
-    append(dir, 0, &records(lines.as_bytes(), true, &mut Vec::new()))
+    let limits = Limits::from(crate::config::ConsoleHistoryConfig::default());
+    append(dir, 0, &records(lines.as_bytes(), true, &mut Vec::new()), limits)
 }
 
-fn append(dir: &Path, index: u32, text: &[u8]) -> std::io::Result<()> {
+/// Append `text` to `dir/<index>.log`; when that takes the file past
+/// `limits.bytes_per_boot`, all but its newest half of that is dropped
+/// ([`trim`]).
+fn append(dir: &Path, index: u32, text: &[u8], limits: Limits) -> std::io::Result<()> {
     if text.is_empty() {
         return Ok(());
     }
     std::fs::create_dir_all(dir)?;
-    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("{index}.log")))?;
-    file.write_all(text)
+    let path = dir.join(format!("{index}.log"));
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+    file.write_all(text)?;
+    if file.metadata()?.len() > limits.bytes_per_boot {
+        trim(&path, limits.bytes_per_boot / 2)?;
+    }
+    Ok(())
+}
+
+/// Keep about the last `keep` bytes of the log at `path` (from a record's
+/// start), after a record saying older output was dropped; written to a new
+/// file that replaces it, so a reader sees the old file or the new one.
+fn trim(path: &Path, keep: u64) -> std::io::Result<()> {
+    use std::io::{BufRead, Seek, SeekFrom};
+    let mut old = std::io::BufReader::new(std::fs::File::open(path)?);
+    let size = old.get_ref().metadata()?.len();
+    old.seek(SeekFrom::Start(size.saturating_sub(keep)))?;
+    // Skip to the start of the next record (records end with a newline).
+    let mut skipped = Vec::new();
+    old.read_until(b'\n', &mut skipped)?;
+    let partial = path.with_extension("log.partial");
+    let mut new = std::fs::File::create(&partial)?;
+    let note = format!("older console output of this boot was dropped: vmlet keeps {} bytes per boot\n", keep * 2);
+    new.write_all(&records(note.as_bytes(), true, &mut Vec::new()))?;
+    std::io::copy(&mut old, &mut new)?;
+    std::fs::rename(&partial, path)
 }
 
 #[cfg(test)]
@@ -192,6 +240,8 @@ mod tests {
         }
     }
 
+    const LIMITS: Limits = Limits { boots: 5, bytes_per_boot: 1 << 20 };
+
     fn contents(dir: &Path, index: u32) -> Vec<String> {
         std::fs::read_to_string(dir.join(format!("{index}.log")))
             .unwrap_or_default()
@@ -205,11 +255,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let console = FakeConsole(Mutex::new(("1".into(), b"booting\r\nvmlet-guest: boo".to_vec())));
         let id = VmId("u".into());
-        assert_eq!(record(&console, &id, dir.path()).await.unwrap(), b"booting\r\nvmlet-guest: boo".len() as u64);
+        assert_eq!(
+            record(&console, &id, dir.path(), LIMITS).await.unwrap(),
+            b"booting\r\nvmlet-guest: boo".len() as u64
+        );
         assert_eq!(contents(dir.path(), 0), ["stdout F booting"]);
         console.0.lock().unwrap().1.extend_from_slice(b"ted\n");
-        record(&console, &id, dir.path()).await.unwrap();
-        record(&console, &id, dir.path()).await.unwrap();
+        record(&console, &id, dir.path(), LIMITS).await.unwrap();
+        record(&console, &id, dir.path(), LIMITS).await.unwrap();
         assert_eq!(contents(dir.path(), 0), ["stdout F booting", "stdout F vmlet-guest: booted"]);
         let first = std::fs::read_to_string(dir.path().join("0.log")).unwrap();
         let stamp = first.split(' ').next().unwrap();
@@ -221,9 +274,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let console = FakeConsole(Mutex::new(("1".into(), b"first boot\nhalf".to_vec())));
         let id = VmId("u".into());
-        record(&console, &id, dir.path()).await.unwrap();
+        record(&console, &id, dir.path(), LIMITS).await.unwrap();
         *console.0.lock().unwrap() = ("2".into(), b"second boot\n".to_vec());
-        record(&console, &id, dir.path()).await.unwrap();
+        record(&console, &id, dir.path(), LIMITS).await.unwrap();
         assert_eq!(contents(dir.path(), 0), ["stdout F first boot", "stdout F half"]);
         assert_eq!(contents(dir.path(), 1), ["stdout F second boot"]);
     }
@@ -233,11 +286,42 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let console = FakeConsole(Mutex::new(("7".into(), b"one\n".to_vec())));
         let id = VmId("u".into());
-        record(&console, &id, dir.path()).await.unwrap();
+        record(&console, &id, dir.path(), LIMITS).await.unwrap();
         console.0.lock().unwrap().1.extend_from_slice(b"two\n");
         // A new process reads the same state.json.
-        record(&console, &id, dir.path()).await.unwrap();
+        record(&console, &id, dir.path(), LIMITS).await.unwrap();
         assert_eq!(contents(dir.path(), 0), ["stdout F one", "stdout F two"]);
+    }
+
+    #[tokio::test]
+    async fn only_the_newest_boots_are_kept_and_a_boot_keeps_its_newest_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = VmId("u".into());
+        let limits = Limits { boots: 2, bytes_per_boot: 4096 };
+        let console = FakeConsole(Mutex::new(("1".into(), Vec::new())));
+        for boot in 1..=3 {
+            *console.0.lock().unwrap() = (boot.to_string(), format!("boot {boot}\n").into_bytes());
+            record(&console, &id, dir.path(), limits).await.unwrap();
+        }
+        let mut files: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        files.sort();
+        assert_eq!(files, ["1.log", "2.log", "state.json"], "boot 1's file is gone");
+        assert_eq!(contents(dir.path(), 2), ["stdout F boot 3"]);
+
+        // 200 lines of about 60 bytes in one boot: the file stays within
+        // its 4 KiB, starts with the note, and ends with the newest line.
+        let lines: String = (0..200).map(|i| format!("line {i:03} of a guest that prints a lot\n")).collect();
+        console.0.lock().unwrap().1.extend_from_slice(lines.as_bytes());
+        for _ in 0..3 {
+            record(&console, &id, dir.path(), limits).await.unwrap();
+        }
+        let size = std::fs::metadata(dir.path().join("2.log")).unwrap().len();
+        assert!(size <= 4096, "{size} bytes");
+        let kept = contents(dir.path(), 2);
+        assert!(kept[0].starts_with("stdout F older console output of this boot was dropped"), "{kept:?}");
+        assert_eq!(kept.last().unwrap(), "stdout F line 199 of a guest that prints a lot");
+        assert!(kept[1].starts_with("stdout F line "), "whole records only: {kept:?}");
     }
 
     #[test]

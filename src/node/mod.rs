@@ -223,6 +223,7 @@ pub async fn run(
         host.name.clone(),
         watches.clone(),
         config.state_dir.clone(),
+        config.console_history.into(),
         shutdown.clone(),
     );
     let pods = {
@@ -260,6 +261,7 @@ async fn record_consoles(
     node: String,
     watches: Watches,
     state_dir: PathBuf,
+    limits: console::Limits,
     shutdown: CancellationToken,
 ) {
     if provider.console().is_none() {
@@ -275,7 +277,7 @@ async fn record_consoles(
         for pod in watches.pods_on(&node) {
             let Ok(vm) = crate::identity::resolve_cached(&pod, &watches.vms) else { continue };
             let dir = console::vm_log_dir(&state_dir, &vm.spec.namespace, &vm.spec.name, &vm.spec.id.0);
-            match console::record(console, &vm.spec.id, &dir).await {
+            match console::record(console, &vm.spec.id, &dir, limits).await {
                 Ok(_) => {
                     failing.remove(&vm.spec.id.0);
                 }
