@@ -632,3 +632,54 @@ async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed
     assert_eq!(ready.reason, "GuestPoweredOff", "an ACPI shutdown is the guest's own power-off");
     assert_eq!(virsh(&["domstate", &domain]).1, "shut off");
 }
+
+/// A guest whose agent hangs delays only its own VM's exec: with two
+/// `kubectl exec` into it waiting on its agent (libvirt waits 30 s per agent
+/// call), an exec into another VM of the same host answers while both still
+/// wait (the host has two agent-call permits, and a VM takes at most one).
+#[tokio::test]
+async fn a_hung_guest_agent_delays_only_its_own_vms_exec() {
+    let mut env = TestEnv::new("agentfair").await;
+    let guest = guest_for(&env);
+    env.start_vmlet(&[Host { accelerator: Some(guest_accelerator(&guest)), ..Host::qemu("q") }]);
+    env.apply_vm("stuck", guest_vm_spec(&guest));
+    // A disk of its own: QEMU locks the one it writes.
+    std::fs::copy(guest.join("disk.qcow2"), guest.join("fine.qcow2")).unwrap();
+    let mut fine_spec = guest_vm_spec(&guest);
+    fine_spec["image"] = json!(guest.join("fine.qcow2"));
+    env.apply_vm("fine", fine_spec);
+    env.wait_vm_phase("stuck", "Running").await;
+    env.wait_vm_phase("fine", "Running").await;
+    let (stuck, fine) = (env.pod_of("stuck").await, env.pod_of("fine").await);
+    wait_for_log_line(&env, &stuck, BOOTED).await;
+    wait_for_log_line(&env, &fine, BOOTED).await;
+
+    // Stop the stuck guest's agent, as a hung one.
+    let stop_agent = "(sleep 1; killall -STOP qemu-ga) >/dev/null 2>&1 &";
+    assert!(env.kubectl_output(&["exec", &stuck, "--", "sh", "-c", stop_agent]).status.success());
+    let domain = format!("{}_stuck", env.ns);
+    env.wait_for("the stuck guest's agent to stop answering", || {
+        let (answered, _) = virsh(&["qemu-agent-command", &domain, r#"{"execute":"guest-ping"}"#, "--timeout", "2"]);
+        async move { (!answered).then_some(()) }
+    })
+    .await;
+
+    // Two execs into it, each waiting on the agent in vmlet.
+    let exec_stuck = || {
+        KillOnDrop(env.kubectl_command().args(["exec", &stuck, "--", "true"]).stdout(Stdio::null()).spawn().unwrap())
+    };
+    let mut waiting = [exec_stuck(), exec_stuck()];
+    env.wait_for("vmlet to have both execs into the stuck VM", || {
+        let log = std::fs::read_to_string(env.dir.join("vmlet.log")).unwrap_or_default();
+        let named = format!("pod.name={stuck} ");
+        let execs = log.lines().filter(|l| l.contains("api::exec: exec ") && l.contains(&named)).count();
+        async move { (execs >= 3).then_some(()) }
+    })
+    .await;
+
+    let answered = env.kubectl_output(&["exec", &fine, "--", "echo", "fine"]);
+    assert_eq!(stdout(&answered).trim(), "fine", "{}", String::from_utf8_lossy(&answered.stderr));
+    for exec in &mut waiting {
+        assert!(exec.0.try_wait().unwrap().is_none(), "the other VM's exec answered only after a stuck one ended");
+    }
+}

@@ -812,12 +812,7 @@ impl Backup for LibvirtProvider {
         let plan = self.plan_checkpoints(id, request).await?;
         let deadline = Instant::now() + request.timeout;
         // The freeze is a guest-agent call: it waits its turn with the others.
-        let agent = if request.quiesce {
-            let closed = |_| Error::new(OP, ErrorKind::Permanent, "the provider's guest-agent queue was closed");
-            Some(self.agent_permits().acquire().await.map_err(closed)?)
-        } else {
-            None
-        };
+        let agent = if request.quiesce { Some(self.agent_turn(OP, id).await?) } else { None };
         let (task_id, target, quiesce) = (id.clone(), request.target.clone(), request.quiesce);
         let task_plan = plan.clone();
         let started = self

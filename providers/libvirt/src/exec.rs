@@ -170,14 +170,11 @@ fn client_gone(stdout: &Option<mpsc::Sender<Vec<u8>>>, stderr: &Option<mpsc::Sen
 }
 
 impl LibvirtProvider {
-    /// One agent command, once one of the host's guest-agent permits
-    /// (`MAX_AGENT_CALLS_IN_FLIGHT`) is free; libvirt gives up on the agent after
-    /// [`AGENT_TIMEOUT_SECONDS`].
+    /// One agent command, in VM `id`'s turn (its own queue, then one of the
+    /// host's `MAX_AGENT_CALLS_IN_FLIGHT` permits); libvirt gives up on the
+    /// agent after [`AGENT_TIMEOUT_SECONDS`].
     async fn agent(&self, id: &VmId, command: Value) -> Result<Value> {
-        let _permit =
-            self.agent_permits().acquire().await.map_err(|_| {
-                Error::new(OP_EXEC, ErrorKind::Permanent, "the provider's guest-agent queue was closed")
-            })?;
+        let _turn = self.agent_turn(OP_EXEC, id).await?;
         let id = id.clone();
         self.blocking(OP_EXEC, move |host, conn| host.agent_command(conn, &id, &command)).await
     }

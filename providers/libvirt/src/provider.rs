@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tracing::instrument;
@@ -113,6 +113,9 @@ pub(crate) struct Host {
     calls: Arc<tokio::sync::Semaphore>,
     /// Permits for guest-agent calls ([`MAX_AGENT_CALLS_IN_FLIGHT`]).
     agent_calls: tokio::sync::Semaphore,
+    /// One guest-agent call per VM at a time ([`LibvirtProvider::agent_turn`]):
+    /// a VM whose agent hangs holds at most one of the host's permits.
+    agent_queues: Mutex<HashMap<VmId, Arc<tokio::sync::Semaphore>>>,
     /// The boot (domain id) whose console output each VM last served while
     /// running, so that a stopped VM's log keeps its boot (see `console.rs`).
     pub(crate) boots: Mutex<HashMap<VmId, String>>,
@@ -170,6 +173,7 @@ impl LibvirtProvider {
                 kind,
                 calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT)),
                 agent_calls: tokio::sync::Semaphore::new(MAX_AGENT_CALLS_IN_FLIGHT),
+                agent_queues: Mutex::default(),
                 boots: Mutex::default(),
                 in_flight: InFlight::default(),
             }),
@@ -271,9 +275,24 @@ impl LibvirtProvider {
         &self.host.in_flight
     }
 
-    /// The semaphore that bounds this host's guest-agent calls.
-    pub(crate) fn agent_permits(&self) -> &tokio::sync::Semaphore {
-        &self.host.agent_calls
+    /// VM `id`'s turn for a guest-agent call: first its own queue (one call
+    /// per VM at a time), then one of the host's
+    /// [`MAX_AGENT_CALLS_IN_FLIGHT`] permits, held until the returned turn
+    /// is dropped. So a VM whose agent does not answer (each call waits up
+    /// to libvirt's agent timeout) delays its own calls only, and other VMs'
+    /// calls find a host permit. Errors: `Permanent` (for `operation`) when
+    /// the queues were closed (never, while the provider lives).
+    pub(crate) async fn agent_turn(&self, operation: &'static str, id: &VmId) -> Result<AgentTurn<'_>> {
+        let closed = |_| Error::new(operation, ErrorKind::Permanent, "the provider's guest-agent queue was closed");
+        let queue = {
+            let mut queues = self.host.agent_queues.lock().unwrap_or_else(PoisonError::into_inner);
+            // Queues nobody waits on or holds are dropped as others are made.
+            queues.retain(|_, queue| Arc::strong_count(queue) > 1);
+            Arc::clone(queues.entry(id.clone()).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(1))))
+        };
+        let vm = queue.acquire_owned().await.map_err(closed)?;
+        let host = self.host.agent_calls.acquire().await.map_err(closed)?;
+        Ok(AgentTurn { _host: host, _vm: vm })
     }
 
     /// The accelerator of this host's QEMU domains; `None` on the test driver.
@@ -345,6 +364,12 @@ impl LibvirtProvider {
     pub(crate) fn domain_kind(&self) -> DomainKind {
         self.host.kind
     }
+}
+
+/// A VM's turn for one guest-agent call ([`LibvirtProvider::agent_turn`]).
+pub(crate) struct AgentTurn<'a> {
+    _host: tokio::sync::SemaphorePermit<'a>,
+    _vm: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// The error for a blocking task that panicked or was cancelled.

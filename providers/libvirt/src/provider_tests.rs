@@ -550,3 +550,33 @@ async fn test_driver_cannot_migrate() {
     assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
     assert!(provider.get(&spec.id).await.expect("get").is_some(), "still here");
 }
+
+/// `future`'s output if one poll gives it; `None` while it is pending (it
+/// is kept, to be awaited later).
+async fn poll_once<F: std::future::Future + Unpin>(future: &mut F) -> Option<F::Output> {
+    tokio::select! {
+        biased;
+        output = future => Some(output),
+        () = std::future::ready(()) => None,
+    }
+}
+
+#[tokio::test]
+async fn a_vm_whose_agent_calls_wait_takes_one_host_permit_and_others_get_theirs() {
+    let provider = host("host-a").await;
+    let (slow, other, third) = (VmId("slow".into()), VmId("other".into()), VmId("third".into()));
+    let first = provider.agent_turn("test", &slow).await.unwrap();
+    // A second call of the same VM waits for the first (its own queue), and
+    // so holds no host permit while it waits.
+    let mut second = Box::pin(provider.agent_turn("test", &slow));
+    assert!(poll_once(&mut second).await.is_none(), "one call per VM at a time");
+    let turn = poll_once(&mut Box::pin(provider.agent_turn("test", &other))).await;
+    let turn = turn.expect("the host's second permit is free for another VM").unwrap();
+    // Both host permits are taken now: a third VM waits its turn.
+    let mut waiting = Box::pin(provider.agent_turn("test", &third));
+    assert!(poll_once(&mut waiting).await.is_none());
+    drop(turn);
+    let _third = waiting.await.unwrap();
+    drop(first);
+    let _second = second.await.unwrap();
+}
