@@ -13,6 +13,7 @@ pub mod controller;
 pub mod events;
 pub mod failure;
 pub mod identity;
+pub mod metrics;
 pub mod node;
 pub mod quantity;
 pub mod storage;

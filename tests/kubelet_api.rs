@@ -436,6 +436,31 @@ async fn exec_and_attach_past_the_pod_and_process_caps_get_429_until_a_stream_en
     assert_eq!(status, 400, "without upgrade headers, past the caps: {message}");
 }
 
+#[tokio::test]
+async fn metrics_count_requests_by_route_and_code_and_pods_by_node_and_phase() {
+    let kubelet = start_kubelet().await;
+    assert_eq!(kubelet.get(Credentials::ApiServerCert, "/pods").await.0, 200);
+    assert_eq!(kubelet.get(Credentials::ApiServerCert, "/containerLogs/ns/nobody/vm").await.0, 404);
+    assert_eq!(kubelet.get(Credentials::None, "/pods").await.0, 401);
+    let (status, text) = kubelet.get(Credentials::ApiServerCert, "/metrics").await;
+    assert_eq!(status, 200, "{text}");
+    // Counters are process-wide and other tests of this binary count too:
+    // each series is there with at least this test's requests.
+    let value = |series: &str| -> u64 {
+        let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("no {series} in:\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(value("vmlet_kubelet_api_requests_total{route=\"/pods\",code=\"200\"}") >= 1);
+    assert!(value("vmlet_kubelet_api_requests_total{route=\"/pods\",code=\"401\"}") >= 1);
+    let logs = "vmlet_kubelet_api_requests_total{route=\"/containerLogs/{namespace}/{pod}/{container}\",code=\"404\"}";
+    assert!(value(logs) >= 1);
+    // The fake directory's pods have no phase.
+    assert_eq!(value("vmlet_pods{node=\"host-a\",phase=\"Unknown\"}"), 3);
+    assert!(text.contains("# TYPE vmlet_kubelet_api_streams_open gauge"), "{text}");
+    // A client without nodes/metrics rights gets none.
+    assert_eq!(kubelet.get(Credentials::None, "/metrics").await.0, 401);
+}
+
 // ---------------------------------------------------------------- authn/authz
 
 #[tokio::test]

@@ -85,9 +85,34 @@ pub fn router(state: ApiState) -> Router {
         .route("/attach/{namespace}/{pod}/{uid}/{container}", any(exec::attach))
         .route("/stats/summary", get(stats::get_summary))
         .route("/metrics/resource", get(stats::get_resource_metrics))
-        .fallback(|| async { text(StatusCode::NOT_FOUND, "not found: this vmlet serves /containerLogs, /exec, /attach, /stats/summary, /metrics/resource, /pods, /healthz") })
+        .route("/metrics", get(metrics))
+        .fallback(|| async { text(StatusCode::NOT_FOUND, "not found: this vmlet serves /containerLogs, /exec, /attach, /stats/summary, /metrics/resource, /metrics, /pods, /healthz") })
         .layer(middleware::from_fn_with_state(state.clone(), authenticate_and_authorize))
+        .layer(middleware::from_fn(count_request))
         .with_state(state)
+}
+
+/// Count the request by its matched route and status
+/// (`vmlet_kubelet_api_requests_total`, [`crate::metrics`]).
+async fn count_request(req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<axum::extract::MatchedPath>().map_or("other", |p| p.as_str()).to_owned();
+    let response = next.run(req).await;
+    let labels = crate::metrics::RequestLabels { route, code: response.status().as_u16() };
+    crate::metrics::global().api_requests.get_or_create(&labels).inc();
+    response
+}
+
+/// `GET /metrics`: vmlet's own metrics ([`crate::metrics`]), the pods by
+/// node and phase counted now.
+async fn metrics(State(state): State<ApiState>) -> Response {
+    let metrics = crate::metrics::global();
+    metrics.pods.clear();
+    for entry in state.directory.pods() {
+        let phase = entry.pod.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_else(|| "Unknown".to_owned());
+        metrics.pods.get_or_create(&crate::metrics::PodLabels { node: entry.node.clone(), phase }).inc();
+    }
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], metrics.encode())
+        .into_response()
 }
 
 async fn authenticate_and_authorize(State(state): State<ApiState>, req: Request, next: Next) -> Response {

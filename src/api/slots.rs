@@ -63,6 +63,7 @@ impl StreamSlots {
         }
         *total += 1;
         *by_pod.entry(pod.clone()).or_insert(0) += 1;
+        crate::metrics::global().streams_open.inc();
         Ok(StreamSlot { slots: Arc::clone(self), pod })
     }
 
@@ -79,6 +80,7 @@ impl Drop for StreamSlot {
         let mut running = self.slots.running.lock().expect("stream slots poisoned");
         let Running { total, by_pod } = &mut *running;
         *total -= 1;
+        crate::metrics::global().streams_open.dec();
         if let Some(count) = by_pod.get_mut(&self.pod) {
             *count -= 1;
             if *count == 0 {

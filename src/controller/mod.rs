@@ -107,7 +107,7 @@ pub async fn run(
     controller
         .reconcile_on(triggers)
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
-        .run(reconcile, error_policy, ctx)
+        .run(crate::metrics::counted("virtualmachine", reconcile), error_policy, ctx)
         .for_each(|result| async move {
             match result {
                 // A VM deleted meanwhile: nothing to do.

@@ -234,7 +234,7 @@ pub async fn run(
             controller
                 .reconcile_on(triggers)
                 .graceful_shutdown_on(cancelled(shutdown.clone()))
-                .run(pods::reconcile, pods::error_policy, agent)
+                .run(crate::metrics::counted("pod", pods::reconcile), pods::error_policy, agent)
                 .for_each(|_| async {})
                 .await
         }

@@ -147,7 +147,11 @@ pub async fn run(client: Client, namespace: Option<String>, hosts: Hosts, shutdo
     let stop = shutdown.clone();
     let claims = Controller::new(claims, watcher::Config::default())
         .graceful_shutdown_on(async move { stop.cancelled().await })
-        .run(provision, |claim, error, _| retry("claim", &claim.name_any(), error), ctx.clone())
+        .run(
+            crate::metrics::counted("claim", provision),
+            |claim, error, _| retry("claim", &claim.name_any(), error),
+            ctx.clone(),
+        )
         .for_each(|_| async {});
     let released = Controller::new(volumes, watcher::Config::default())
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
