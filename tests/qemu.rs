@@ -422,33 +422,43 @@ async fn a_vm_destroyed_behind_vmlet_restarts_under_always_and_stays_off_under_n
 }
 
 /// A guest QEMU stops by itself (as on a KVM internal error, which libvirt
-/// reports `paused (unknown)`) is shown as it is: the VM `Failed` with
+/// reports `paused (unknown)`) is a failure, not "Starting": under
+/// `restartPolicy: Never` the VM reads `Failed` with
 /// `ProviderError=True/Faulted` naming libvirt's reason and the QEMU log's
 /// last error line, a Warning Event, the pod still Running (the guest holds
-/// the host's memory) and not Ready; nothing is destroyed, and once the
-/// guest runs again the VM is Running again.
+/// the host's memory) and not Ready, nothing destroyed, and once the guest
+/// runs again (`virsh resume`) the VM is Running again; under `Always` it is
+/// restarted (a new run of the same domain, the pod's restart count 1).
 #[tokio::test]
-async fn a_guest_the_hypervisor_stopped_for_an_error_shows_failed_with_why_until_it_runs_again() {
+async fn a_guest_the_hypervisor_stopped_for_an_error_is_a_failure_for_its_restart_policy() {
     let mut env = TestEnv::new("qfault").await;
     env.start_vmlet(&qemu_host());
-    env.apply_vm("web", SMALL());
-    env.wait_vm_phase("web", "Running").await;
-    let pod = env.pod_of("web").await;
-    let name = domain(&env, "web");
-    let (_, id_before) = virsh(&["domid", &name]);
+    let mut never = SMALL();
+    never["restartPolicy"] = json!("Never");
+    env.apply_vm("never", never);
+    env.apply_vm("always", SMALL());
+    env.wait_vm_phase("never", "Running").await;
+    env.wait_vm_phase("always", "Running").await;
+    let (never_pod, always_pod) = (env.pod_of("never").await, env.pod_of("always").await);
+    let stop = |vm: &str| {
+        let name = domain(&env, vm);
+        let (ok, out) = virsh(&["qemu-monitor-command", &name, r#"{"execute":"stop"}"#]);
+        assert!(ok, "qemu-monitor-command stop: {out}");
+    };
 
     // What QEMU writes to its log on a KVM internal error (the test cannot
     // make this machine's KVM fail), then QEMU's own stop, not libvirt's.
+    let name = domain(&env, "never");
+    let (_, id_before) = virsh(&["domid", &name]);
     let log = format!("/var/log/libvirt/qemu/{name}.log");
     let mut file = std::fs::OpenOptions::new().append(true).open(&log).expect("the domain's QEMU log");
     std::io::Write::write_all(&mut file, b"KVM internal error. Suberror: 1\nemulation failure\nEAX=00000000\n")
         .unwrap();
-    let (ok, out) = virsh(&["qemu-monitor-command", &name, r#"{"execute":"stop"}"#]);
-    assert!(ok, "qemu-monitor-command stop: {out}");
+    stop("never");
     let (_, reason) = virsh(&["domstate", "--reason", &name]);
     assert_eq!(reason, "paused (unknown)");
 
-    let vm = env.wait_vm_phase("web", "Failed").await;
+    let vm = env.wait_vm_phase("never", "Failed").await;
     let conditions = vm.status.unwrap().conditions;
     let error = conditions.iter().find(|c| c.type_ == "ProviderError").unwrap();
     assert_eq!((error.status.as_str(), error.reason.as_str()), ("True", "Faulted"));
@@ -460,16 +470,38 @@ async fn a_guest_the_hypervisor_stopped_for_an_error_shows_failed_with_why_until
     );
     let ready = conditions.iter().find(|c| c.type_ == "Ready").unwrap();
     assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "Faulted"));
-    let pod_status = env.pods().get(&pod).await.unwrap().status.unwrap();
+    let pod_status = env.pods().get(&never_pod).await.unwrap().status.unwrap();
     assert_eq!(pod_status.phase.as_deref(), Some("Running"));
-    let selector = format!("involvedObject.name={pod},reason=Faulted");
+    let selector = format!("involvedObject.name={never_pod},reason=Faulted");
     let events = env.kubectl(&["get", "events", "--field-selector", &selector, "-o", "jsonpath={.items[*].type}"]);
     assert_eq!(events.trim(), "Warning", "one Warning Event");
-    assert_eq!(domstate(&env, "web"), "paused", "nothing destroys or resumes it behind the operator's back");
+    assert_eq!(domstate(&env, "never"), "paused", "restartPolicy Never: nothing destroys or resumes it");
 
     assert!(virsh(&["resume", &name]).0);
-    let vm = env.wait_vm_phase("web", "Running").await;
+    let vm = env.wait_vm_phase("never", "Running").await;
     let error = vm.status.unwrap().conditions.into_iter().find(|c| c.type_ == "ProviderError").unwrap();
     assert_eq!(error.status, "False");
     assert_eq!(virsh(&["domid", &name]).1, id_before, "the same run of the guest");
+
+    // restartPolicy Always: the fault is a failure; the domain runs again.
+    let always = domain(&env, "always");
+    let (_, always_id) = virsh(&["domid", &always]);
+    let uuid = domuuid(&env, "always").unwrap();
+    stop("always");
+    let pods = env.pods();
+    env.wait_for("the Always VM to be restarted", || {
+        let (pods, pod, before, name) = (pods.clone(), always_pod.clone(), always_id.clone(), always.clone());
+        async move {
+            let container = pods.get(&pod).await.ok()?.status?.container_statuses?.into_iter().next()?;
+            let (ok, now) = virsh(&["domid", &name]);
+            (container.restart_count == 1 && container.state?.running.is_some() && ok && now != before && now != "-")
+                .then_some(())
+        }
+    })
+    .await;
+    assert_eq!(domuuid(&env, "always").as_deref(), Some(uuid.as_str()), "the same domain");
+    assert_eq!(domstate(&env, "always"), "running");
+    let selector = format!("involvedObject.name={always_pod},reason=Faulted");
+    let note = env.kubectl(&["get", "events", "--field-selector", &selector, "-o", "jsonpath={.items[0].message}"]);
+    assert!(note.contains("restarting it (restartPolicy Always)"), "{note}");
 }

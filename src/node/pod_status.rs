@@ -333,6 +333,7 @@ mod tests {
         vm.fault = Some(vmlet_provider::Fault {
             reason: "paused (I/O error): a disk failed".into(),
             detail: Some("block I/O error in device 'vda'".into()),
+            resumable: true,
         });
         let status = pod_status(&bound_pod(), "127.0.0.1", &Observed::Vm { status: &vm, provider: "libvirt" }, false);
         assert_eq!(status.phase.as_deref(), Some("Running"), "it still holds the host's CPU and memory");

@@ -194,6 +194,21 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             } else {
                 (status, None)
             };
+            if let Some(fault) = status.fault.as_ref().filter(|f| !f.resumable) {
+                if vm.restart_policy != crate::v1alpha1::RestartPolicy::Never {
+                    // A failure, for the restart policy: powered off here,
+                    // the next pass finds it off and starts it again.
+                    let note = format!(
+                        "{}; restarting it (restartPolicy {})",
+                        super::pod_status::fault_message(fault),
+                        vm.restart_policy.as_str()
+                    );
+                    warn!(vm.uid = %vm.spec.id, domain = %status.backend_name, %fault, "the hypervisor stopped the guest; restarting it");
+                    agent.events.publish(pod, Reason::Faulted, &note);
+                    agent.provider.destroy(&vm.spec.id).await?;
+                    return Ok(Action::requeue(Duration::from_millis(100)));
+                }
+            }
             if let Some(fault) = &status.fault {
                 // Once per fault: the pod says Faulted from then on.
                 let already = pod

@@ -263,6 +263,12 @@ pub struct Fault {
     /// the provider can read it (libvirt: the QEMU log of a local host,
     /// `/var/log/libvirt/qemu/<domain>.log`), at most 512 bytes.
     pub detail: Option<String>,
+    /// Resuming the guest once the cause is fixed continues it where it
+    /// stopped (libvirt: an I/O error, e.g. a full disk): vmlet leaves such a
+    /// guest paused whatever its restart policy, as a restart would lose
+    /// what it has not written out. Other faults count as failures for the
+    /// restart policy.
+    pub resumable: bool,
 }
 
 impl std::fmt::Display for Fault {

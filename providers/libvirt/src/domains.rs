@@ -131,9 +131,10 @@ pub(crate) fn status_of(domain: &Domain, identity: Identity, qemu_logs: Option<&
     };
     let fault = if power == PowerState::Paused {
         let (_, reason) = domain.state().map_err(|e| from_libvirt("read domain state", e))?;
-        fault_of(reason).map(|reason| Fault {
+        fault_of(reason).map(|(reason, resumable)| Fault {
             reason: reason.to_owned(),
             detail: qemu_logs.and_then(|dir| last_error_line(&dir.join(format!("{backend_name}.log")))),
+            resumable,
         })
     } else {
         None
@@ -198,20 +199,23 @@ pub(crate) fn power_from_libvirt(state: DomainStateEnum) -> PowerState {
 
 /// What a paused domain's state reason (`virDomainPausedReason`) says when
 /// it is an error the hypervisor paused the guest for, in libvirt's words
-/// (`virsh domstate --reason`) and what it usually means; `None` for a pause
-/// someone asked for (suspend, migration, save, dump, snapshot, start-up,
-/// post-copy, shutdown).
-pub(crate) fn fault_of(reason: virt::domain::DomainStateReasonEnum) -> Option<&'static str> {
+/// (`virsh domstate --reason`) and what it usually means, and whether
+/// resuming it once the cause is fixed continues the guest (an I/O error);
+/// `None` for a pause someone asked for (suspend, migration, save, dump,
+/// snapshot, start-up, post-copy, shutdown).
+pub(crate) fn fault_of(reason: virt::domain::DomainStateReasonEnum) -> Option<(&'static str, bool)> {
     use virt::domain::{DomainPausedReason as P, DomainStateReason as R};
     use virt::enumutil::Enum;
     let Enum::Known(R::Paused(Enum::Known(paused))) = reason else { return None };
     Some(match paused {
-        P::Unknown => "paused (unknown): QEMU stopped the guest by itself, e.g. on a KVM internal error",
-        P::IOError => "paused (I/O error): a disk failed and its error policy stops the guest",
-        P::Watchdog => "paused (watchdog): the guest's watchdog fired",
-        P::Crashed => "paused (crashed): the guest panicked",
-        P::PostCopyFailed => "paused (post-copy failed): a post-copy migration failed",
-        P::APIError => "paused (api error): a libvirt call on the domain failed",
+        P::Unknown => ("paused (unknown): QEMU stopped the guest by itself, e.g. on a KVM internal error", false),
+        P::IOError => {
+            ("paused (I/O error): a disk failed (e.g. it is full) and its error policy stops the guest", true)
+        }
+        P::Watchdog => ("paused (watchdog): the guest's watchdog fired", false),
+        P::Crashed => ("paused (crashed): the guest panicked", false),
+        P::PostCopyFailed => ("paused (post-copy failed): a post-copy migration failed", false),
+        P::APIError => ("paused (api error): a libvirt call on the domain failed", false),
         P::User
         | P::Migration
         | P::Save
@@ -422,7 +426,9 @@ mod tests {
         use virt::enumutil::Enum;
         let paused = |reason| Enum::Known(R::Paused(Enum::Known(reason)));
         for reason in [P::Unknown, P::IOError, P::Watchdog, P::Crashed, P::PostCopyFailed, P::APIError] {
-            assert!(fault_of(paused(reason)).is_some_and(|f| f.starts_with("paused (")), "{reason:?}");
+            let (text, resumable) = fault_of(paused(reason)).unwrap();
+            assert!(text.starts_with("paused ("), "{reason:?}");
+            assert_eq!(resumable, reason == P::IOError, "{reason:?}");
         }
         for reason in [P::User, P::Migration, P::Save, P::Snapshot, P::StartingUp, P::PostCopy] {
             assert_eq!(fault_of(paused(reason)), None, "{reason:?}");
