@@ -30,6 +30,22 @@ fn domstate(env: &TestEnv, vm: &str) -> String {
     state
 }
 
+/// Wait until VM `vm`'s pod `pod` shows one restart and runs, on a new run
+/// of its domain (a domain id other than `before`).
+async fn wait_restarted_once(env: &TestEnv, pods: &kube::Api<Pod>, pod: &str, vm: &str, before: &str) {
+    let name = domain(env, vm);
+    env.wait_for(&format!("VM {vm} to be started again"), || {
+        let (pods, pod, before, name) = (pods.clone(), pod.to_owned(), before.to_owned(), name.clone());
+        async move {
+            let container = pods.get(&pod).await.ok()?.status?.container_statuses?.into_iter().next()?;
+            let (ok, now) = virsh(&["domid", &name]);
+            (container.restart_count == 1 && container.state?.running.is_some() && ok && now != before && now != "-")
+                .then_some(())
+        }
+    })
+    .await;
+}
+
 fn domuuid(env: &TestEnv, vm: &str) -> Option<String> {
     let (ok, uuid) = virsh(&["domuuid", &domain(env, vm)]);
     ok.then_some(uuid)
@@ -397,18 +413,7 @@ async fn a_vm_destroyed_behind_vmlet_restarts_under_always_and_stays_off_under_n
     assert!(virsh(&["destroy", &domain(&env, "never")]).0);
 
     let pods = env.pods();
-    env.wait_for("the Always VM to run again", || {
-        let pods = pods.clone();
-        let (pod, before) = (always_pod.clone(), always_id.clone());
-        let name = domain(&env, "always");
-        async move {
-            let container = pods.get(&pod).await.ok()?.status?.container_statuses?.into_iter().next()?;
-            let (ok, now) = virsh(&["domid", &name]);
-            (container.restart_count == 1 && container.state?.running.is_some() && ok && now != before && now != "-")
-                .then_some(())
-        }
-    })
-    .await;
+    wait_restarted_once(&env, &pods, &always_pod, "always", &always_id).await;
     assert_eq!(domuuid(&env, "always").as_deref(), Some(uuid.as_str()), "the same domain");
 
     let vm = env.wait_vm_phase("never", "Stopped").await;
@@ -489,16 +494,7 @@ async fn a_guest_the_hypervisor_stopped_for_an_error_is_a_failure_for_its_restar
     let uuid = domuuid(&env, "always").unwrap();
     stop("always");
     let pods = env.pods();
-    env.wait_for("the Always VM to be restarted", || {
-        let (pods, pod, before, name) = (pods.clone(), always_pod.clone(), always_id.clone(), always.clone());
-        async move {
-            let container = pods.get(&pod).await.ok()?.status?.container_statuses?.into_iter().next()?;
-            let (ok, now) = virsh(&["domid", &name]);
-            (container.restart_count == 1 && container.state?.running.is_some() && ok && now != before && now != "-")
-                .then_some(())
-        }
-    })
-    .await;
+    wait_restarted_once(&env, &pods, &always_pod, "always", &always_id).await;
     assert_eq!(domuuid(&env, "always").as_deref(), Some(uuid.as_str()), "the same domain");
     assert_eq!(domstate(&env, "always"), "running");
     let selector = format!("involvedObject.name={always_pod},reason=Faulted");

@@ -86,20 +86,14 @@ pub async fn run(client: Client, namespace: Option<String>, scope: String, shutd
 async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Result<Action, Error> {
     let namespace = restore.namespace().unwrap_or_default();
     let name = restore.name_any();
-    let err = |action| {
-        let object = format!("{namespace}/{name}");
-        move |source| Error { action, object, source }
-    };
+    let err = errors(&namespace, &name);
     let status = restore.status.clone().unwrap_or_default();
     if matches!(status.phase, Some(OperationPhase::Succeeded | OperationPhase::Failed)) {
         return Ok(Action::await_change());
     }
     let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
-    let fail = |message: String| {
-        let (restores, name) = (restores.clone(), name.clone());
-        async move { end(&restores, &name, OperationPhase::Failed, &message, None).await }
-    };
+    let fail = |message: String| fail_restore(restores.clone(), name.clone(), message);
 
     if restore.spec.target.in_place {
         return in_place(&restore, &ctx, &status).await;
@@ -223,10 +217,7 @@ async fn onto_root_claim(
 ) -> Result<Action, Error> {
     let namespace = restore.namespace().unwrap_or_default();
     let name = restore.name_any();
-    let err = |action| {
-        let object = format!("{namespace}/{name}");
-        move |source| Error { action, object, source }
-    };
+    let err = errors(&namespace, &name);
     let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
     let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &namespace);
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
@@ -236,10 +227,7 @@ async fn onto_root_claim(
     let uid = restore.uid().unwrap_or_default();
     let made_here =
         |meta: &ObjectMeta| meta.annotations.as_ref().and_then(|a| a.get(RESTORED_BY_ANNOTATION)) == Some(&uid);
-    let fail = |message: String| {
-        let (restores, name) = (restores.clone(), name.clone());
-        async move { end(&restores, &name, OperationPhase::Failed, &message, None).await }
-    };
+    let fail = |message: String| fail_restore(restores.clone(), name.clone(), message);
 
     let existing_vm = vms.get_opt(vm_name).await.map_err(err("read the target VM"))?;
     if existing_vm.as_ref().is_some_and(|vm| !made_here(&vm.metadata)) {
@@ -293,12 +281,7 @@ async fn onto_root_claim(
                 claims.create(&PostParams::default(), &claim).await.map_err(err("create the root disk claim"))?;
             info!(claim = %claim_name, size = %size.0, backup = %backup, "root disk claim to fill from the backup created");
             let message = format!("filling claim {claim_name} from VirtualMachineBackup {backup}");
-            let patch =
-                serde_json::json!({"status": {"phase": OperationPhase::Running, "nodeName": node, "message": message}});
-            restores
-                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map_err(err("write status"))?;
+            running(&restores, &name, node, &message).await.map_err(err("write status"))?;
             created
         }
     };
@@ -343,12 +326,7 @@ async fn onto_root_claim(
              VirtualMachineBackup {backup} (kubectl describe pvc {claim_name})"
         );
         if restore.status.as_ref().and_then(|s| s.message.as_deref()) != Some(message.as_str()) {
-            let patch =
-                serde_json::json!({"status": {"phase": OperationPhase::Running, "nodeName": node, "message": message}});
-            restores
-                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map_err(err("write status"))?;
+            running(&restores, &name, node, &message).await.map_err(err("write status"))?;
         }
         return Ok(Action::requeue(Duration::from_secs(5)));
     }
@@ -469,15 +447,9 @@ async fn in_place(
 ) -> Result<Action, Error> {
     let namespace = restore.namespace().unwrap_or_default();
     let name = restore.name_any();
-    let err = |action| {
-        let object = format!("{namespace}/{name}");
-        move |source| Error { action, object, source }
-    };
+    let err = errors(&namespace, &name);
     let restores: Api<VirtualMachineRestore> = Api::namespaced(ctx.client.clone(), &namespace);
-    let fail = |message: String| {
-        let (restores, name) = (restores.clone(), name.clone());
-        async move { end(&restores, &name, OperationPhase::Failed, &message, None).await }
-    };
+    let fail = |message: String| fail_restore(restores.clone(), name.clone(), message);
     let wait = |message: String| {
         let (restores, name) = (restores.clone(), name.clone());
         async move {
@@ -659,6 +631,36 @@ async fn ensure_job(
         serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name, "nodeName": node}});
     restores.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(Ok(()))
+}
+
+/// The maker of a pass's [`Error`]s for VirtualMachineRestore
+/// `namespace/name`: given what was being done, it wraps the API error.
+fn errors(namespace: &str, name: &str) -> impl Fn(&'static str) -> Box<dyn FnOnce(kube::Error) -> Error + Send> {
+    let object = format!("{namespace}/{name}");
+    move |action| {
+        let object = object.clone();
+        Box::new(move |source| Error { action, object, source })
+    }
+}
+
+/// Say restore `name` runs on `node`, with `message`.
+async fn running(
+    restores: &Api<VirtualMachineRestore>,
+    name: &str,
+    node: &str,
+    message: &str,
+) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({"status": {"phase": OperationPhase::Running, "nodeName": node, "message": message}});
+    restores.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.map(drop)
+}
+
+/// End restore `name` `Failed` with `message` ([`end`]).
+async fn fail_restore(
+    restores: Api<VirtualMachineRestore>,
+    name: String,
+    message: String,
+) -> Result<Action, kube::Error> {
+    end(&restores, &name, OperationPhase::Failed, &message, None).await
 }
 
 /// End the restore with `phase` and `message` (condition `Complete` or `Failed`).
