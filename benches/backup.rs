@@ -294,6 +294,7 @@ async fn main() {
         let target = dir.join(format!("backup-{round}.qcow2"));
         drop_page_cache();
         let request = BackupRequest {
+            data_disks: Vec::new(),
             target: target.display().to_string(),
             quiesce: true,
             timeout: copy_deadline(bytes),

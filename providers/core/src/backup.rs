@@ -1,5 +1,10 @@
-//! Copying a VM's disk to a file on its host while it runs (a backup), and
-//! making a new disk from such a file (a restore).
+//! Copying a VM's disks to files on its host while it runs (a backup), and
+//! making new disks from such files (a restore).
+//!
+//! A backup copies every disk of the VM at one point in time: the boot disk
+//! into [`BackupRequest::target`] and each data disk (a disk the
+//! VirtualMachine names in `spec.disks`) into the file
+//! [`BackupRequest::data_disks`] gives for it, one file per disk.
 //!
 //! The copy is a point-in-time image of the disk: for a running VM the back
 //! end copies the blocks as they were when the backup began while the guest
@@ -31,6 +36,13 @@ pub struct BackupRequest {
     /// provider adopts or replaces ([`Backup::backup`]). The provider never
     /// writes elsewhere.
     pub target: String,
+    /// One file per data disk of the VM (`spec.disks[].name`), under the same
+    /// rules as `target` (absolute, checked by the caller, the caller's own
+    /// name). The list must name every data disk the VM has and no other
+    /// (else `InvalidInput`, naming the disk): a backup is all of the VM's
+    /// disks at one point in time, never some of them. Empty for a VM with
+    /// its boot disk only.
+    pub data_disks: Vec<DataDiskFile>,
     /// Freeze the guest's filesystems (through its guest agent) for the moment
     /// the backup begins, so the copy is what the guest had written out. When
     /// the guest has no agent (or it does not answer), the backup goes on
@@ -76,6 +88,33 @@ pub struct IncrementalBase {
     /// Errors: `NotFound` when it does not exist; `InvalidInput` when it is no
     /// qcow2 image. The caller checked it lies under the host's backup roots.
     pub backing_file: String,
+    /// For each data disk, the file the base backup wrote for it: the new
+    /// data disk file's backing file (same rules as `backing_file`). The
+    /// disks must be those of [`BackupRequest::data_disks`] (else
+    /// `InvalidInput`: a disk added since the base needs a full backup).
+    pub data_backing_files: Vec<DataDiskFile>,
+}
+
+/// A file on the VM's host that holds (or will hold) one data disk's copy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataDiskFile {
+    /// The data disk's name in the VirtualMachine (`spec.disks[].name`).
+    pub disk: String,
+    /// Absolute path of the file on the VM's host.
+    pub path: String,
+}
+
+/// One data disk's copy in a finished backup ([`BackupOutcome::data_disks`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataDiskCopy {
+    /// The data disk's name in the VirtualMachine (`spec.disks[].name`).
+    pub disk: String,
+    /// The file written (from [`BackupRequest::data_disks`]).
+    pub path: String,
+    /// The disk's virtual size in bytes (0 where the back end cannot tell).
+    pub virtual_bytes: u64,
+    /// Size in bytes of the file written (0 where vmlet cannot see it).
+    pub file_bytes: u64,
 }
 
 /// How far a backup got.
@@ -111,13 +150,15 @@ pub enum Consistency {
 /// A finished backup.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackupOutcome {
-    /// The file written ([`BackupRequest::target`]).
+    /// The boot disk's file ([`BackupRequest::target`]).
     pub path: String,
-    /// Bytes of disk data copied: the disk's virtual size for a full backup,
+    /// The data disks' files, in the order of [`BackupRequest::data_disks`].
+    pub data_disks: Vec<DataDiskCopy>,
+    /// Bytes of disk data copied, all disks together: their virtual sizes for a full backup,
     /// the bytes written since the base checkpoint for an incremental one
     /// (in the back end's granularity, 64 KiB clusters for QEMU).
     pub bytes: u64,
-    /// Size in bytes of the file written (zero blocks are not stored).
+    /// Size in bytes of the boot disk's file (zero blocks are not stored).
     pub file_bytes: u64,
     /// How consistent the copy is.
     pub consistency: Consistency,
@@ -132,11 +173,12 @@ pub struct BackupOutcome {
 /// given.
 #[async_trait::async_trait]
 pub trait Backup: Send + Sync {
-    /// Copy the VM's disk to `request.target` (qcow2) and wait until the copy
-    /// completed, calling `progress` about once a second (for an incremental
-    /// backup, `total_bytes` counts the changed bytes to copy). A VM with
-    /// several disks, or with none, is refused `InvalidInput` (vmlet's VMs
-    /// have one).
+    /// Copy the VM's disks to `request.target` and `request.data_disks`
+    /// (qcow2 files) at one point in time and wait until the copy completed,
+    /// calling `progress` about once a second with all disks' bytes together
+    /// (for an incremental backup, `total_bytes` counts the changed bytes to
+    /// copy). A VM without a boot disk, or whose data disks are not exactly
+    /// those the request names, is refused `InvalidInput` naming the disk.
     ///
     /// An incremental backup ([`BackupRequest::incremental`]) needs a running
     /// VM: an inactive one is refused `InvalidInput` (take a full backup),
@@ -145,6 +187,8 @@ pub trait Backup: Send + Sync {
     /// Idempotent across restarts of the caller: a call for a target that an
     /// earlier call (of an earlier process) began writing picks up where that
     /// one is:
+    /// (What follows speaks of `request.target`; the data disks' files go
+    /// with it: they are written, adopted and removed together.)
     /// - the VM's backup job writes exactly `request.target`: the call follows
     ///   it to its end instead of starting another (progress, outcome and
     ///   errors as for a fresh one; [`BackupOutcome::checkpoint`] is the
@@ -177,9 +221,10 @@ pub trait Backup: Send + Sync {
         progress: &(dyn Fn(BackupProgress) + Send + Sync),
     ) -> Result<BackupOutcome>;
 
-    /// Abort VM `id`'s backup to `target`, if one runs: the back end's job
-    /// that writes exactly `target` is cancelled, the call waits (within a
-    /// deadline of its own) until the job ended, removes the partial file and
+    /// Abort VM `id`'s backup to `target` (a boot disk's file), if one runs:
+    /// the back end's job that writes exactly `target` is cancelled, the call
+    /// waits (within a deadline of its own) until the job ended, removes the
+    /// partial files (`target` and the data disks' files of the same job) and
     /// returns true; the VM runs on. A [`Backup::backup`] call following that
     /// job fails `Transient` ("cancelled"). Returns false when no backup to
     /// `target` runs (none at all, one to another target, or another job such
@@ -203,10 +248,13 @@ pub trait Backup: Send + Sync {
     /// copy failed (the partial target is removed).
     async fn restore_disk(&self, source: &str, target: &str, timeout: Duration) -> Result<u64>;
 
-    /// Put the disk of stopped VM `id` back as the backup file `source` (an
-    /// absolute path on this host the caller checked) holds, read through its
-    /// backing chain for an incremental backup; the disk gets no backing
-    /// file. Nothing is
+    /// Put the disks of stopped VM `id` back as the backup files hold them:
+    /// the boot disk from `source`, each data disk from the file
+    /// `data_sources` names for it (absolute paths on this host the caller
+    /// checked), each read through its backing chain for an incremental
+    /// backup; the disks get no backing file. `data_sources` must name
+    /// exactly the VM's data disks (else `InvalidInput` naming the disk: a
+    /// backup of other disks cannot be put back in place). Per disk, nothing is
     /// lost: the VM's current disk file is renamed to `<disk>.before-<tag>`
     /// (`tag`: letters, digits and `-`; vmlet passes the restore's UID) and
     /// the copy, written first as `<disk>.partial`, takes the disk's place.
@@ -215,20 +263,42 @@ pub trait Backup: Send + Sync {
     /// renamed old disk but no disk completes the rename.
     /// Errors: `NotFound` when the VM or `source` does not exist; `Conflict`
     /// while the VM is active or has a job running; `InvalidInput` for a VM
-    /// with more than one disk or a bad `tag`; `Unsupported` where vmlet
+    /// whose data disks differ from `data_sources`, or a bad `tag`; `Unsupported` where vmlet
     /// cannot reach the files (a remote connection); `Permanent` when the
     /// copy failed (the partial file is removed and the VM's disk is
     /// untouched); `Transient` after `timeout`.
-    async fn restore_in_place(&self, id: &VmId, source: &str, tag: &str, timeout: Duration) -> Result<InPlaceRestore>;
+    async fn restore_in_place(
+        &self,
+        id: &VmId,
+        source: &str,
+        data_sources: &[DataDiskFile],
+        tag: &str,
+        timeout: Duration,
+    ) -> Result<InPlaceRestore>;
 }
 
 /// What an in-place restore did ([`Backup::restore_in_place`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InPlaceRestore {
-    /// The VM's disk, now holding the backup's data.
+    /// The VM's boot disk, now holding the backup's data.
     pub disk: String,
     /// Where the disk's previous content was kept (`<disk>.before-<tag>`).
     pub kept_as: String,
-    /// Bytes of disk data copied (the disk's virtual size).
+    /// Bytes of disk data copied (the boot disk's virtual size).
+    pub bytes: u64,
+    /// The data disks put back, in the order of `data_sources`.
+    pub data_disks: Vec<RestoredDataDisk>,
+}
+
+/// One data disk put back by [`Backup::restore_in_place`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestoredDataDisk {
+    /// The data disk's name in the VirtualMachine (`spec.disks[].name`).
+    pub name: String,
+    /// Its file, now holding the backup's data.
+    pub disk: String,
+    /// Where its previous content was kept (`<disk>.before-<tag>`).
+    pub kept_as: String,
+    /// Bytes of disk data copied (its virtual size).
     pub bytes: u64,
 }

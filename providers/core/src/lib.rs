@@ -23,7 +23,10 @@ mod migration;
 mod resize;
 mod snapshot;
 mod volume;
-pub use backup::{Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, InPlaceRestore, IncrementalBase};
+pub use backup::{
+    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, DataDiskCopy, DataDiskFile, InPlaceRestore,
+    IncrementalBase, RestoredDataDisk,
+};
 pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
 pub use error::{Error, ErrorKind, Result};
 pub use host_image::{BackingFile, DiskFormat, HostImages, ImageFacts};

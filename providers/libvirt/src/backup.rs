@@ -63,7 +63,7 @@ use virt::domain::Domain;
 use virt::error::{Error as VirtError, ErrorNumber};
 use virt::sys;
 use vmlet_provider::{
-    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, Error, ErrorKind, InPlaceRestore,
+    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, DataDiskFile, Error, ErrorKind, InPlaceRestore,
     IncrementalBase, Result, VmId,
 };
 
@@ -523,7 +523,14 @@ impl LibvirtProvider {
             let file_bytes = self.file_size(target).await;
             tracing::info!(vm.uid = %id, backup.target = %target, bytes = processed, file_bytes, ?consistency, "backup completed");
             let checkpoint = request.checkpoint.clone();
-            return Ok(BackupOutcome { path: target.clone(), bytes: processed, file_bytes, consistency, checkpoint });
+            return Ok(BackupOutcome {
+                path: target.clone(),
+                data_disks: Vec::new(),
+                bytes: processed,
+                file_bytes,
+                consistency,
+                checkpoint,
+            });
         }
         let partial = self.discard_partial(target);
         let (kind, message) = if !job.is_backup() {
@@ -641,7 +648,14 @@ impl LibvirtProvider {
         let file_bytes = self.file_size(&request.target).await;
         tracing::info!(vm.uid = %id, backup.target = %request.target, bytes = total, file_bytes, "offline backup completed");
         let consistency = Consistency::Offline;
-        Ok(BackupOutcome { path: request.target.clone(), bytes: total, file_bytes, consistency, checkpoint: None })
+        Ok(BackupOutcome {
+            path: request.target.clone(),
+            data_disks: Vec::new(),
+            bytes: total,
+            file_bytes,
+            consistency,
+            checkpoint: None,
+        })
     }
 
     /// The size of the file at `path` when it is on this machine; 0 for a
@@ -670,7 +684,7 @@ impl LibvirtProvider {
         if let Some(name) = &request.checkpoint {
             check_name(OP, "checkpoint", name)?;
         }
-        let Some(IncrementalBase { checkpoint: base, backing_file }) = &request.incremental else {
+        let Some(IncrementalBase { checkpoint: base, backing_file, .. }) = &request.incremental else {
             return Ok(Checkpoints { create: request.checkpoint.clone(), base: None });
         };
         check_name(OP, "base checkpoint", base)?;
@@ -885,8 +899,15 @@ impl Backup for LibvirtProvider {
     /// and its kept copy are both missing, or a rename failed (the message
     /// says what is where; a retry completes it).
     #[instrument(skip(self), fields(provider = "libvirt", vm.uid = %id, restore.source = %source, restore.tag = %tag))]
-    async fn restore_in_place(&self, id: &VmId, source: &str, tag: &str, timeout: Duration) -> Result<InPlaceRestore> {
-        self.restore_disk_in_place(id, source, tag, timeout).await
+    async fn restore_in_place(
+        &self,
+        id: &VmId,
+        source: &str,
+        data_sources: &[DataDiskFile],
+        tag: &str,
+        timeout: Duration,
+    ) -> Result<InPlaceRestore> {
+        self.restore_disk_in_place(id, source, data_sources, tag, timeout).await
     }
 }
 

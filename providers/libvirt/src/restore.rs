@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use virt::connect::Connect;
 use virt::sys;
-use vmlet_provider::{Error, ErrorKind, InPlaceRestore, Result, VmId};
+use vmlet_provider::{DataDiskFile, Error, ErrorKind, InPlaceRestore, Result, VmId};
 
 use crate::backup::{check_path, single_disk};
 use crate::chains::pinned_disks;
@@ -324,6 +324,7 @@ impl LibvirtProvider {
         &self,
         id: &VmId,
         source: &str,
+        data_sources: &[DataDiskFile],
         tag: &str,
         timeout: Duration,
     ) -> Result<InPlaceRestore> {
@@ -335,6 +336,13 @@ impl LibvirtProvider {
             ));
         }
         require_local(OP_IN_PLACE, self.uri())?;
+        if let Some(data) = data_sources.first() {
+            return Err(Error::new(
+                OP_IN_PLACE,
+                ErrorKind::InvalidInput,
+                format!("VM {id} has no data disk {} (spec.disks[{}]) to restore in place", data.disk, data.disk),
+            ));
+        }
         check_tag(tag)?;
         check_path(OP_IN_PLACE, "backup file", source)?;
         let Some(_claim) = Claim::take(&self.in_flight().vms, id) else {
@@ -407,7 +415,7 @@ impl LibvirtProvider {
                 "snapshots of the previous disk dropped from libvirt; their data stays in the kept file"
             );
         }
-        Ok(InPlaceRestore { disk: files.disk, kept_as: files.kept, bytes: info.virtual_size })
+        Ok(InPlaceRestore { disk: files.disk, kept_as: files.kept, bytes: info.virtual_size, data_disks: Vec::new() })
     }
 
     /// Steps 1 to 3 of the module docs: copy `source` into `files.partial`

@@ -104,7 +104,14 @@ impl Reports {
 }
 
 fn request(target: &str, quiesce: bool) -> BackupRequest {
-    BackupRequest { target: target.to_owned(), quiesce, timeout: COPY_TIMEOUT, checkpoint: None, incremental: None }
+    BackupRequest {
+        target: target.to_owned(),
+        data_disks: Vec::new(),
+        quiesce,
+        timeout: COPY_TIMEOUT,
+        checkpoint: None,
+        incremental: None,
+    }
 }
 
 /// `virsh -c <uri> <args>`, which must succeed; its stdout.

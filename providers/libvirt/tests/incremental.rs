@@ -33,6 +33,7 @@ const PROMPT: Duration = Duration::from_secs(60);
 fn full(target: &str, checkpoint: &str) -> BackupRequest {
     BackupRequest {
         target: target.to_owned(),
+        data_disks: Vec::new(),
         quiesce: false,
         timeout: COPY_TIMEOUT,
         checkpoint: Some(checkpoint.to_owned()),
@@ -42,7 +43,11 @@ fn full(target: &str, checkpoint: &str) -> BackupRequest {
 
 fn incremental(target: &str, checkpoint: &str, base: &str, backing_file: &str) -> BackupRequest {
     BackupRequest {
-        incremental: Some(IncrementalBase { checkpoint: base.to_owned(), backing_file: backing_file.to_owned() }),
+        incremental: Some(IncrementalBase {
+            checkpoint: base.to_owned(),
+            backing_file: backing_file.to_owned(),
+            data_backing_files: Vec::new(),
+        }),
         ..full(target, checkpoint)
     }
 }

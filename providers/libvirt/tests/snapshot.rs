@@ -242,6 +242,7 @@ async fn a_backup_is_restored_in_place_keeping_the_previous_disk_and_dropping_it
     let source = run.path("backups/b.qcow2");
     let to_source = BackupRequest {
         target: source.clone(),
+        data_disks: Vec::new(),
         quiesce: false,
         timeout: JOB_TIMEOUT,
         checkpoint: None,
@@ -252,7 +253,7 @@ async fn a_backup_is_restored_in_place_keeping_the_previous_disk_and_dropping_it
     snapshots.create_snapshot(&id, &request("s-after", None)).await.expect("snapshot");
 
     let tag = spec.name.clone();
-    let err = backup.restore_in_place(&id, &source, &tag, JOB_TIMEOUT).await.expect_err("while running");
+    let err = backup.restore_in_place(&id, &source, &[], &tag, JOB_TIMEOUT).await.expect_err("while running");
     println!("in-place restore of a running VM: {err}");
     assert_eq!(err.kind, ErrorKind::Conflict, "{err}");
     assert_eq!(power(&provider, &id).await, PowerState::Running, "the VM is untouched");
@@ -262,15 +263,19 @@ async fn a_backup_is_restored_in_place_keeping_the_previous_disk_and_dropping_it
     // A mode of the disk's own, which the restored disk must keep.
     std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o640)).expect("chmod the disk");
     let old = std::fs::metadata(&disk).expect("the disk");
-    let err = backup.restore_in_place(&id, &run.path("backups/no-such.qcow2"), &tag, JOB_TIMEOUT).await.unwrap_err();
+    let err =
+        backup.restore_in_place(&id, &run.path("backups/no-such.qcow2"), &[], &tag, JOB_TIMEOUT).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
-    let err = backup.restore_in_place(&id, &source, "bad/tag", JOB_TIMEOUT).await.unwrap_err();
+    let err = backup.restore_in_place(&id, &source, &[], "bad/tag", JOB_TIMEOUT).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
 
-    let restored = backup.restore_in_place(&id, &source, &tag, JOB_TIMEOUT).await.expect("restore in place");
+    let restored = backup.restore_in_place(&id, &source, &[], &tag, JOB_TIMEOUT).await.expect("restore in place");
     println!("in-place restore: {restored:?}");
     let kept = format!("{disk}.before-{tag}");
-    assert_eq!(restored, InPlaceRestore { disk: disk.clone(), kept_as: kept.clone(), bytes: DISK_BYTES });
+    assert_eq!(
+        restored,
+        InPlaceRestore { disk: disk.clone(), kept_as: kept.clone(), bytes: DISK_BYTES, data_disks: Vec::new() }
+    );
     assert_eq!(marker_on_disk(&disk), before, "the disk holds the backup");
     assert_eq!(marker_on_disk(&kept), after, "the previous disk is kept");
     assert_eq!(image_info(&disk), ("qcow2".to_owned(), DISK_BYTES));
@@ -293,14 +298,14 @@ async fn a_backup_is_restored_in_place_keeping_the_previous_disk_and_dropping_it
     assert_eq!(marker_on_disk(&disk), before, "the failed revert changed nothing");
 
     // A second call answers the same and touches nothing.
-    let again = backup.restore_in_place(&id, &source, &tag, JOB_TIMEOUT).await.expect("restore again");
+    let again = backup.restore_in_place(&id, &source, &[], &tag, JOB_TIMEOUT).await.expect("restore again");
     assert_eq!(again, restored);
     assert_eq!(std::fs::metadata(&disk).expect("disk").ino(), new.ino(), "the disk was not replaced again");
 
     // Cut short between the renames (the copy not yet in the disk's place):
     // the next call completes it.
     std::fs::rename(&disk, format!("{disk}.partial")).expect("undo the second rename");
-    let completed = backup.restore_in_place(&id, &source, &tag, JOB_TIMEOUT).await.expect("complete the restore");
+    let completed = backup.restore_in_place(&id, &source, &[], &tag, JOB_TIMEOUT).await.expect("complete the restore");
     assert_eq!(completed, restored);
     assert_eq!(std::fs::metadata(&disk).expect("disk").ino(), new.ino(), "the copy took the disk's place");
 
@@ -332,7 +337,8 @@ async fn a_vm_with_a_raw_data_disk_is_refused_naming_the_disk() {
     assert!(err.message.contains("vdb") && err.message.contains("spec.disks[data]"), "{err}");
     assert_eq!(snapshots.snapshot(&id, "s").await.expect("read"), None);
     assert_eq!(snapshot_names(&run.path("disk.qcow2")), Vec::<String>::new(), "the boot disk is untouched");
-    let err = provider.backup().expect("backup").restore_in_place(&id, "/b.qcow2", "t", JOB_TIMEOUT).await.unwrap_err();
+    let err =
+        provider.backup().expect("backup").restore_in_place(&id, "/b.qcow2", &[], "t", JOB_TIMEOUT).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput, "two disks: {err}");
     provider.undefine(&id).await.expect("undefine");
     drop(run);

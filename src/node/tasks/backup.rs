@@ -211,6 +211,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     // A resumed backup passes the same target: the provider follows, answers
     // from or replaces what the interrupted attempt left (`Backup::backup`).
     let request = BackupRequest {
+        data_disks: Vec::new(),
         target: path.clone(),
         quiesce: backup.spec.quiesce,
         timeout: Duration::from_secs(backup.spec.active_deadline_seconds.max(10) as u64),
@@ -360,7 +361,7 @@ async fn incremental_base(
             agent.host.name
         )));
     }
-    Ok(Ok((base_name, IncrementalBase { checkpoint, backing_file: file })))
+    Ok(Ok((base_name, IncrementalBase { checkpoint, backing_file: file, data_backing_files: Vec::new() })))
 }
 
 /// Stop the copy that pod `pod` runs for backup `name` (its pod is being

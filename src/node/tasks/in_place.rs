@@ -197,7 +197,7 @@ pub(super) async fn sync(
         let result = match &source {
             Source::Backup { path } => {
                 let capability = agent.provider.backup().expect("checked before the task started");
-                capability.restore_in_place(&id, path, &tag, DEADLINE).await.map(|done| {
+                capability.restore_in_place(&id, path, &[], &tag, DEADLINE).await.map(|done| {
                     let message = format!(
                         "disk {} put back from {path} ({}); its previous content is kept as {}",
                         done.disk,

@@ -210,6 +210,7 @@ mod tests {
     fn request(checkpoint: Option<&str>) -> BackupRequest {
         BackupRequest {
             target: "/b/this.qcow2".into(),
+            data_disks: Vec::new(),
             quiesce: true,
             timeout: std::time::Duration::from_secs(60),
             checkpoint: checkpoint.map(str::to_owned),
@@ -270,7 +271,11 @@ mod tests {
             assert_eq!(earlier_attempt(&id(), &request(None), seen).expect("leftover"), Earlier::Leftover);
         }
         // An incremental backup copies less than the disk: its checkpoint tells.
-        let base = vmlet_provider::IncrementalBase { checkpoint: "c-0".into(), backing_file: "/b/0.qcow2".into() };
+        let base = vmlet_provider::IncrementalBase {
+            checkpoint: "c-0".into(),
+            backing_file: "/b/0.qcow2".into(),
+            data_backing_files: Vec::new(),
+        };
         let incremental = BackupRequest { incremental: Some(base), ..request(Some("c-1")) };
         let seen = Seen { file_qcow2_bytes: None, ..ended(Some(completed_backup()), Some(true)) };
         assert!(matches!(earlier_attempt(&id(), &incremental, seen), Ok(Earlier::Completed { .. })));
