@@ -39,7 +39,8 @@ struct Cli {
 enum Command {
     /// Serve the configured hosts as virtual nodes (and take part in the
     /// election of the process that runs the VirtualMachine controller unless
-    /// the config says `controller: false`).
+    /// the config says `controller: false`). Exits 1 without writing anything
+    /// when another live vmlet serves a node of the config.
     Run {
         /// The configuration file (YAML); see deploy/config.example.yaml.
         #[arg(long, short, env = "VMLET_CONFIG")]
@@ -187,6 +188,14 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
         config.hosts.push(host);
         providers.push(provider);
     }
+    // Before anything is written: no node of this config may be served by
+    // another live process (vmlet::node::lease).
+    let node_leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(client.clone(), vmlet::node::lease::NAMESPACE);
+    let nodes: Vec<String> = config.hosts.iter().map(|h| h.name.clone()).collect();
+    vmlet::node::lease::check_free(&node_leases, &nodes, &config.identity)
+        .await
+        .context("refusing to start: the host sets of two vmlet processes must not overlap")?;
     let config = Arc::new(config);
     let mut tasks = tokio::task::JoinSet::new();
 
