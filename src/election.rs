@@ -31,7 +31,9 @@
 //!
 //! # Caveats
 //! Stepping down cancels the controllers' token and waits for them up to one
-//! lease duration; a controller that does not stop by then is aborted.
+//! lease duration (2 s at shutdown); a controller that does not stop by then
+//! is aborted. The release at shutdown gets 5 s; if it fails, the Lease
+//! expires on its own and a follower takes over within one lease duration.
 
 use crate::config::Config;
 use futures::{Stream, StreamExt};
@@ -396,7 +398,7 @@ where
                         step_down_after_s = timing.step_down_after.as_secs_f64(),
                         "no renewal of the controllers' Lease reached the API server in time; stepping down"
                     );
-                    step_down(&mut term, &timing).await;
+                    step_down(&mut term, timing.lease_duration).await;
                     if let Some(old) = campaign.take() {
                         old.stop().await;
                     }
@@ -423,7 +425,7 @@ where
                 pause = Duration::from_secs(1);
                 if term.is_some() {
                     warn!("the controllers' Lease is no longer this process's; stepping down");
-                    step_down(&mut term, &timing).await;
+                    step_down(&mut term, timing.lease_duration).await;
                 }
             }
             Step::Campaign(Some(Campaigned::Failed(e))) => {
@@ -485,7 +487,7 @@ where
                     }
                     Reaction::StepDown => {
                         warn!(lease = ?now, "the controllers' Lease changed hands; stepping down");
-                        step_down(&mut term, &timing).await;
+                        step_down(&mut term, timing.lease_duration).await;
                         if let Some(old) = campaign.take() {
                             old.stop().await;
                         }
@@ -498,15 +500,17 @@ where
     }
 
     // Shutdown: controllers first, then the Lease, so that the next leader
-    // never runs beside them.
+    // never runs beside them; both within the process's shutdown grace
+    // (default 10 s): a controller still starting (its watches listing) may
+    // not notice its token for longer, and is aborted.
     let was_leading = term.is_some();
-    step_down(&mut term, &timing).await;
+    step_down(&mut term, SHUTDOWN_CONTROLLERS_WAIT).await;
     let manager = match campaign.take() {
         Some(c) => c.stop().await,
         None => None,
     };
     if was_leading {
-        let released = tokio::time::timeout(timing.renew_every.max(Duration::from_secs(1)), async {
+        let released = tokio::time::timeout(RELEASE_WAIT, async {
             let manager = match manager {
                 Some(m) => m,
                 None => Arc::new(join(client.clone(), &settings).await?),
@@ -527,13 +531,21 @@ where
     info!("left the controllers' election");
 }
 
-/// Stop the controllers of `term`, if any: cancel, wait up to one lease
-/// duration, then abort; the gauge reads 0 afterwards.
-async fn step_down(term: &mut Option<Term>, timing: &Timing) {
+/// How long a shutting-down leader waits for its controllers to stop before
+/// it aborts them.
+const SHUTDOWN_CONTROLLERS_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a shutting-down leader tries to release the Lease.
+const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+/// Stop the controllers of `term`, if any: cancel, wait up to `wait` (one
+/// lease duration when stepping down, [`SHUTDOWN_CONTROLLERS_WAIT`] at
+/// shutdown), then abort; the gauge reads 0 afterwards.
+async fn step_down(term: &mut Option<Term>, wait: Duration) {
     if let Some(Term { token, mut task, .. }) = term.take() {
         token.cancel();
-        if tokio::time::timeout(timing.lease_duration, &mut task).await.is_err() {
-            warn!("the controllers did not stop within one lease duration; aborting them");
+        if tokio::time::timeout(wait, &mut task).await.is_err() {
+            warn!(waited_s = wait.as_secs(), "the controllers did not stop in time; aborting them");
             task.abort();
             let _ = task.await;
         }
