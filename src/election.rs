@@ -509,7 +509,10 @@ where
         Some(c) => c.stop().await,
         None => None,
     };
-    if was_leading {
+    // A process that joined may hold the Lease before its loop heard so
+    // (the manager locks it, then reports the change): release whenever it
+    // joined. The manager releases only a Lease it holds (or an expired one).
+    if was_leading || manager.is_some() {
         let released = tokio::time::timeout(RELEASE_WAIT, async {
             let manager = match manager {
                 Some(m) => m,
