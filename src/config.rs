@@ -24,7 +24,7 @@
 //!     maxPods: 110
 //!     cpuAllocationRatio: 4.0  # allocatable cpu = probed cpus x 4 (overcommit)
 //!     memoryAllocationRatio: 1.0
-//!     accelerator: auto        # QEMU hosts: kvm where offered, else tcg (or force kvm | tcg)
+//!     accelerator: auto        # QEMU hosts: kvm where offered and a probe guest runs, else tcg (or force kvm | tcg)
 //!     storageRoots: [/var/lib/libvirt/images]  # VM files only from here (default: the backend's)
 //! ```
 //!
@@ -272,7 +272,8 @@ pub struct HostConfig {
     #[serde(default = "default_ratio")]
     pub memory_allocation_ratio: f64,
     /// How QEMU guests run on this host: `auto` (default: KVM where the host
-    /// offers it, software emulation otherwise), `kvm` (refuse to start
+    /// offers it and, on a local connection, a probe guest booted the host's
+    /// kernel under it; software emulation otherwise), `kvm` (refuse to start
     /// without KVM) or `tcg` (software emulation). Hosts without a choice (the
     /// libvirt test driver) ignore it. The node reports the outcome as the label
     /// `vmlet.io/accelerator`.
