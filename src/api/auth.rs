@@ -190,7 +190,11 @@ impl Auth {
         let reviewed = Api::<TokenReview>::all(self.client.clone())
             .create(&PostParams::default(), &review)
             .await
-            .map_err(|e| Refusal { status: StatusCode::INTERNAL_SERVER_ERROR, message: format!("TokenReview: {e}") })?;
+            .map_err(|e| {
+                // The token itself never reaches the log.
+                tracing::warn!(error = %e, "TokenReview failed; does vmlet's role grant tokenreviews create?");
+                Refusal { status: StatusCode::INTERNAL_SERVER_ERROR, message: format!("TokenReview: {e}") }
+            })?;
         let status = reviewed.status.unwrap_or_default();
         let user = match (status.authenticated, status.user) {
             (Some(true), Some(info)) => Some(User {
@@ -264,9 +268,16 @@ impl Auth {
         let reviewed = Api::<SubjectAccessReview>::all(self.client.clone())
             .create(&PostParams::default(), &review)
             .await
-            .map_err(|e| Refusal {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                message: format!("Authorization error (user={}): SubjectAccessReview: {e}", user.name),
+            .map_err(|e| {
+                tracing::warn!(
+                    user = %user.name,
+                    error = %e,
+                    "SubjectAccessReview failed; does vmlet's role grant subjectaccessreviews create?"
+                );
+                Refusal {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: format!("Authorization error (user={}): SubjectAccessReview: {e}", user.name),
+                }
             })?;
         let status = reviewed.status.unwrap_or_default();
         let ttl = if status.allowed { Duration::from_secs(300) } else { Duration::from_secs(30) };

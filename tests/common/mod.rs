@@ -271,6 +271,9 @@ pub struct TestEnv {
     /// `trustedNamespaces` (set before `start_vmlet`): its VMs may then name
     /// no host file and boot only catalogue images. Default: trusted.
     pub untrusted: bool,
+    /// The kubeconfig vmlet processes of this test start with (set before
+    /// they start); the cluster admin's when `None`.
+    pub vmlet_kubeconfig: Option<PathBuf>,
 }
 
 impl TestEnv {
@@ -293,6 +296,7 @@ impl TestEnv {
             nodes: vec![],
             kubelet_port: 0,
             untrusted: false,
+            vmlet_kubeconfig: None,
         }
     }
 
@@ -353,7 +357,7 @@ impl TestEnv {
         Command::new(env!("CARGO_BIN_EXE_vmlet"))
             .args(["run", "--config"])
             .arg(self.dir.join(config))
-            .env("KUBECONFIG", &cluster().kubeconfig)
+            .env("KUBECONFIG", self.vmlet_kubeconfig.as_ref().unwrap_or(&cluster().kubeconfig))
             .env("VMLET_LOG", "info,vmlet=debug,kube=warn")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
