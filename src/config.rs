@@ -3,8 +3,13 @@
 //! ```yaml
 //! nodeIP: 127.0.0.1          # InternalIP of every node; the API server dials it for logs/exec
 //! kubeletPort: 10250         # daemonEndpoints.kubeletEndpoint.Port of every node
-//! controller: true           # also run the VirtualMachine controller
+//! controller: true           # take part in the election of the controllers' leader
 //! namespace: team-a          # only this namespace's VirtualMachines (default: all)
+//! identity: kvm-1            # this process among all vmlets (default: <hostname>_<8 random hex>)
+//! leaderElection:            # one controller at a time, elected through a Lease
+//!   namespace: team-a        # default: `namespace` above, else kube-system
+//!   leaseName: vmlet-controller
+//!   leaseDurationSeconds: 15 # 5..=300
 //! stateDir: /var/lib/vmlet   # console history and other state
 //! kubeletApi:                # the kubelet HTTPS API on kubeletPort
 //!   tlsCertFile: /etc/vmlet/serving.crt
@@ -19,7 +24,7 @@
 //!     maxPods: 110
 //!     cpuAllocationRatio: 4.0  # allocatable cpu = probed cpus x 4 (overcommit)
 //!     memoryAllocationRatio: 1.0
-//!     accelerator: auto        # QEMU hosts: kvm where offered, else tcg (or force kvm | tcg)
+//!     accelerator: auto        # QEMU hosts: kvm where offered and a probe guest runs, else tcg (or force kvm | tcg)
 //!     storageRoots: [/var/lib/libvirt/images]  # VM files only from here (default: the backend's)
 //! ```
 //!
@@ -85,9 +90,23 @@ pub struct Config {
     /// Port of the kubelet API (`daemonEndpoints.kubeletEndpoint.Port`). Default 10250.
     #[serde(default = "default_kubelet_port")]
     pub kubelet_port: u16,
-    /// Whether this process also runs the VirtualMachine controller. Default true.
+    /// Whether this process takes part in the election of the controllers'
+    /// leader ([`crate::election`]): the one elected runs the VirtualMachine,
+    /// backup, restore, snapshot and endpoints controllers. Default true.
     #[serde(default = "default_true")]
     pub controller: bool,
+    /// This process's name among all vmlet processes: the holder it writes
+    /// into its nodes' Leases and into the controllers' election Lease. Two
+    /// processes must never share one; a restarted process that keeps its
+    /// identity takes its own Leases back at once. Default
+    /// `<hostname>_<8 random hex digits>` (new at each start). 1 to
+    /// [`MAX_IDENTITY_LEN`] of letters, digits, `-`, `_`, `.`, `:`.
+    #[serde(default = "default_identity")]
+    pub identity: String,
+    /// The Lease through which processes elect the one that runs the
+    /// controllers; resolved by [`Config::from_yaml`].
+    #[serde(default)]
+    pub leader_election: LeaderElectionConfig,
     /// Only VirtualMachines in this namespace are handled (controller, VM
     /// cleanup, and the agents: a pod of another namespace bound to one of
     /// this vmlet's nodes is marked Failed, `NotAVirtualMachine`); default:
@@ -122,6 +141,77 @@ pub struct Config {
     /// as the kubelet's `containerLogMaxFiles`/`containerLogMaxSize`.
     #[serde(default)]
     pub console_history: ConsoleHistoryConfig,
+}
+
+/// Longest [`Config::identity`]: the election's field manager is
+/// `kube-lease-manager-<identity>`, and field managers end at 128 characters.
+pub const MAX_IDENTITY_LEN: usize = 100;
+
+/// Namespace of the election Lease when the config names no namespace at all.
+pub const DEFAULT_ELECTION_NAMESPACE: &str = "kube-system";
+
+/// Where the election of the controllers' leader happens ([`Config::leader_election`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaderElectionConfig {
+    /// Namespace of the Lease. After [`Config::from_yaml`] never empty:
+    /// absent, it is the config's `namespace` if set, else
+    /// [`DEFAULT_ELECTION_NAMESPACE`].
+    #[serde(default)]
+    pub namespace: String,
+    /// Name of the Lease (`coordination.k8s.io/v1`). Default `vmlet-controller`.
+    #[serde(default = "default_lease_name")]
+    pub lease_name: String,
+    /// How long the Lease holds without renewal, in seconds, 5 to 300.
+    /// Default 15: the leader renews every 5 s (a third), steps down when it
+    /// could not renew for 10 s (two thirds), and a follower takes over
+    /// within 15 s of the leader's last renewal.
+    #[serde(default = "default_election_seconds")]
+    pub lease_duration_seconds: u32,
+}
+
+impl Default for LeaderElectionConfig {
+    fn default() -> Self {
+        LeaderElectionConfig {
+            namespace: String::new(),
+            lease_name: default_lease_name(),
+            lease_duration_seconds: default_election_seconds(),
+        }
+    }
+}
+
+fn default_lease_name() -> String {
+    "vmlet-controller".to_owned()
+}
+
+fn default_election_seconds() -> u32 {
+    15
+}
+
+/// `<hostname>_<8 random hex digits>`, the hostname cut to what an identity
+/// may hold ([`Config::identity`]).
+fn default_identity() -> String {
+    let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
+    let host: String = host
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '-' })
+        .take(MAX_IDENTITY_LEN - 9)
+        .collect();
+    let host = if host.is_empty() { "vmlet".to_owned() } else { host };
+    format!("{host}_{:08x}", rand::random::<u32>())
+}
+
+/// Check an identity's shape ([`Config::identity`]).
+fn check_identity(identity: &str) -> Result<(), String> {
+    if identity.is_empty() || identity.len() > MAX_IDENTITY_LEN {
+        return Err(format!(
+            "{identity:?} must be 1 to {MAX_IDENTITY_LEN} characters; leave it out for <hostname>_<random>"
+        ));
+    }
+    if !identity.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
+        return Err(format!("{identity:?} may hold only letters, digits, '-', '_', '.' and ':'"));
+    }
+    Ok(())
 }
 
 /// Limits of a VM's console history ([`Config::console_history`]).
@@ -182,7 +272,8 @@ pub struct HostConfig {
     #[serde(default = "default_ratio")]
     pub memory_allocation_ratio: f64,
     /// How QEMU guests run on this host: `auto` (default: KVM where the host
-    /// offers it, software emulation otherwise), `kvm` (refuse to start
+    /// offers it and, on a local connection, a probe guest booted the host's
+    /// kernel under it; software emulation otherwise), `kvm` (refuse to start
     /// without KVM) or `tcg` (software emulation). Hosts without a choice (the
     /// libvirt test driver) ignore it. The node reports the outcome as the label
     /// `vmlet.io/accelerator`.
@@ -380,8 +471,12 @@ impl Config {
     /// Parse and validate YAML text. `known_providers` lists the backends this
     /// binary was built with.
     pub fn from_yaml(text: &str, known_providers: &[&str]) -> Result<Config, ConfigError> {
-        let config: Config =
+        let mut config: Config =
             serde_yaml::from_str(text).map_err(|source| ConfigError::Parse { path: "<config>".to_owned(), source })?;
+        if config.leader_election.namespace.is_empty() {
+            config.leader_election.namespace =
+                config.namespace.clone().unwrap_or_else(|| DEFAULT_ELECTION_NAMESPACE.to_owned());
+        }
         config.validate(known_providers)?;
         Ok(config)
     }
@@ -447,6 +542,26 @@ impl Config {
                     format!("{ns:?} is not a namespace name: use lowercase letters, digits and '-', at most 63"),
                 );
             }
+        }
+        // After `namespace`: the election's namespace defaults to it.
+        if let Err(message) = check_identity(&self.identity) {
+            return invalid("identity".into(), message);
+        }
+        let election = &self.leader_election;
+        if !(5..=300).contains(&election.lease_duration_seconds) {
+            return invalid(
+                "leaderElection.leaseDurationSeconds".into(),
+                format!("{} is out of range; use 5 to 300 (default 15)", election.lease_duration_seconds),
+            );
+        }
+        if let Err(why) = check_dns_label(&election.namespace) {
+            return invalid("leaderElection.namespace".into(), format!("{:?} {why}", election.namespace));
+        }
+        if let Err(why) = check_subdomain(&election.lease_name) {
+            return invalid(
+                "leaderElection.leaseName".into(),
+                format!("{:?} is not a Lease name: {why} (default vmlet-controller)", election.lease_name),
+            );
         }
         if self.kubelet_port == 0 {
             return invalid("kubeletPort".into(), "is 0; give the port the kubelet API listens on, e.g. 10250".into());
@@ -729,6 +844,55 @@ mod tests {
             "hosts[0].storageRoots[0]: \"images\" is not an absolute path; write an absolute directory on the host, \
              e.g. /var/lib/libvirt/images"
         );
+    }
+
+    #[test]
+    fn the_election_defaults_to_the_served_namespace_else_kube_system() {
+        let host = "hosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]";
+        let everywhere = Config::from_yaml(host, PROVIDERS).unwrap();
+        assert_eq!(everywhere.leader_election.namespace, "kube-system");
+        assert_eq!(everywhere.leader_election.lease_name, "vmlet-controller");
+        assert_eq!(everywhere.leader_election.lease_duration_seconds, 15);
+        let one = Config::from_yaml(&format!("namespace: team-a\n{host}"), PROVIDERS).unwrap();
+        assert_eq!(one.leader_election.namespace, "team-a");
+        let named = Config::from_yaml(
+            &format!("namespace: team-a\nleaderElection: {{namespace: ops, leaseName: ctl, leaseDurationSeconds: 5}}\n{host}"),
+            PROVIDERS,
+        )
+        .unwrap();
+        assert_eq!(
+            named.leader_election,
+            LeaderElectionConfig { namespace: "ops".into(), lease_name: "ctl".into(), lease_duration_seconds: 5 }
+        );
+    }
+
+    #[test]
+    fn an_election_lease_duration_out_of_range_is_named_with_the_range() {
+        let host = "hosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]";
+        for seconds in [0, 4, 301] {
+            let e = error_of(&format!("leaderElection: {{leaseDurationSeconds: {seconds}}}\n{host}"));
+            assert!(e.starts_with("leaderElection.leaseDurationSeconds: "), "{e}");
+            assert!(e.contains("5 to 300"), "{e}");
+        }
+        let e = error_of(&format!("leaderElection: {{leaseName: Bad_Name}}\n{host}"));
+        assert!(e.starts_with("leaderElection.leaseName: "), "{e}");
+    }
+
+    #[test]
+    fn identity_defaults_to_the_hostname_and_eight_random_hex_digits() {
+        let host = "hosts: [{name: a, provider: libvirt, uri: 'qemu:///system'}]";
+        let first = Config::from_yaml(host, PROVIDERS).unwrap().identity;
+        let second = Config::from_yaml(host, PROVIDERS).unwrap().identity;
+        let (name, random) = first.rsplit_once('_').expect("<hostname>_<hex>");
+        assert!(!name.is_empty(), "{first}");
+        assert!(random.len() == 8 && random.chars().all(|c| c.is_ascii_hexdigit()), "{first}");
+        assert_ne!(first, second, "each start draws its own");
+        let given = Config::from_yaml(&format!("identity: kvm-1.example_a:1\n{host}"), PROVIDERS).unwrap();
+        assert_eq!(given.identity, "kvm-1.example_a:1");
+        for bad in ["''", "'two words'", &"x".repeat(MAX_IDENTITY_LEN + 1)] {
+            let e = error_of(&format!("identity: {bad}\n{host}"));
+            assert!(e.starts_with("identity: "), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod clouds;
 pub mod conditions;
 pub mod config;
 pub mod controller;
+pub mod election;
 pub mod events;
 pub mod failure;
 pub mod identity;

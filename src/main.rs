@@ -37,8 +37,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve the configured hosts as virtual nodes (and run the VirtualMachine
-    /// controller unless the config says `controller: false`).
+    /// Serve the configured hosts as virtual nodes (and take part in the
+    /// election of the process that runs the VirtualMachine controller unless
+    /// the config says `controller: false`). Exits 1 without writing anything
+    /// when another live vmlet serves a node of the config.
     Run {
         /// The configuration file (YAML); see deploy/config.example.yaml.
         #[arg(long, short, env = "VMLET_CONFIG")]
@@ -186,6 +188,14 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
         config.hosts.push(host);
         providers.push(provider);
     }
+    // Before anything is written: no node of this config may be served by
+    // another live process (vmlet::node::lease).
+    let node_leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(client.clone(), vmlet::node::lease::NAMESPACE);
+    let nodes: Vec<String> = config.hosts.iter().map(|h| h.name.clone()).collect();
+    vmlet::node::lease::check_free(&node_leases, &nodes, &config.identity)
+        .await
+        .context("refusing to start: the host sets of two vmlet processes must not overlap")?;
     let config = Arc::new(config);
     let mut tasks = tokio::task::JoinSet::new();
 
@@ -194,7 +204,6 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     // kubelet API (vmlet::watches).
     let (watches, writers) = vmlet::watches::Watches::new(&config);
     let release_triggers = watches.vm_triggers();
-    let controller_triggers = config.controller.then(|| (watches.vm_triggers(), watches.vm_triggers()));
     watches.start(writers, &client, &config, shutdown.child_token());
 
     let hosts = vmlet::node::Hosts::default();
@@ -233,42 +242,16 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     let server = vmlet::api::Server::bind(api, directory, client.clone()).await.context("starting the kubelet API")?;
     info!(listen = %server.local_addr(), "kubelet API listening");
     tasks.spawn(server.run(shutdown.child_token()));
-    if let Some((triggers, endpoint_triggers)) = controller_triggers {
-        tasks.spawn(vmlet::controller::endpoints::run(
-            client.clone(),
-            config.namespace.clone(),
-            watches.clone(),
-            endpoint_triggers,
-            shutdown.child_token(),
-        ));
-        let scope = config.scope().to_owned();
-        tasks.spawn(vmlet::controller::backups::run(
-            client.clone(),
-            config.namespace.clone(),
-            scope.clone(),
-            shutdown.child_token(),
-        ));
-        tasks.spawn(vmlet::controller::restores::run(
-            client.clone(),
-            config.namespace.clone(),
-            scope.clone(),
-            shutdown.child_token(),
-        ));
-        tasks.spawn(vmlet::controller::snapshots::run(
-            client.clone(),
-            config.namespace.clone(),
-            scope,
-            shutdown.child_token(),
-        ));
-        tasks.spawn(vmlet::controller::run(
-            client.clone(),
-            config.namespace.clone(),
-            watches.clone(),
-            triggers,
-            shutdown.child_token(),
-        ));
+    if config.controller {
+        // Every process may run the controllers; the elected one does.
+        let settings = vmlet::election::Settings::from_config(&config);
+        let (leader_client, leader_config, leader_watches) = (client.clone(), config.clone(), watches.clone());
+        let lead = move |term: CancellationToken| {
+            run_controllers(leader_client.clone(), leader_config.clone(), leader_watches.clone(), term)
+        };
+        tasks.spawn(vmlet::election::run(client.clone(), settings, shutdown.child_token(), lead));
     }
-    info!(hosts = config.hosts.len(), controller = config.controller, "vmlet running");
+    info!(hosts = config.hosts.len(), controller = config.controller, identity = %config.identity, "vmlet running");
 
     wait_for_signal().await;
     info!("shutting down; VMs keep running");
@@ -277,6 +260,53 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
         warn!(grace_seconds = grace.as_secs(), "shutdown grace period passed; exiting");
     }
     Ok(())
+}
+
+/// The controllers of the elected leader, until `term` is cancelled (the
+/// process stepped down or shuts down): VirtualMachines, their Service
+/// endpoints, backups, restores and snapshots. Each starts from every
+/// VirtualMachine in the shared cache, as after a restart.
+async fn run_controllers(
+    client: kube::Client,
+    config: Arc<Config>,
+    watches: vmlet::watches::Watches,
+    term: CancellationToken,
+) {
+    let mut controllers = tokio::task::JoinSet::new();
+    controllers.spawn(vmlet::controller::endpoints::run(
+        client.clone(),
+        config.namespace.clone(),
+        watches.clone(),
+        watches.vm_triggers_from_now(),
+        term.child_token(),
+    ));
+    let scope = config.scope().to_owned();
+    controllers.spawn(vmlet::controller::backups::run(
+        client.clone(),
+        config.namespace.clone(),
+        scope.clone(),
+        term.child_token(),
+    ));
+    controllers.spawn(vmlet::controller::restores::run(
+        client.clone(),
+        config.namespace.clone(),
+        scope.clone(),
+        term.child_token(),
+    ));
+    controllers.spawn(vmlet::controller::snapshots::run(
+        client.clone(),
+        config.namespace.clone(),
+        scope,
+        term.child_token(),
+    ));
+    controllers.spawn(vmlet::controller::run(
+        client,
+        config.namespace.clone(),
+        watches.clone(),
+        watches.vm_triggers_from_now(),
+        term.child_token(),
+    ));
+    while controllers.join_next().await.is_some() {}
 }
 
 async fn wait_for_signal() {

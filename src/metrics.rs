@@ -11,7 +11,9 @@
 //!   controllers (`virtualmachine`, `pod`, `claim`), `ok` or `error`, and
 //!   how long each took (seconds);
 //! - `vmlet_pods{node, phase}`: the pods on this process's nodes by phase,
-//!   as of the scrape.
+//!   as of the scrape;
+//! - `vmlet_controller_leader`: 1 while this process holds the controllers'
+//!   election Lease and runs the controllers, else 0 ([`crate::election`]).
 //!
 //! The registry is process-wide ([`global`]): every part of vmlet counts
 //! into the same families.
@@ -74,6 +76,8 @@ pub struct Metrics {
     pub reconcile_seconds: Family<ControllerLabels, Histogram>,
     /// `vmlet_pods`.
     pub pods: Family<PodLabels, Gauge>,
+    /// `vmlet_controller_leader`: 1 while this process leads, else 0.
+    pub controller_leader: Gauge,
 }
 
 impl Metrics {
@@ -96,7 +100,13 @@ impl Metrics {
         registry.register("reconcile_duration_seconds", "How long controller passes take", reconcile_seconds.clone());
         let pods = Family::<PodLabels, Gauge>::default();
         registry.register("pods", "Pods on this process's nodes by node and phase, as of the scrape", pods.clone());
-        Metrics { registry, api_requests, streams_open, reconciles, reconcile_seconds, pods }
+        let controller_leader = Gauge::default();
+        registry.register(
+            "controller_leader",
+            "1 while this process holds the controllers' election Lease and runs the controllers, else 0",
+            controller_leader.clone(),
+        );
+        Metrics { registry, api_requests, streams_open, reconciles, reconcile_seconds, pods, controller_leader }
     }
 
     /// The registry in the text exposition format.
@@ -165,5 +175,6 @@ mod tests {
         assert!(text.contains("vmlet_reconciles_total{controller=\"test-controller\",result=\"error\"} 1"), "{text}");
         assert!(text.contains("vmlet_reconcile_duration_seconds_count{controller=\"test-controller\"} 3"), "{text}");
         assert!(text.contains("# TYPE vmlet_kubelet_api_streams_open gauge"), "{text}");
+        assert!(text.contains("# TYPE vmlet_controller_leader gauge"), "{text}");
     }
 }

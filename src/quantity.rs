@@ -70,7 +70,7 @@ pub fn format_bytes(bytes: u64) -> String {
     const SUFFIXES: [&str; 6] = ["Ei", "Pi", "Ti", "Gi", "Mi", "Ki"];
     for (i, suffix) in SUFFIXES.iter().enumerate() {
         let unit = 1u64 << (10 * (6 - i));
-        if bytes >= unit && bytes % unit == 0 {
+        if bytes >= unit && bytes.is_multiple_of(unit) {
             return format!("{}{}", bytes / unit, suffix);
         }
     }
@@ -80,7 +80,7 @@ pub fn format_bytes(bytes: u64) -> String {
 /// The quantity text for millicores: whole cores when exact (`2000` → `2`),
 /// else millicores (`1500` → `1500m`).
 pub fn format_millicores(millicores: u64) -> String {
-    if millicores % 1000 == 0 {
+    if millicores.is_multiple_of(1000) {
         (millicores / 1000).to_string()
     } else {
         format!("{millicores}m")

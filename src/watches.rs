@@ -287,6 +287,21 @@ impl Watches {
         rx
     }
 
+    /// A queue input keyed by VirtualMachine, as [`Watches::vm_triggers`],
+    /// that starts with every VirtualMachine in the cache: for a controller
+    /// that starts after the watch (the elected leader's), which would
+    /// otherwise see only later changes. Subscribed before the cache is read,
+    /// so no change falls between the two (some VMs come twice; the queue
+    /// merges them).
+    pub fn vm_triggers_from_now(&self) -> Triggers<VirtualMachine> {
+        let (tx, rx) = mpsc::unbounded();
+        self.routes.vms.lock().expect("routes poisoned").push(tx.clone());
+        for vm in self.vms.state() {
+            let _ = tx.unbounded_send(ObjectRef::from_obj(&*vm));
+        }
+        rx
+    }
+
     /// Queue every pod bound to `node` for its agent now (e.g. when its host
     /// answers again after an outage, rather than at each pod's backoff).
     pub fn requeue_node(&self, node: &str) {

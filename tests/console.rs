@@ -538,7 +538,7 @@ async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed
         .wait_for("the VM to be Stopped after poweroff in the guest", || {
             let vms = vms.clone();
             // Every 20th poll (about 5 s apart).
-            let ask = polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 20 == 0;
+            let ask = polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed).is_multiple_of(20);
             let env = &env;
             let pod = pod.clone();
             async move {
@@ -613,7 +613,7 @@ async fn on_failure_leaves_a_guest_that_powered_off_off_and_restarts_a_destroyed
         .wait_for("the VM to be left off after virsh shutdown", || {
             let (vms, domain) = (vms.clone(), domain.clone());
             // Every 20th poll (about 5 s apart).
-            let ask = polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 20 == 0;
+            let ask = polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed).is_multiple_of(20);
             async move {
                 let vm = vms.get("web").await.ok()?;
                 let phase = vm.status.as_ref().and_then(|s| s.phase);

@@ -1,40 +1,124 @@
-//! The node's heartbeat: its Lease in `kube-node-lease`, renewed like the kubelet's.
+//! The node's heartbeat: its Lease in `kube-node-lease`, renewed like the
+//! kubelet's, held as this process's identity ([`crate::config::Config::identity`]).
+//!
+//! The host sets of two vmlet processes never overlap: a process refuses to
+//! start while another live one holds the Lease of a node of its config
+//! ([`check_free`]), and never renews over such a hold ([`renew`]). A hold is
+//! live until its `renewTime + leaseDurationSeconds`; an expired one may be
+//! taken over.
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::PostParams;
 use kube::Api;
+use std::time::{Duration, SystemTime};
 
 /// Namespace of node Leases.
 pub const NAMESPACE: &str = "kube-node-lease";
 
 /// What [`renew`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Renewal {
     /// The Lease existed and was renewed.
     Renewed,
     /// There was no Lease (first heartbeat, or the garbage collector removed
     /// it with its deleted Node): one was created.
     Created,
+    /// Another live process holds the Lease: it was left as it is.
+    HeldElsewhere(Holder),
+}
+
+/// Another process's live hold of a node Lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// Its `holderIdentity`.
+    pub identity: String,
+    /// Until when the hold is live (`renewTime + leaseDurationSeconds`).
+    pub until: SystemTime,
+}
+
+/// Why this process may not serve its nodes.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// Another live vmlet serves the node.
+    #[error(
+        "node {node} is served by another live vmlet process, {holder:?} (its Lease {NAMESPACE}/{node} holds          for {left_s} s more); stop that process or remove the node from this config; a restarted process          that keeps its `identity` takes its own nodes back"
+    )]
+    HeldElsewhere {
+        /// The node.
+        node: String,
+        /// The other process's identity.
+        holder: String,
+        /// Seconds until its hold expires, rounded up.
+        left_s: u64,
+    },
+    /// The Lease could not be read.
+    #[error("reading the Lease {NAMESPACE}/{node}: {source}")]
+    Read {
+        /// The node.
+        node: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Who other than `identity` holds `lease` live at `now`, if anyone: a hold
+/// without renewTime or duration, or past `renewTime + duration`, is not live.
+pub fn held_elsewhere(lease: &Lease, identity: &str, now: SystemTime) -> Option<Holder> {
+    let spec = lease.spec.as_ref()?;
+    let holder = spec.holder_identity.as_deref().filter(|h| !h.is_empty() && *h != identity)?;
+    let renewed = SystemTime::from(spec.renew_time.as_ref()?.0);
+    let until = renewed + Duration::from_secs(spec.lease_duration_seconds?.max(0) as u64);
+    (until > now).then(|| Holder { identity: holder.to_owned(), until })
+}
+
+/// Check that no other live process holds the Lease of any of `nodes`
+/// (read only: writes nothing). Errors: the first node held elsewhere, or a
+/// Lease that could not be read.
+pub async fn check_free(leases: &Api<Lease>, nodes: &[String], identity: &str) -> Result<(), CheckError> {
+    for node in nodes {
+        let lease = leases.get_opt(node).await.map_err(|source| CheckError::Read { node: node.clone(), source })?;
+        let now = SystemTime::now();
+        if let Some(holder) = lease.as_ref().and_then(|l| held_elsewhere(l, identity, now)) {
+            let left = holder.until.duration_since(now).unwrap_or_default();
+            return Err(CheckError::HeldElsewhere {
+                node: node.clone(),
+                holder: holder.identity,
+                left_s: left.as_secs() + u64::from(left.subsec_nanos() > 0),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Create or renew the Lease of node `name` (owned by the Node with `node_uid`),
-/// holder `name`, duration `duration_seconds`, renewTime now. A conflict (someone
-/// else wrote it meanwhile) is returned; the next tick retries with a fresh read.
+/// holder `identity`, duration `duration_seconds`, renewTime now; a Lease
+/// another live process holds is left alone ([`Renewal::HeldElsewhere`]). A
+/// conflict (someone else wrote it meanwhile) is returned; the next tick
+/// retries with a fresh read.
 pub async fn renew(
     leases: &Api<Lease>,
     name: &str,
+    identity: &str,
     node_uid: &str,
     duration_seconds: i32,
 ) -> Result<Renewal, kube::Error> {
     let now = MicroTime(Timestamp::now());
     match leases.get_opt(name).await? {
         Some(mut lease) => {
+            if let Some(holder) = held_elsewhere(&lease, identity, SystemTime::now()) {
+                return Ok(Renewal::HeldElsewhere(holder));
+            }
             // Owned by the Node as it is now (a re-registered Node has a new UID).
             lease.metadata.owner_references = Some(vec![owner(name, node_uid)]);
             let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-            spec.holder_identity = Some(name.to_owned());
+            if spec.holder_identity.as_deref() != Some(identity) {
+                spec.acquire_time = Some(now.clone());
+                spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+            }
+            spec.holder_identity = Some(identity.to_owned());
             spec.lease_duration_seconds = Some(duration_seconds);
             spec.renew_time = Some(now);
             leases.replace(name, &PostParams::default(), &lease).await?;
@@ -49,7 +133,7 @@ pub async fn renew(
                     ..ObjectMeta::default()
                 },
                 spec: Some(LeaseSpec {
-                    holder_identity: Some(name.to_owned()),
+                    holder_identity: Some(identity.to_owned()),
                     lease_duration_seconds: Some(duration_seconds),
                     renew_time: Some(now.clone()),
                     acquire_time: Some(now),
@@ -69,5 +153,45 @@ fn owner(name: &str, node_uid: &str) -> OwnerReference {
         name: name.to_owned(),
         uid: node_uid.to_owned(),
         ..OwnerReference::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(holder: &str, renewed: SystemTime, seconds: i32) -> Lease {
+        Lease {
+            metadata: ObjectMeta::default(),
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.to_owned()),
+                renew_time: Some(MicroTime(renewed.try_into().unwrap())),
+                lease_duration_seconds: Some(seconds),
+                ..LeaseSpec::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn a_live_lease_of_another_process_is_held_elsewhere_until_it_expires() {
+        let now = SystemTime::now();
+        let renewed = now - Duration::from_secs(10);
+        let held = held_elsewhere(&lease("kvm-1_0a1b2c3d", renewed, 40), "kvm-2_00000000", now).unwrap();
+        assert_eq!(held, Holder { identity: "kvm-1_0a1b2c3d".into(), until: renewed + Duration::from_secs(40) });
+        let expired = lease("kvm-1_0a1b2c3d", now - Duration::from_secs(41), 40);
+        assert_eq!(held_elsewhere(&expired, "kvm-2_00000000", now), None, "an expired hold may be taken over");
+    }
+
+    #[test]
+    fn a_lease_of_this_process_or_of_nobody_is_free() {
+        let now = SystemTime::now();
+        assert_eq!(held_elsewhere(&lease("me", now, 40), "me", now), None, "a restart takes its own back");
+        assert_eq!(held_elsewhere(&lease("", now, 40), "me", now), None);
+        assert_eq!(held_elsewhere(&Lease::default(), "me", now), None);
+        let unrenewed = Lease {
+            spec: Some(LeaseSpec { holder_identity: Some("other".into()), ..LeaseSpec::default() }),
+            ..Lease::default()
+        };
+        assert_eq!(held_elsewhere(&unrenewed, "me", now), None, "no renewTime: not live");
     }
 }

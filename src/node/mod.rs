@@ -45,7 +45,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, instrument, warn};
+use tracing::{debug, error, info, instrument, warn};
 use vmlet_provider::{HostInfo, Provider, VmId};
 
 /// Shared state of one host's agent.
@@ -411,7 +411,7 @@ async fn heartbeat(
                     Err(e) => warn!(error = %e, "node status write failed"),
                 }
             }
-            match lease::renew(&leases, &host.name, uid, lease_seconds).await {
+            match lease::renew(&leases, &host.name, &config.identity, uid, lease_seconds).await {
                 // The garbage collector removes the Lease of a deleted
                 // Node: a Lease that had to be created again is the
                 // first sign. Then register at once, within one lease
@@ -423,6 +423,11 @@ async fn heartbeat(
                     last_status = None;
                     continue;
                 }
+                Ok(lease::Renewal::HeldElsewhere(holder)) => error!(
+                    holder = %holder.identity,
+                    "another live vmlet process holds this node's Lease; not renewing it (two processes serve the node: \
+                     remove it from one of their configs)"
+                ),
                 Ok(_) => {}
                 Err(e) => warn!(error = %e, "lease renewal failed"),
             }

@@ -11,14 +11,14 @@ pub mod disk;
 pub mod pool;
 pub mod tenant;
 
-use deadline::{kill_and_reap, output_within, run_echoing, run_with_stdin, GUEST_BUILD, KUBECTL};
+use deadline::{kill_and_reap, output_within, run_echoing, run_with_stdin, wait_within, GUEST_BUILD, KUBECTL};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, PostParams};
 use kube::Client;
 use serde_json::json;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vmlet::v1alpha1::VirtualMachine;
@@ -262,6 +262,8 @@ pub struct TestEnv {
     vmlet: Option<Child>,
     /// A second vmlet that runs only the controller ([`TestEnv::start_split`]).
     controller: Option<Child>,
+    /// More vmlet processes of the test by name ([`TestEnv::start_member`]).
+    members: Vec<(String, Child)>,
     nodes: Vec<String>,
     /// Port of this vmlet's kubelet API on 127.0.0.1.
     pub kubelet_port: u16,
@@ -281,7 +283,25 @@ impl TestEnv {
         namespaces.create(&PostParams::default(), &namespace).await.expect("create namespace");
         let dir = repo().join("target/it").join(&ns);
         std::fs::create_dir_all(&dir).unwrap();
-        TestEnv { ns, client, dir, vmlet: None, controller: None, nodes: vec![], kubelet_port: 0, untrusted: false }
+        TestEnv {
+            ns,
+            client,
+            dir,
+            vmlet: None,
+            controller: None,
+            members: vec![],
+            nodes: vec![],
+            kubelet_port: 0,
+            untrusted: false,
+        }
+    }
+
+    /// The identity of the vmlet process `name` of this test (`vmlet` for
+    /// [`TestEnv::start_vmlet`]'s, `controller` for the controller of
+    /// [`TestEnv::start_split`], a member's name): fixed, so that a restarted
+    /// process takes its own node and election Leases back at once.
+    pub fn identity(&self, name: &str) -> String {
+        format!("{}-{name}", self.ns)
     }
 
     /// The node name of a host suffix.
@@ -293,7 +313,7 @@ impl TestEnv {
     /// namespace only, VM files only from the test's [`storage_root`]) and
     /// start vmlet with it; its log is `<dir>/vmlet.log`.
     pub fn start_vmlet(&mut self, hosts: &[Host<'_>]) {
-        let config = self.vmlet_config(hosts, true);
+        let config = self.vmlet_config(hosts, true, "vmlet");
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
         self.restart_vmlet();
     }
@@ -304,11 +324,11 @@ impl TestEnv {
     /// That process needs a host of its own: node `<ns>-ctl`, tainted so that
     /// no VM is scheduled there.
     pub fn start_split(&mut self, hosts: &[Host<'_>]) {
-        let config = self.vmlet_config(hosts, false);
+        let config = self.vmlet_config(hosts, false, "vmlet");
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
         self.restart_vmlet();
         let port = self.kubelet_port;
-        let mut controller = self.vmlet_config(&[Host::new("ctl", test_driver_uri("host-a.xml"))], true);
+        let mut controller = self.vmlet_config(&[Host::new("ctl", test_driver_uri("host-a.xml"))], true, "controller");
         controller["hosts"][0]["taints"] = json!([{"key": "vmlet.io/controller-only", "effect": "NoSchedule"}]);
         controller["stateDir"] = json!(self.dir.join("controller-state"));
         self.kubelet_port = port;
@@ -346,7 +366,8 @@ impl TestEnv {
     /// VMs of this namespace only), with a kubelet API port of its own (the
     /// API server reaches it through the Node's daemonEndpoints and checks
     /// its serving certificate against the cluster CA).
-    fn vmlet_config(&mut self, hosts: &[Host<'_>], controller: bool) -> serde_json::Value {
+    /// `identity` names the process ([`TestEnv::identity`]).
+    fn vmlet_config(&mut self, hosts: &[Host<'_>], controller: bool, identity: &str) -> serde_json::Value {
         let hosts_yaml: Vec<_> = hosts
             .iter()
             .map(|h| {
@@ -370,6 +391,7 @@ impl TestEnv {
             "namespace": self.ns,
             "trustedNamespaces": if self.untrusted { json!([]) } else { json!([self.ns]) },
             "controller": controller,
+            "identity": self.identity(identity),
             "stateDir": self.dir.join("state"),
             "kubeletPort": port,
             "kubeletApi": {
@@ -397,7 +419,7 @@ impl TestEnv {
         let path = self.dir.join("clouds.yaml");
         std::fs::write(&path, clouds_yaml).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let mut config = self.vmlet_config(&[], true);
+        let mut config = self.vmlet_config(&[], true, "vmlet");
         config["clouds"] = json!([{
             "provider": "openstack", "cloud": cloud, "cloudsFile": path, "hosts": hosts,
             "nodeNamePrefix": format!("{}-", self.ns), "labels": {"vmlet.io/test": self.ns},
@@ -424,6 +446,71 @@ impl TestEnv {
     /// panics, unless already panicking, if it is still not gone then).
     pub fn kill_vmlet(&mut self) {
         kill_vmlet_process(self.vmlet.take());
+    }
+
+    /// The config of member `name` serving `hosts` (state in
+    /// `<dir>/<name>-state`), written to `<dir>/<name>.yaml`; its hosts join
+    /// the test's nodes (removed at the end). Returns its kubelet API port.
+    fn write_member_config(&mut self, name: &str, hosts: &[Host<'_>]) -> u16 {
+        let (port, nodes) = (self.kubelet_port, self.nodes.clone());
+        let mut config = self.vmlet_config(hosts, true, name);
+        config["stateDir"] = json!(self.dir.join(format!("{name}-state")));
+        let member_port = self.kubelet_port;
+        self.kubelet_port = port;
+        self.nodes = nodes.into_iter().chain(hosts.iter().map(|h| self.node(h.suffix))).collect();
+        std::fs::write(self.dir.join(format!("{name}.yaml")), serde_yaml::to_string(&config).unwrap()).unwrap();
+        member_port
+    }
+
+    /// Start another vmlet process of this test, `name`, serving `hosts`,
+    /// that takes part in the controllers' election like every other
+    /// (config `<dir>/<name>.yaml`, log `<dir>/<name>.log`, identity
+    /// [`TestEnv::identity`]`(name)`). Returns its kubelet API port.
+    pub fn start_member(&mut self, name: &str, hosts: &[Host<'_>]) -> u16 {
+        let port = self.write_member_config(name, hosts);
+        let child = self.spawn_vmlet(&format!("{name}.yaml"), &format!("{name}.log"));
+        self.members.push((name.to_owned(), child));
+        port
+    }
+
+    /// Run vmlet process `name` serving `hosts` until it exits by itself
+    /// (within [`VMLET_EXIT`]; panics if it does not): its exit status and
+    /// its log.
+    pub fn run_member_to_exit(&mut self, name: &str, hosts: &[Host<'_>]) -> (ExitStatus, String) {
+        self.write_member_config(name, hosts);
+        let log = format!("{name}.log");
+        let mut child = self.spawn_vmlet(&format!("{name}.yaml"), &log);
+        let status = wait_within(&mut child, VMLET_EXIT);
+        if status.is_none() {
+            let _ = kill_and_reap(&mut child, VMLET_EXIT);
+        }
+        let log = std::fs::read_to_string(self.dir.join(log)).unwrap_or_default();
+        (status.unwrap_or_else(|| panic!("vmlet {name} still ran {VMLET_EXIT:?} after it started:\n{log}")), log)
+    }
+
+    fn take_member(&mut self, name: &str) -> Child {
+        let at = self.members.iter().position(|(n, _)| n == name).unwrap_or_else(|| panic!("no member {name}"));
+        self.members.remove(at).1
+    }
+
+    /// kill -9 member `name`, as a crash would, and reap it.
+    pub fn kill_member(&mut self, name: &str) {
+        kill_vmlet_process(Some(self.take_member(name)));
+    }
+
+    /// Stop member `name` as systemd would (SIGTERM) and reap it: its exit
+    /// status (panics if it is not gone within [`VMLET_EXIT`]).
+    pub fn terminate_member(&mut self, name: &str) -> ExitStatus {
+        let mut child = self.take_member(name);
+        let terminated = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        assert!(terminated.is_ok_and(|s| s.success()), "kill -TERM {}", child.id());
+        match wait_within(&mut child, VMLET_EXIT) {
+            Some(status) => status,
+            None => {
+                let _ = kill_and_reap(&mut child, VMLET_EXIT);
+                panic!("vmlet {name} was not gone {VMLET_EXIT:?} after SIGTERM");
+            }
+        }
     }
 
     /// Run kubectl in this namespace; panics with its stderr unless it succeeds.
@@ -643,18 +730,26 @@ impl TestEnv {
 
     /// vmlet's log and where the control plane's logs are.
     pub fn diagnostics(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.join("vmlet.log")).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(60).collect::<Vec<_>>().into_iter().rev().collect();
+        let tail_of = |file: &str, lines: usize| {
+            let log = std::fs::read_to_string(self.dir.join(file)).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(lines).collect::<Vec<_>>().into_iter().rev().collect();
+            tail.join("\n")
+        };
+        let members: String = self
+            .members
+            .iter()
+            .map(|(name, _)| format!("--- last lines of {name}.log:\n{}\n", tail_of(&format!("{name}.log"), 30)))
+            .collect();
         let pods = match self.kubectl_unless_timed_out(&["get", "vm,pods,events", "-o", "wide"]) {
             Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
             Err(timed_out) => timed_out.to_string(),
         };
         format!(
-            "--- kubectl get vm,pods,events -n {}:\n{}\n--- last lines of {}:\n{}\n--- control plane logs: {}",
+            "--- kubectl get vm,pods,events -n {}:\n{}\n--- last lines of {}:\n{}\n{members}--- control plane logs: {}",
             self.ns,
             pods,
             self.dir.join("vmlet.log").display(),
-            tail.join("\n"),
+            tail_of("vmlet.log", 60),
             cluster().logs.display()
         )
     }
@@ -671,11 +766,14 @@ impl Drop for TestEnv {
     /// Every kubectl call has its deadline; one that times out is reported on
     /// stderr and cleanup goes on.
     fn drop(&mut self) {
-        if self.vmlet.is_some() {
+        if self.vmlet.is_some() || !self.members.is_empty() {
             self.cleanup_kubectl(&["delete", "virtualmachines", "--all", "--wait=true", "--timeout=90s"]);
         }
         self.kill_vmlet();
         self.kill_controller();
+        for (_, member) in std::mem::take(&mut self.members) {
+            kill_vmlet_process(Some(member));
+        }
         let leftover = self.cleanup_kubectl(&["get", "virtualmachines", "-o", "name"]).map(|out| out.stdout);
         for vm in String::from_utf8_lossy(&leftover.unwrap_or_default()).lines() {
             self.cleanup_kubectl(&["patch", vm, "--type=merge", "-p", r#"{"metadata":{"finalizers":null}}"#]);

@@ -1,5 +1,12 @@
-//! [`Backup`]: a VM's disk copied to a qcow2 file on its host, and new disks
-//! made from such files.
+//! [`Backup`]: a VM's disks copied to qcow2 files on its host, one file per
+//! disk, at one point in time, and new disks made from such files.
+//!
+//! Which disk goes to which file is `backup/disks.rs`'s: the boot disk to the
+//! request's target, each data disk (its `<serial>` is its name in
+//! `spec.disks`) to the file the request names for it. Every step below
+//! covers all of them: one backup job (one `virDomainBackupBegin` with all
+//! disks, so one point in time), one checkpoint with a bitmap per disk, and
+//! one `qemu-img convert` per disk for an inactive VM.
 //!
 //! - A running VM: libvirt's push-mode backup (`virDomainBackupBegin` with
 //!   `<domainbackup mode='push'>`). QEMU copies the disk as it was when the
@@ -54,6 +61,7 @@
 
 mod abort;
 mod adopt;
+pub(crate) mod disks;
 
 use std::time::{Duration, Instant};
 
@@ -63,8 +71,8 @@ use virt::domain::Domain;
 use virt::error::{Error as VirtError, ErrorNumber};
 use virt::sys;
 use vmlet_provider::{
-    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, DataDiskFile, Error, ErrorKind, InPlaceRestore,
-    IncrementalBase, Result, VmId,
+    Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, DataDiskCopy, DataDiskFile, Error, ErrorKind,
+    InPlaceRestore, IncrementalBase, Result, VmId,
 };
 
 use crate::checkpoint::{self, check_name, checkpoint_xml};
@@ -73,7 +81,8 @@ use crate::in_flight::Claim;
 use crate::jobs::{abort_job, block_job, block_job_name, job_stats, operation_name, JobStats};
 use crate::provider::{is_active, is_local_uri, Host, LibvirtProvider};
 use crate::qemu_img;
-use crate::xml::{disks, escape, Disk};
+use crate::xml::{disks, escape};
+use disks::{pair, Paired};
 
 const OP: &str = "back up disk";
 const OP_PROGRESS: &str = "read backup progress";
@@ -107,15 +116,24 @@ const CHECKPOINTS_DEADLINE: Duration = Duration::from_secs(60);
 
 /// How a backup began ([`Host::begin_backup`]).
 enum Started {
-    /// The VM is not running: vmlet copies its disk itself.
-    Offline {
-        /// The disk's file or block device.
-        source: String,
-        /// Its image format (`qcow2`, `raw`).
-        format: String,
-    },
+    /// The VM is not running: vmlet copies its disks itself, in this order
+    /// (the boot disk first).
+    Offline(Vec<OfflineCopy>),
     /// libvirt runs the backup job, which will be this consistent.
     Job { consistency: Consistency },
+}
+
+/// One disk of an inactive VM and the file it is copied to.
+#[derive(Debug)]
+struct OfflineCopy {
+    /// The disk's file or block device.
+    source: String,
+    /// Its image format (`qcow2`, `raw`).
+    format: String,
+    /// The backup file.
+    target: String,
+    /// The data disk's name (`spec.disks[].name`); `None` for the boot disk.
+    name: Option<String>,
 }
 
 /// What one look at a running backup found ([`Host::backup_progress`]).
@@ -129,21 +147,15 @@ enum Poll {
 
 impl Host {
     /// Start backing up VM `id` to `target`: for a running VM, libvirt's
-    /// backup job (frozen file systems around its start when `quiesce`),
-    /// creating `checkpoint` with it and copying only what changed since
-    /// `base` (whose target exists already) when asked; for an inactive one,
-    /// nothing yet but the disk to copy (an incremental one is refused).
-    fn begin_backup(
-        &self,
-        conn: &Connect,
-        id: &VmId,
-        target: &str,
-        quiesce: bool,
-        plan: &Checkpoints,
-    ) -> Result<Started> {
+    /// backup job of all its disks (frozen file systems around its start when
+    /// `request.quiesce`), creating `plan.create` with it and copying only what
+    /// changed since `plan.base` (whose targets exist already) when asked; for
+    /// an inactive one, nothing yet but the disks to copy (an incremental one
+    /// is refused).
+    fn begin_backup(&self, conn: &Connect, id: &VmId, request: &BackupRequest, plan: &Checkpoints) -> Result<Started> {
         let domain = self.require(conn, OP, id)?;
         let xml = domain.xml_desc(0).map_err(|e| from_libvirt(OP, e))?;
-        let disk = single_disk(OP, id, disks(&xml))?;
+        let paired = pair(OP, id, disks(&xml), &request.target, &request.data_disks)?;
         if !is_active(&domain, OP)? {
             if plan.base.is_some() {
                 return Err(Error::new(
@@ -155,7 +167,10 @@ impl Host {
                     ),
                 ));
             }
-            return offline_source(id, disk);
+            return paired.into_iter().map(|disk| offline_copy(id, disk)).collect::<Result<_>>().map(Started::Offline);
+        }
+        if plan.create.is_some() || plan.base.is_some() {
+            refuse_without_bitmaps(id, &paired)?;
         }
         if let Some(base) = &plan.base {
             if checkpoint::lookup(&domain, base).map_err(|e| from_libvirt(OP, e))?.is_none() {
@@ -172,20 +187,21 @@ impl Host {
         if let Some(name) = &plan.create {
             replace_stale_checkpoint(&domain, id, name)?;
         }
-        refuse_other_jobs(&domain, id, &disk.target, target)?;
-        let consistency = if quiesce {
+        refuse_other_jobs(&domain, id, &paired, &request.target)?;
+        let consistency = if request.quiesce {
             freeze(&domain, id)
         } else {
             Consistency::CrashConsistent { reason: "quiesce was not asked".to_owned() }
         };
-        let checkpoint = plan.create.as_deref().map(|name| checkpoint_xml(name, &disk.target));
-        let backup = backup_xml(&disk.target, target, plan.base.as_deref());
+        let targets: Vec<&str> = paired.iter().map(|disk| disk.disk.target.as_str()).collect();
+        let checkpoint = plan.create.as_deref().map(|name| checkpoint_xml(name, &targets));
+        let backup = backup_xml(&paired, plan.base.as_deref());
         let begun = backup_begin(&domain, &backup, checkpoint.as_deref(), plan.base.is_some());
-        if quiesce {
+        if request.quiesce {
             thaw(&domain, id, matches!(consistency, Consistency::Quiesced { .. }));
         }
-        begun.map_err(|e| begin_error(id, target, e))?;
-        tracing::info!(vm.uid = %id, disk = %disk.target, backup.target = target, ?consistency, "backup job started");
+        begun.map_err(|e| begin_error(id, &request.target, e))?;
+        tracing::info!(vm.uid = %id, disks = ?targets, backup.target = %request.target, ?consistency, "backup job started");
         Ok(Started::Job { consistency })
     }
 
@@ -259,55 +275,55 @@ fn replace_stale_checkpoint(domain: &Domain, id: &VmId, name: &str) -> Result<()
     existing.delete().map_err(|e| from_libvirt(OP, e))
 }
 
-/// The one disk of VM `id` (for `operation`). Errors: `InvalidInput`
-/// naming the count when it has none or several, and the data disks
-/// (`spec.disks[<name>]`, from their serials) that are too many.
-pub(crate) fn single_disk(operation: &'static str, id: &VmId, found: Vec<Disk>) -> Result<Disk> {
-    match <[Disk; 1]>::try_from(found) {
-        Ok([disk]) => Ok(disk),
-        Err(found) => {
-            let data: Vec<String> = found
-                .iter()
-                .filter_map(|disk| Some(format!("{} spec.disks[{}]", disk.target, disk.serial.as_deref()?)))
-                .collect();
-            let named = if data.is_empty() { String::new() } else { format!(" (data disks: {})", data.join(", ")) };
-            Err(Error::new(
-                operation,
-                ErrorKind::InvalidInput,
-                format!(
-                    "VM {id} has {} disks{named}; vmlet backs up and restores VMs with exactly one disk (the one \
-                     spec.image names, and no spec.disks)",
-                    found.len()
-                ),
-            ))
-        }
-    }
-}
-
-/// The file to copy for an inactive VM's `disk`. Errors: `Unsupported` for a
-/// disk that is no file or block device (a network disk, a pool volume).
-fn offline_source(id: &VmId, disk: Disk) -> Result<Started> {
+/// The copy of inactive VM `id`'s `disk`. Errors: `Unsupported` for a disk
+/// that is no file or block device (a network disk, a pool volume).
+fn offline_copy(id: &VmId, disk: Paired) -> Result<OfflineCopy> {
+    let described = disk.describe();
+    let Paired { disk, name, file } = disk;
     match (disk.kind.as_str(), disk.source) {
-        ("file" | "block", Some(source)) => {
+        ("file" | "block", Some(source)) => Ok(OfflineCopy {
+            source,
             // What libvirt assumes of a disk without a stated format.
-            Ok(Started::Offline { source, format: disk.format.unwrap_or_else(|| "raw".to_owned()) })
-        }
+            format: disk.format.unwrap_or_else(|| "raw".to_owned()),
+            target: file,
+            name,
+        }),
         (kind, _) => Err(Error::new(
             OP,
             ErrorKind::Unsupported,
             format!(
-                "disk {} of VM {id} is a {kind} disk without a file vmlet could copy while the VM is not running; \
-                 start the VM to back it up through libvirt",
-                disk.target
+                "disk {described} of VM {id} is a {kind} disk without a file vmlet could copy while the VM is not \
+                 running; start the VM to back it up through libvirt"
             ),
         )),
     }
 }
 
+/// Refuse (`InvalidInput`, naming the disk and the fix) a checkpoint of a
+/// VM one of whose disks is no qcow2 image: a checkpoint is a dirty bitmap
+/// kept in each disk's image, which only qcow2 holds.
+fn refuse_without_bitmaps(id: &VmId, paired: &[Paired]) -> Result<()> {
+    let Some(disk) = paired.iter().find(|disk| disk.disk.format.as_deref() != Some("qcow2")) else {
+        return Ok(());
+    };
+    Err(Error::new(
+        OP,
+        ErrorKind::InvalidInput,
+        format!(
+            "disk {} of VM {id} is a {} image, and a checkpoint (spec.checkpoint, or an incremental backup) keeps a \
+             dirty bitmap in every disk's image, which only qcow2 images hold: give the disk a qcow2 volume (a \
+             StorageClass with parameters.format: qcow2) or take full backups without a checkpoint",
+            disk.describe(),
+            disk.disk.format.as_deref().unwrap_or("raw")
+        ),
+    ))
+}
+
 /// Refuse (`Conflict`) when the domain has a job running (a migration,
-/// another backup) or its disk a block job (a copy, a commit): libvirt would
-/// make the backup wait up to 30 s for the one, and refuse it for the other.
-fn refuse_other_jobs(domain: &Domain, id: &VmId, disk: &str, target: &str) -> Result<()> {
+/// another backup) or one of its disks a block job (a copy, a commit):
+/// libvirt would make the backup wait up to 30 s for the one, and refuse it
+/// for the other.
+fn refuse_other_jobs(domain: &Domain, id: &VmId, disks: &[Paired], target: &str) -> Result<()> {
     let job = job_stats(domain, 0).map_err(|e| begin_error(id, target, e))?;
     if job.is_running() {
         return Err(Error::new(
@@ -319,15 +335,18 @@ fn refuse_other_jobs(domain: &Domain, id: &VmId, disk: &str, target: &str) -> Re
             ),
         ));
     }
-    if let Some(kind) = block_job(domain, disk).map_err(|e| begin_error(id, target, e))? {
-        return Err(Error::new(
-            OP,
-            ErrorKind::Conflict,
-            format!(
-                "disk {disk} of VM {id} is busy with {} (`virsh blockjob`); a backup can begin once it ended",
-                block_job_name(kind)
-            ),
-        ));
+    for disk in disks {
+        if let Some(kind) = block_job(domain, &disk.disk.target).map_err(|e| begin_error(id, target, e))? {
+            return Err(Error::new(
+                OP,
+                ErrorKind::Conflict,
+                format!(
+                    "disk {} of VM {id} is busy with {} (`virsh blockjob`); a backup can begin once it ended",
+                    disk.describe(),
+                    block_job_name(kind)
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -394,17 +413,22 @@ fn backup_begin(domain: &Domain, xml: &str, checkpoint: Option<&str>, reuse_targ
     Ok(())
 }
 
-/// The push-mode backup of disk `disk` into a qcow2 at `target`: all of
-/// it, or what changed since checkpoint `incremental`.
-fn backup_xml(disk: &str, target: &str, incremental: Option<&str>) -> String {
+/// The push-mode backup of each of `disks` into a new qcow2 at its file:
+/// all of it, or what changed since checkpoint `incremental`.
+fn backup_xml(disks: &[Paired], incremental: Option<&str>) -> String {
     let incremental =
         incremental.map(|base| format!("<incremental>{}</incremental>", escape(base))).unwrap_or_default();
-    format!(
-        "<domainbackup mode='push'>{incremental}<disks><disk name='{}' backup='yes' type='file'>\
-         <driver type='qcow2'/><target file='{}'/></disk></disks></domainbackup>",
-        escape(disk),
-        escape(target)
-    )
+    let disks: String = disks
+        .iter()
+        .map(|disk| {
+            format!(
+                "<disk name='{}' backup='yes' type='file'><driver type='qcow2'/><target file='{}'/></disk>",
+                escape(&disk.disk.target),
+                escape(&disk.file)
+            )
+        })
+        .collect();
+    format!("<domainbackup mode='push'>{incremental}<disks>{disks}</disks></domainbackup>")
 }
 
 /// The provider error for a backup of VM `id` to `target` that could not
@@ -483,7 +507,7 @@ impl LibvirtProvider {
                     tracing::warn!(vm.uid = %id, error = %err, "cannot read the backup's progress; trying again");
                 }
                 Err(err) if err.kind == ErrorKind::NotFound => {
-                    let partial = self.discard_partial(&request.target);
+                    let partial = self.discard_partials(files(request));
                     return Err(Error::new(
                         OP,
                         ErrorKind::Permanent,
@@ -521,18 +545,19 @@ impl LibvirtProvider {
             let processed = job.processed_bytes.unwrap_or(total);
             progress(BackupProgress { processed_bytes: processed, total_bytes: total });
             let file_bytes = self.file_size(target).await;
-            tracing::info!(vm.uid = %id, backup.target = %target, bytes = processed, file_bytes, ?consistency, "backup completed");
+            let data_disks = self.data_copies(request).await;
+            tracing::info!(vm.uid = %id, backup.target = %target, data_disks = data_disks.len(), bytes = processed, file_bytes, ?consistency, "backup completed");
             let checkpoint = request.checkpoint.clone();
             return Ok(BackupOutcome {
                 path: target.clone(),
-                data_disks: Vec::new(),
+                data_disks,
                 bytes: processed,
                 file_bytes,
                 consistency,
                 checkpoint,
             });
         }
-        let partial = self.discard_partial(target);
+        let partial = self.discard_partials(files(request));
         let (kind, message) = if !job.is_backup() {
             (
                 ErrorKind::Permanent,
@@ -589,7 +614,7 @@ impl LibvirtProvider {
             }
         };
         let partial = if ended {
-            self.discard_partial(&request.target)
+            self.discard_partials(files(request))
         } else {
             "QEMU had not ended the copy a minute later; libvirt removes the partial file when it does"
         };
@@ -604,13 +629,14 @@ impl LibvirtProvider {
         ))
     }
 
-    /// Copy inactive VM `id`'s disk `source` (of `format`) with qemu-img.
+    /// Copy inactive VM `id`'s disks with qemu-img, one after the other;
+    /// progress counts all disks' virtual sizes together. A copy that failed
+    /// removes what the earlier ones wrote.
     async fn offline_backup(
         &self,
         id: &VmId,
         request: &BackupRequest,
-        source: &str,
-        format: &str,
+        copies: &[OfflineCopy],
         deadline: Instant,
         progress: &(dyn Fn(BackupProgress) + Send + Sync),
     ) -> Result<BackupOutcome> {
@@ -619,43 +645,87 @@ impl LibvirtProvider {
                 OP,
                 ErrorKind::Unsupported,
                 format!(
-                    "VM {id} is not running, and vmlet copies an inactive VM's disk with qemu-img where the file is; \
-                     the connection {} reaches another machine, where vmlet cannot run it: start the VM to back it \
-                     up through libvirt, or run vmlet on that host",
+                    "VM {id} is not running, and vmlet copies an inactive VM's disks with qemu-img where the files \
+                     are; the connection {} reaches another machine, where vmlet cannot run it: start the VM to back \
+                     it up through libvirt, or run vmlet on that host",
                     self.uri()
                 ),
             ));
         }
         let left = || deadline.saturating_duration_since(Instant::now());
-        let info = qemu_img::info(OP, source, Some(format), INFO_DEADLINE.min(left())).await?;
-        let total = info.virtual_size;
+        let mut sizes = Vec::with_capacity(copies.len());
+        for copy in copies {
+            sizes.push(
+                qemu_img::info(OP, &copy.source, Some(&copy.format), INFO_DEADLINE.min(left())).await?.virtual_size,
+            );
+        }
+        let total: u64 = sizes.iter().sum();
         progress(BackupProgress { processed_bytes: 0, total_bytes: total });
-        let mut report = |percent: f64| {
-            let processed_bytes = (total as f64 * percent / 100.0) as u64;
-            progress(BackupProgress { processed_bytes, total_bytes: total });
-        };
-        qemu_img::convert(OP, source, format, &request.target, "qcow2", left(), &mut report).await.map_err(
-            |mut err| {
+        let mut copied = 0;
+        for (at, (copy, &size)) in copies.iter().zip(&sizes).enumerate() {
+            let mut report = |percent: f64| {
+                let processed_bytes = copied + (size as f64 * percent / 100.0) as u64;
+                progress(BackupProgress { processed_bytes, total_bytes: total });
+            };
+            let converted =
+                qemu_img::convert(OP, &copy.source, &copy.format, &copy.target, "qcow2", left(), &mut report);
+            if let Err(mut err) = converted.await {
                 if err.kind == ErrorKind::Permanent && err.message.contains("lock") {
                     err.kind = ErrorKind::Conflict;
                     err.message =
-                        format!("the disk of VM {id} is in use (was the VM started meanwhile?): {}", err.message);
+                        format!("the disks of VM {id} are in use (was the VM started meanwhile?): {}", err.message);
                 }
-                err
-            },
-        )?;
+                self.discard_partials(copies[..at].iter().map(|done| done.target.as_str()));
+                return Err(err);
+            }
+            copied += size;
+        }
         progress(BackupProgress { processed_bytes: total, total_bytes: total });
         let file_bytes = self.file_size(&request.target).await;
-        tracing::info!(vm.uid = %id, backup.target = %request.target, bytes = total, file_bytes, "offline backup completed");
+        let mut data_disks = Vec::new();
+        for (copy, &virtual_bytes) in copies.iter().zip(&sizes) {
+            if let Some(disk) = &copy.name {
+                let file_bytes = self.file_size(&copy.target).await;
+                data_disks.push(DataDiskCopy {
+                    disk: disk.clone(),
+                    path: copy.target.clone(),
+                    virtual_bytes,
+                    file_bytes,
+                });
+            }
+        }
+        tracing::info!(vm.uid = %id, backup.target = %request.target, data_disks = data_disks.len(), bytes = total, file_bytes, "offline backup completed");
         let consistency = Consistency::Offline;
         Ok(BackupOutcome {
             path: request.target.clone(),
-            data_disks: Vec::new(),
+            data_disks,
             bytes: total,
             file_bytes,
             consistency,
             checkpoint: None,
         })
+    }
+
+    /// The data disks' files of a completed backup job, with their sizes
+    /// (0 where vmlet cannot read them: a remote connection).
+    async fn data_copies(&self, request: &BackupRequest) -> Vec<DataDiskCopy> {
+        let mut copies = Vec::with_capacity(request.data_disks.len());
+        for DataDiskFile { disk, path } in &request.data_disks {
+            let virtual_bytes = if is_local_uri(self.uri()) {
+                match qemu_img::info(OP, path, Some("qcow2"), INFO_DEADLINE).await {
+                    Ok(info) => info.virtual_size,
+                    Err(err) => {
+                        tracing::warn!(path, error = %err, "cannot read the data disk backup's size");
+                        0
+                    }
+                }
+            } else {
+                0
+            };
+            let file_bytes = self.file_size(path).await;
+            copies.push(DataDiskCopy { disk: disk.clone(), path: path.clone(), virtual_bytes, file_bytes });
+        }
+        copies
     }
 
     /// The size of the file at `path` when it is on this machine; 0 for a
@@ -674,65 +744,51 @@ impl LibvirtProvider {
     }
 
     /// Check `request`'s checkpoint names and, for an incremental backup,
-    /// its backing file, and create its target on top of it.
+    /// its backing files, and create its targets (the boot disk's and each
+    /// data disk's) on top of them.
     ///
     /// Errors: `InvalidInput` for a bad name, a new checkpoint named as the
-    /// base, a relative or non-qcow2 backing file, or a target that exists;
-    /// `NotFound` when the backing file does not exist; `Unsupported` on a
-    /// remote connection (qemu-img creates the target where it is).
+    /// base, a relative or non-qcow2 backing file, data disks' backing files
+    /// that are not those of `request.data_disks`, or a target that exists;
+    /// `NotFound` when a backing file does not exist; `Unsupported` on a
+    /// remote connection (qemu-img creates the targets where they are).
     async fn plan_checkpoints(&self, id: &VmId, request: &BackupRequest) -> Result<Checkpoints> {
         if let Some(name) = &request.checkpoint {
             check_name(OP, "checkpoint", name)?;
         }
-        let Some(IncrementalBase { checkpoint: base, backing_file, .. }) = &request.incremental else {
+        let Some(base) = &request.incremental else {
             return Ok(Checkpoints { create: request.checkpoint.clone(), base: None });
         };
-        check_name(OP, "base checkpoint", base)?;
-        if request.checkpoint.as_ref() == Some(base) {
+        check_name(OP, "base checkpoint", &base.checkpoint)?;
+        if request.checkpoint.as_ref() == Some(&base.checkpoint) {
             return Err(Error::new(
                 OP,
                 ErrorKind::InvalidInput,
-                format!("the backup's new checkpoint must not have its base's name ({base})"),
+                format!("the backup's new checkpoint must not have its base's name ({})", base.checkpoint),
             ));
         }
-        check_path(OP, "backing file", backing_file)?;
         if !is_local_uri(self.uri()) {
             return Err(Error::new(
                 OP,
                 ErrorKind::Unsupported,
                 format!(
-                    "vmlet creates an incremental backup's file (on top of the previous backup) with qemu-img where \
+                    "vmlet creates an incremental backup's files (on top of the previous backup) with qemu-img where \
                      the files are; the connection {} reaches another machine: run vmlet on that host",
                     self.uri()
                 ),
             ));
         }
-        match tokio::fs::metadata(backing_file).await {
-            Ok(meta) if meta.is_file() => {}
-            Ok(_) => {
-                return Err(Error::new(OP, ErrorKind::InvalidInput, format!("backing file {backing_file} is no file")))
-            }
-            Err(err) => {
-                return Err(Error::new(
-                    OP,
-                    if err.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Permanent },
-                    format!(
-                        "the previous backup {backing_file}, on which the incremental backup of VM {id} builds, \
-                         cannot be read ({err}): take a full backup"
-                    ),
-                ))
+        let layers = incremental_layers(request, base)?;
+        for (_, backing_file) in &layers {
+            check_backing_file(id, backing_file).await?;
+        }
+        for (at, (target, backing_file)) in layers.iter().enumerate() {
+            if let Err(err) = qemu_img::create_with_backing(OP, target, backing_file, INFO_DEADLINE).await {
+                self.discard_partials(layers[..at].iter().map(|(created, _)| *created));
+                return Err(err);
             }
         }
-        let info = qemu_img::info(OP, backing_file, None, INFO_DEADLINE).await?;
-        if info.format != "qcow2" {
-            return Err(Error::new(
-                OP,
-                ErrorKind::InvalidInput,
-                format!("backing file {backing_file} is a {} image; a backup chain is qcow2 files", info.format),
-            ));
-        }
-        qemu_img::create_with_backing(OP, &request.target, backing_file, INFO_DEADLINE).await?;
-        Ok(Checkpoints { create: request.checkpoint.clone(), base: Some(base.clone()) })
+        Ok(Checkpoints { create: request.checkpoint.clone(), base: Some(base.checkpoint.clone()) })
     }
 
     /// After a backup job that created checkpoint `created`: when it
@@ -764,16 +820,116 @@ impl LibvirtProvider {
         }
     }
 
-    /// Remove a failed backup's partial file where vmlet can (a local
-    /// connection; libvirt removes it too) and say what became of it.
-    fn discard_partial(&self, target: &str) -> &'static str {
+    /// Remove a failed backup's partial `files` where vmlet can (a local
+    /// connection; libvirt removes them too) and say what became of them.
+    fn discard_partials<'a>(&self, files: impl IntoIterator<Item = &'a str>) -> &'static str {
         if is_local_uri(self.uri()) {
-            qemu_img::remove_partial(target);
-            "the partial file was removed"
+            files.into_iter().for_each(|file| {
+                qemu_img::remove_partial(file);
+            });
+            "the partial files were removed"
         } else {
-            "libvirt removes the partial file on its host"
+            "libvirt removes the partial files on its host"
         }
     }
+}
+
+/// Refuse (`InvalidInput`) a request whose files are not absolute paths or
+/// not distinct: two disks copied into one file would overwrite each other.
+fn check_files(request: &BackupRequest) -> Result<()> {
+    check_path(OP, "backup target", &request.target)?;
+    for data in &request.data_disks {
+        check_path(OP, "data disk backup target", &data.path)?;
+    }
+    let all: Vec<&str> = files(request).collect();
+    if let Some((at, file)) = all.iter().enumerate().find(|(at, file)| all[..*at].contains(file)) {
+        let disk = request.data_disks.get(at - 1).map_or("?", |data| data.disk.as_str());
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!(
+                "backup file {file} is named for two disks (the second: data disk {disk}); each disk needs its own"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Every file `request` writes: the boot disk's target, then the data disks'.
+fn files(request: &BackupRequest) -> impl Iterator<Item = &str> {
+    std::iter::once(request.target.as_str()).chain(request.data_disks.iter().map(|data| data.path.as_str()))
+}
+
+/// Each file of an incremental backup and the earlier backup's file it is
+/// created on: the boot disk's target on `base.backing_file`, each data
+/// disk's on the base's file for the same disk. Errors (`InvalidInput`):
+/// a relative backing file; a data disk the base has no file for (added
+/// since: take a full backup) or a base file for a disk the request does
+/// not name.
+fn incremental_layers<'a>(request: &'a BackupRequest, base: &'a IncrementalBase) -> Result<Vec<(&'a str, &'a str)>> {
+    check_path(OP, "backing file", &base.backing_file)?;
+    let mut layers = vec![(request.target.as_str(), base.backing_file.as_str())];
+    for data in &request.data_disks {
+        let Some(backing) = base.data_backing_files.iter().find(|backing| backing.disk == data.disk) else {
+            return Err(Error::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!(
+                    "the base backup holds no copy of data disk {} (spec.disks[{}]), which was added since: take a \
+                     full backup",
+                    data.disk, data.disk
+                ),
+            ));
+        };
+        check_path(OP, "backing file", &backing.path)?;
+        layers.push((data.path.as_str(), backing.path.as_str()));
+    }
+    if let Some(extra) =
+        base.data_backing_files.iter().find(|backing| !request.data_disks.iter().any(|data| data.disk == backing.disk))
+    {
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!(
+                "the base backup holds data disk {} that this backup names no file for; an incremental backup \
+                 copies the same disks as its base",
+                extra.disk
+            ),
+        ));
+    }
+    Ok(layers)
+}
+
+/// Check that `backing_file`, a previous backup an incremental one of VM
+/// `id` builds on, is a qcow2 file. Errors: `NotFound` when it does not
+/// exist; `InvalidInput` when it is no file or no qcow2 image; `Permanent`
+/// when it cannot be read.
+async fn check_backing_file(id: &VmId, backing_file: &str) -> Result<()> {
+    match tokio::fs::metadata(backing_file).await {
+        Ok(meta) if meta.is_file() => {}
+        Ok(_) => {
+            return Err(Error::new(OP, ErrorKind::InvalidInput, format!("backing file {backing_file} is no file")))
+        }
+        Err(err) => {
+            return Err(Error::new(
+                OP,
+                if err.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Permanent },
+                format!(
+                    "the previous backup {backing_file}, on which the incremental backup of VM {id} builds, cannot \
+                     be read ({err}): take a full backup"
+                ),
+            ))
+        }
+    }
+    let info = qemu_img::info(OP, backing_file, None, INFO_DEADLINE).await?;
+    if info.format != "qcow2" {
+        return Err(Error::new(
+            OP,
+            ErrorKind::InvalidInput,
+            format!("backing file {backing_file} is a {} image; a backup chain is qcow2 files", info.format),
+        ));
+    }
+    Ok(())
 }
 
 #[async_trait::async_trait]
@@ -809,7 +965,7 @@ impl Backup for LibvirtProvider {
         if !self.domain_kind().is_qemu() {
             return Err(Error::new(OP, ErrorKind::Unsupported, "libvirt's test driver has no disks to back up"));
         }
-        check_path(OP, "backup target", &request.target)?;
+        check_files(request)?;
         let Some(_claim) = Claim::take(&self.in_flight().vms, id) else {
             return Err(Error::new(
                 OP,
@@ -827,11 +983,10 @@ impl Backup for LibvirtProvider {
         let deadline = Instant::now() + request.timeout;
         // The freeze is a guest-agent call: it waits its turn with the others.
         let agent = if request.quiesce { Some(self.agent_turn(OP, id).await?) } else { None };
-        let (task_id, target, quiesce) = (id.clone(), request.target.clone(), request.quiesce);
-        let task_plan = plan.clone();
+        let (task_id, task_request, task_plan) = (id.clone(), request.clone(), plan.clone());
         let started = self
             .blocking_within(OP, BEGIN_DEADLINE.min(request.timeout), move |host, conn| {
-                host.begin_backup(conn, &task_id, &target, quiesce, &task_plan)
+                host.begin_backup(conn, &task_id, &task_request, &task_plan)
             })
             .await;
         drop(agent);
@@ -839,16 +994,14 @@ impl Backup for LibvirtProvider {
             Ok(started) => started,
             Err(err) => {
                 if plan.base.is_some() {
-                    // vmlet created this target (libvirt did not begin).
-                    qemu_img::remove_partial(&request.target);
+                    // vmlet created these targets (libvirt did not begin).
+                    self.discard_partials(files(request));
                 }
                 return Err(err);
             }
         };
         match started {
-            Started::Offline { source, format } => {
-                self.offline_backup(id, request, &source, &format, deadline, progress).await
-            }
+            Started::Offline(copies) => self.offline_backup(id, request, &copies, deadline, progress).await,
             Started::Job { consistency } => {
                 let ended = self.follow_backup(id, request, consistency, deadline, progress).await;
                 self.tidy_checkpoints(id, plan.create.as_deref(), ended.is_ok()).await;
@@ -914,62 +1067,96 @@ impl Backup for LibvirtProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::xml::Disk;
 
     fn id() -> VmId {
         VmId("6c8f1f4e-2b0a-4e53-9d1e-0f1e2d3c4b5a".into())
     }
 
-    fn disk(target: &str) -> Disk {
+    fn disk(target: &str, format: Option<&str>) -> Disk {
         Disk {
             target: target.into(),
             kind: "file".into(),
-            source: Some(format!("/d/{target}.qcow2")),
-            format: None,
+            source: Some(format!("/d/{target}.img")),
+            format: format.map(str::to_owned),
             serial: None,
         }
     }
 
+    fn paired(target: &str, name: Option<&str>, file: &str) -> Paired {
+        Paired { disk: disk(target, Some("qcow2")), name: name.map(str::to_owned), file: file.into() }
+    }
+
+    fn request(data: &[(&str, &str)]) -> BackupRequest {
+        BackupRequest {
+            target: "/b/vm.qcow2".into(),
+            data_disks: data
+                .iter()
+                .map(|(disk, path)| DataDiskFile { disk: (*disk).into(), path: (*path).into() })
+                .collect(),
+            quiesce: false,
+            timeout: Duration::from_secs(60),
+            checkpoint: None,
+            incremental: None,
+        }
+    }
+
     #[test]
-    fn the_backup_xml_pushes_the_one_disk_into_a_new_qcow2() {
+    fn the_backup_xml_pushes_each_disk_into_its_own_new_qcow2() {
         assert_eq!(
-            backup_xml("vda", "/backups/it's.qcow2", None),
+            backup_xml(&[paired("vda", None, "/backups/it's.qcow2")], None),
             "<domainbackup mode='push'><disks><disk name='vda' backup='yes' type='file'><driver type='qcow2'/>\
              <target file='/backups/it&apos;s.qcow2'/></disk></disks></domainbackup>"
+        );
+        assert_eq!(
+            backup_xml(&[paired("vda", None, "/b/1.qcow2"), paired("vdb", Some("data"), "/b/1.data.qcow2")], None),
+            "<domainbackup mode='push'><disks><disk name='vda' backup='yes' type='file'><driver type='qcow2'/>\
+             <target file='/b/1.qcow2'/></disk><disk name='vdb' backup='yes' type='file'><driver type='qcow2'/>\
+             <target file='/b/1.data.qcow2'/></disk></disks></domainbackup>"
         );
     }
 
     #[test]
     fn an_incremental_backup_xml_names_its_base_checkpoint() {
         assert_eq!(
-            backup_xml("vda", "/b/2.qcow2", Some("b-1")),
+            backup_xml(&[paired("vda", None, "/b/2.qcow2")], Some("b-1")),
             "<domainbackup mode='push'><incremental>b-1</incremental><disks><disk name='vda' backup='yes' \
              type='file'><driver type='qcow2'/><target file='/b/2.qcow2'/></disk></disks></domainbackup>"
         );
     }
 
     #[test]
-    fn a_vm_without_exactly_one_disk_is_refused_naming_the_count_and_its_data_disks() {
-        assert_eq!(single_disk(OP, &id(), vec![disk("vda")]).expect("one disk").target, "vda");
-        for found in [vec![], vec![disk("vda"), disk("vdb")]] {
-            let count = found.len();
-            let err = single_disk(OP, &id(), found).expect_err("not one disk");
+    fn a_checkpoint_needs_every_disk_in_qcow2_and_names_the_one_that_is_not() {
+        let qcow2 = [paired("vda", None, "/b/1"), paired("vdb", Some("data"), "/b/2")];
+        assert!(refuse_without_bitmaps(&id(), &qcow2).is_ok());
+        let raw = Paired { disk: disk("vdb", Some("raw")), ..qcow2[1].clone() };
+        let unstated = Paired { disk: disk("vdb", None), ..qcow2[1].clone() };
+        for data in [raw, unstated] {
+            let err = refuse_without_bitmaps(&id(), &[qcow2[0].clone(), data]).expect_err("raw");
             assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
-            assert!(err.message.contains(&format!("has {count} disks")), "{err}");
+            assert!(err.message.contains("disk vdb (spec.disks[data]) of VM"), "{err}");
+            assert!(err.message.contains("is a raw image"), "{err}");
+            assert!(err.message.contains("format: qcow2"), "{err}");
         }
-        let data = |target: &str, name: &str| Disk { serial: Some(name.into()), ..disk(target) };
-        let err = single_disk(OP, &id(), vec![disk("vda"), data("vdb", "data"), data("vdc", "logs")]).unwrap_err();
-        assert!(err.message.contains("has 3 disks (data disks: vdb spec.disks[data], vdc spec.disks[logs])"), "{err}");
     }
 
     #[test]
-    fn an_inactive_vms_disk_is_copied_from_its_file_in_its_format_raw_by_default() {
-        let Ok(Started::Offline { source, format }) = offline_source(&id(), disk("vda")) else {
-            panic!("a file disk is copied")
+    fn an_inactive_vms_disks_are_copied_from_their_files_in_their_format_raw_by_default() {
+        let boot = Paired { disk: disk("vda", None), name: None, file: "/b/1.qcow2".into() };
+        let copy = offline_copy(&id(), boot).expect("a file disk is copied");
+        assert_eq!(
+            (copy.source.as_str(), copy.format.as_str(), copy.target.as_str(), copy.name),
+            ("/d/vda.img", "raw", "/b/1.qcow2", None)
+        );
+        let data = paired("vdb", Some("data"), "/b/1.data.qcow2");
+        assert_eq!(offline_copy(&id(), data).expect("data disk").name.as_deref(), Some("data"));
+        let network = Paired {
+            disk: Disk { kind: "network".into(), source: None, ..disk("vdb", None) },
+            ..paired("vdb", Some("data"), "/b/x")
         };
-        assert_eq!((source.as_str(), format.as_str()), ("/d/vda.qcow2", "raw"));
-        let network = Disk { kind: "network".into(), source: None, ..disk("vda") };
-        let err = offline_source(&id(), network).err().expect("a network disk is not");
+        let err = offline_copy(&id(), network).expect_err("a network disk is not");
         assert_eq!(err.kind, ErrorKind::Unsupported, "{err}");
+        assert!(err.message.contains("vdb (spec.disks[data])"), "{err}");
     }
 
     #[test]
@@ -978,5 +1165,51 @@ mod tests {
         for path in ["b/x.qcow2", "", "/b/x\0.qcow2"] {
             assert_eq!(check_path(OP, "backup target", path).expect_err(path).kind, ErrorKind::InvalidInput);
         }
+    }
+
+    #[test]
+    fn every_file_of_a_request_is_absolute_and_its_own() {
+        assert!(check_files(&request(&[("data", "/b/vm.data.qcow2"), ("logs", "/b/vm.logs.qcow2")])).is_ok());
+        let err = check_files(&request(&[("data", "b/vm.data.qcow2")])).expect_err("relative");
+        assert!(err.message.contains("data disk backup target"), "{err}");
+        let err = check_files(&request(&[("data", "/b/vm.qcow2")])).expect_err("the boot disk's file");
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+        assert!(
+            err.message.contains("backup file /b/vm.qcow2 is named for two disks (the second: data disk data)"),
+            "{err}"
+        );
+        let err = check_files(&request(&[("data", "/b/d"), ("logs", "/b/d")])).expect_err("twice");
+        assert!(err.message.contains("(the second: data disk logs)"), "{err}");
+        let one = request(&[("data", "/b/d")]);
+        let all: Vec<&str> = files(&one).collect();
+        assert_eq!(all, ["/b/vm.qcow2", "/b/d"]);
+    }
+
+    #[test]
+    fn an_incremental_backup_layers_each_disk_on_the_bases_copy_of_the_same_disk() {
+        let data = |disk: &str, path: &str| DataDiskFile { disk: disk.into(), path: path.into() };
+        let base = |files: Vec<DataDiskFile>| IncrementalBase {
+            checkpoint: "c-1".into(),
+            backing_file: "/b/0.qcow2".into(),
+            data_backing_files: files,
+        };
+        let request = request(&[("data", "/b/1.data"), ("logs", "/b/1.logs")]);
+        let both = base(vec![data("logs", "/b/0.logs"), data("data", "/b/0.data")]);
+        let layers = incremental_layers(&request, &both);
+        assert_eq!(
+            layers.expect("layers"),
+            [("/b/vm.qcow2", "/b/0.qcow2"), ("/b/1.data", "/b/0.data"), ("/b/1.logs", "/b/0.logs")]
+        );
+        let err = incremental_layers(&request, &base(vec![data("data", "/b/0.data")])).expect_err("logs added since");
+        assert!(
+            err.message.contains("holds no copy of data disk logs (spec.disks[logs]), which was added since"),
+            "{err}"
+        );
+        let extra = base(vec![data("data", "/b/0.d"), data("logs", "/b/0.l"), data("gone", "/b/0.g")]);
+        let err = incremental_layers(&request, &extra).expect_err("a disk removed since");
+        assert!(err.message.contains("holds data disk gone that this backup names no file for"), "{err}");
+        let err = incremental_layers(&request, &base(vec![data("data", "0.d"), data("logs", "/b/0.l")]))
+            .expect_err("relative");
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
     }
 }

@@ -51,13 +51,14 @@ pub(crate) fn check_name(operation: &'static str, what: &str, name: &str) -> Res
 }
 
 /// The checkpoint XML vmlet gives `virDomainBackupBegin`: checkpoint `name`
-/// of disk `disk` as a bitmap, with vmlet's mark.
-pub(crate) fn checkpoint_xml(name: &str, disk: &str) -> String {
+/// of each of `disks` (target names, `vda`) as a bitmap, with vmlet's mark.
+pub(crate) fn checkpoint_xml(name: &str, disks: &[&str]) -> String {
+    let disks: String =
+        disks.iter().map(|disk| format!("<disk name='{}' checkpoint='bitmap'/>", escape(disk))).collect();
     format!(
-        "<domaincheckpoint><name>{}</name><description>{VMLET_MARK}</description><disks><disk name='{}' \
-         checkpoint='bitmap'/></disks></domaincheckpoint>",
-        escape(name),
-        escape(disk)
+        "<domaincheckpoint><name>{}</name><description>{VMLET_MARK}</description><disks>{disks}</disks>\
+         </domaincheckpoint>",
+        escape(name)
     )
 }
 
@@ -189,11 +190,11 @@ mod tests {
 
     #[test]
     fn the_checkpoint_xml_marks_the_checkpoint_as_vmlets() {
-        let xml = checkpoint_xml("b-1", "vda");
+        let xml = checkpoint_xml("b-1", &["vda", "vdb"]);
         assert_eq!(
             xml,
             "<domaincheckpoint><name>b-1</name><description>vmlet incremental backup base</description><disks>\
-             <disk name='vda' checkpoint='bitmap'/></disks></domaincheckpoint>"
+             <disk name='vda' checkpoint='bitmap'/><disk name='vdb' checkpoint='bitmap'/></disks></domaincheckpoint>"
         );
         assert!(is_vmlets(&xml));
         assert!(!is_vmlets("<domaincheckpoint><name>x</name><description>mine</description></domaincheckpoint>"));

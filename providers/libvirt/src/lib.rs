@@ -66,6 +66,7 @@ mod exec;
 mod host_images;
 mod in_flight;
 mod jobs;
+mod kvm_probe;
 mod migration;
 mod networks;
 mod provider;
@@ -78,7 +79,7 @@ mod volumes;
 mod xml;
 
 pub use networks::{Attachment, OfferedNetwork};
-pub use provider::{AcceleratorSetting, LibvirtProvider};
+pub use provider::{probe_kvm, AcceleratorSetting, LibvirtProvider};
 pub use xml::Accelerator;
 
 /// Namespace URI of the `<vmlet:vm uid="…" namespace="…" name="…"/>` element

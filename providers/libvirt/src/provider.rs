@@ -18,6 +18,7 @@ use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_no_storage_pool, is_operation_invalid, is_unsupported_flags};
 use crate::in_flight::InFlight;
+use crate::kvm_probe::{self, Verdict};
 use crate::networks::{self, OfferedNetwork};
 use crate::xml::{
     console_log_path, domain_xml, pool_target_path, Accelerator, DomainKind, CONSOLE_LOG_DIR, DEFAULT_IMAGES_DIR,
@@ -142,7 +143,10 @@ impl LibvirtProvider {
     /// chosen by `accelerator`: with `Auto`, `kvm` when the host's domain
     /// capabilities for the `kvm` virt type can be read
     /// (`virConnectGetDomainCapabilities`, what `virsh domcapabilities
-    /// --virttype kvm` shows), `qemu` (TCG) otherwise.
+    /// --virttype kvm` shows) and, on a local connection, a probe guest
+    /// booted the host's kernel under KVM (up to 20 s, once per connect;
+    /// `kvm_probe.rs`; a local host without a kernel in `/boot` to probe
+    /// with gets TCG), `qemu` (TCG) otherwise.
     ///
     /// Errors: those of `connect`, and `InvalidInput` for `Kvm` on a QEMU host
     /// that does not offer KVM (the message carries libvirt's reason, e.g.
@@ -152,7 +156,8 @@ impl LibvirtProvider {
         let (connection, kind, hostname) = tokio::task::spawn_blocking(move || {
             virt::error::clear_error_callback();
             let connection = Connection::open(&uri)?;
-            let kind = connection.with(|conn| domain_kind(conn, accelerator))?;
+            let local = is_local_uri(connection.uri());
+            let kind = connection.with(|conn| domain_kind(conn, accelerator, local))?;
             let hostname = connection.with(|conn| Ok(conn.hostname().ok()))?;
             Ok::<_, Error>((connection, kind, hostname))
         })
@@ -681,9 +686,39 @@ pub(crate) fn is_active(domain: &Domain, operation: &'static str) -> Result<bool
     domain.is_active().map_err(|e| from_libvirt(operation, e))
 }
 
+/// Whether KVM runs a guest on the host of local connection `uri`: boots
+/// `kernel` (a path QEMU can read there) in a transient KVM domain without
+/// disks and waits up to `wait` for its first console line, as
+/// `accelerator: auto` does with the host's own kernel (see
+/// [`LibvirtProvider::connect_with`]). `Ok(None)` when KVM runs it,
+/// `Ok(Some(reason))` when it does not.
+///
+/// Errors: those of [`LibvirtProvider::connect`]; `InvalidInput` for a
+/// remote connection (the probe reads its console log where vmlet runs).
+pub async fn probe_kvm(uri: &str, kernel: &str, wait: std::time::Duration) -> Result<Option<String>> {
+    const OP: &str = "probe KVM";
+    if !is_local_uri(uri) {
+        return Err(Error::new(OP, ErrorKind::InvalidInput, format!("{uri} is no local connection: no probe")));
+    }
+    let (uri, kernel) = (uri.to_owned(), kernel.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let connection = Connection::open(&uri)?;
+        connection.with(|conn| {
+            Ok(match kvm_probe::probe_with(conn, &kernel, wait) {
+                Verdict::Runs => None,
+                Verdict::Fails(why) | Verdict::NotProbed(why) => Some(why),
+            })
+        })
+    })
+    .await
+    .map_err(|e| not_completed(OP, e))?
+}
+
 /// The domain flavour this connection's driver takes; for QEMU, with the
-/// accelerator `setting` resolves to on this host.
-fn domain_kind(conn: &Connect, setting: AcceleratorSetting) -> Result<DomainKind> {
+/// accelerator `setting` resolves to on this host: with `Auto`, KVM only
+/// where the capabilities offer it and, on a `local` connection, a probe
+/// guest ran under it (see `kvm_probe.rs`).
+fn domain_kind(conn: &Connect, setting: AcceleratorSetting, local: bool) -> Result<DomainKind> {
     const OP: &str = "connect to libvirt";
     let driver = conn.driver_type().map_err(|e| from_libvirt(OP, e))?;
     match driver.as_str() {
@@ -696,6 +731,25 @@ fn domain_kind(conn: &Connect, setting: AcceleratorSetting) -> Result<DomainKind
                 }
             };
             match (kvm, setting) {
+                (Ok(_), AcceleratorSetting::Auto) if local => match kvm_probe::probe(conn, kvm_probe::PROBE_WAIT) {
+                    Verdict::Runs => Ok(DomainKind::Qemu(Accelerator::Kvm)),
+                    Verdict::NotProbed(why) => {
+                        tracing::warn!(
+                            reason = %why,
+                            "KVM is offered but vmlet could not check that it runs a guest; QEMU domains use TCG \
+                             (set accelerator: kvm to use KVM unchecked)"
+                        );
+                        Ok(DomainKind::Qemu(Accelerator::Tcg))
+                    }
+                    Verdict::Fails(why) => {
+                        tracing::warn!(
+                            reason = %why,
+                            "KVM is offered but does not run a guest here; QEMU domains use TCG (node label \
+                             vmlet.io/accelerator=tcg; set accelerator: kvm to insist)"
+                        );
+                        Ok(DomainKind::Qemu(Accelerator::Tcg))
+                    }
+                },
                 (Ok(_), _) => Ok(DomainKind::Qemu(Accelerator::Kvm)),
                 (Err(err), AcceleratorSetting::Kvm) => Err(Error::new(
                     OP,

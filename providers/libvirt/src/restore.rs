@@ -8,7 +8,10 @@
 //! rename it into place, so an interrupted copy is never taken for a finished
 //! one (a retry finds no file, or a stale `.partial` that it replaces).
 //!
-//! In place, the steps, and what a call finds when an earlier one was cut
+//! In place, each of the VM's disks (the boot disk, then the data disks,
+//! each from its own backup file) goes through the steps below; a call cut
+//! short between two disks finds the first done and goes on with the next.
+//! The steps, and what a call finds when an earlier one was cut
 //! short (a crash of vmlet, a timeout) between them:
 //!
 //! 1. Copy the backup into `<disk>.partial`, in the disk's format (qcow2 for
@@ -35,9 +38,10 @@ use std::time::{Duration, Instant};
 
 use virt::connect::Connect;
 use virt::sys;
-use vmlet_provider::{DataDiskFile, Error, ErrorKind, InPlaceRestore, Result, VmId};
+use vmlet_provider::{DataDiskFile, Error, ErrorKind, InPlaceRestore, RestoredDataDisk, Result, VmId};
 
-use crate::backup::{check_path, single_disk};
+use crate::backup::check_path;
+use crate::backup::disks::pair;
 use crate::chains::pinned_disks;
 use crate::error::from_libvirt;
 use crate::in_flight::Claim;
@@ -226,7 +230,7 @@ async fn take_owner_and_mode(operation: &'static str, path: &str, like: &std::fs
     }
 }
 
-/// The disk an in-place restore replaces.
+/// A disk an in-place restore replaces.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct DiskFile {
     /// `<target dev>` (`vda`).
@@ -235,53 +239,74 @@ struct DiskFile {
     file: String,
     /// Its image format (`qcow2`, `raw`).
     format: String,
+    /// The data disk's name (`spec.disks[].name`); `None` for the boot disk.
+    name: Option<String>,
+    /// The backup file it is restored from.
+    source: String,
 }
 
 impl Host {
-    /// The one disk file of inactive VM `id` (read-only CD-ROMs such as the
-    /// cloud-init seed are no disks). Errors: `NotFound` for a missing VM;
-    /// `Conflict` while it is active; `InvalidInput` for none or several
-    /// disks and for a disk that is no file in a format qemu-img writes.
-    fn inactive_disk(&self, conn: &Connect, id: &VmId) -> Result<DiskFile> {
+    /// The disk files of inactive VM `id` (read-only CD-ROMs such as the
+    /// cloud-init seed are no disks), the boot disk first, each paired with
+    /// its backup file: `source` for the boot disk, `data_sources` for the
+    /// data disks. Errors: `NotFound` for a missing VM; `Conflict` while it
+    /// is active; `InvalidInput` when the VM's disks and the backup's do not
+    /// match one to one, and for a disk that is no file in a format qemu-img
+    /// writes or lies on a backing chain.
+    fn inactive_disks(
+        &self,
+        conn: &Connect,
+        id: &VmId,
+        source: &str,
+        data_sources: &[DataDiskFile],
+    ) -> Result<Vec<DiskFile>> {
         let domain = self.require(conn, OP_IN_PLACE, id)?;
         if is_active(&domain, OP_IN_PLACE)? {
             return Err(Error::new(
                 OP_IN_PLACE,
                 ErrorKind::Conflict,
-                format!("VM {id} is active; an in-place restore replaces its disk, so stop the VM first"),
+                format!("VM {id} is active; an in-place restore replaces its disks, so stop the VM first"),
             ));
         }
         let xml = domain.xml_desc(sys::VIR_DOMAIN_XML_INACTIVE).map_err(|e| from_libvirt(OP_IN_PLACE, e))?;
-        let disk = single_disk(OP_IN_PLACE, id, disks(&xml))?;
-        // The copy stands alone: under a definition that pins a backing
-        // chain, QEMU would read the copy's holes from the old base.
-        let layered = pinned_disks(OP_IN_PLACE, &xml)?
-            .into_iter()
-            .any(|pinned| pinned.target == disk.target && pinned.chain.is_some_and(|chain| !chain.is_empty()));
-        if layered {
-            return Err(Error::new(
-                OP_IN_PLACE,
-                ErrorKind::InvalidInput,
-                format!(
-                    "disk {} of VM {id} is a qcow2 image on a backing chain, and a restored copy stands alone; \
-                     restore the backup into a new VM instead",
-                    disk.target
-                ),
-            ));
+        let pinned = pinned_disks(OP_IN_PLACE, &xml)?;
+        let mut files = Vec::new();
+        for paired in pair(OP_IN_PLACE, id, disks(&xml), source, data_sources)? {
+            let described = paired.describe();
+            let disk = paired.disk;
+            // The copy stands alone: under a definition that pins a backing
+            // chain, QEMU would read the copy's holes from the old base.
+            let layered = pinned.iter().any(|pinned| {
+                pinned.target == disk.target && pinned.chain.as_ref().is_some_and(|chain| !chain.is_empty())
+            });
+            if layered {
+                return Err(Error::new(
+                    OP_IN_PLACE,
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "disk {described} of VM {id} is a qcow2 image on a backing chain, and a restored copy \
+                         stands alone; restore the backup into a new VM instead"
+                    ),
+                ));
+            }
+            let format = disk.format.clone().unwrap_or_else(|| "raw".to_owned());
+            match (disk.kind.as_str(), disk.source, format.as_str()) {
+                ("file", Some(file), "qcow2" | "raw") => {
+                    files.push(DiskFile { target: disk.target, file, format, name: paired.name, source: paired.file })
+                }
+                (kind, _, format) => {
+                    return Err(Error::new(
+                        OP_IN_PLACE,
+                        ErrorKind::InvalidInput,
+                        format!(
+                            "disk {described} of VM {id} is a {kind} disk of format {format}; vmlet restores in place \
+                             only a qcow2 or raw file"
+                        ),
+                    ))
+                }
+            }
         }
-        let format = disk.format.clone().unwrap_or_else(|| "raw".to_owned());
-        match (disk.kind.as_str(), disk.source, format.as_str()) {
-            ("file", Some(file), "qcow2" | "raw") => Ok(DiskFile { target: disk.target, file, format }),
-            (kind, _, format) => Err(Error::new(
-                OP_IN_PLACE,
-                ErrorKind::InvalidInput,
-                format!(
-                    "disk {} of VM {id} is a {kind} disk of format {format}; vmlet restores in place only a qcow2 \
-                     or raw file",
-                    disk.target
-                ),
-            )),
-        }
+        Ok(files)
     }
 }
 
@@ -336,15 +361,11 @@ impl LibvirtProvider {
             ));
         }
         require_local(OP_IN_PLACE, self.uri())?;
-        if let Some(data) = data_sources.first() {
-            return Err(Error::new(
-                OP_IN_PLACE,
-                ErrorKind::InvalidInput,
-                format!("VM {id} has no data disk {} (spec.disks[{}]) to restore in place", data.disk, data.disk),
-            ));
-        }
         check_tag(tag)?;
         check_path(OP_IN_PLACE, "backup file", source)?;
+        for data in data_sources {
+            check_path(OP_IN_PLACE, "data disk backup file", &data.path)?;
+        }
         let Some(_claim) = Claim::take(&self.in_flight().vms, id) else {
             return Err(Error::new(
                 OP_IN_PLACE,
@@ -357,12 +378,43 @@ impl LibvirtProvider {
         };
         let deadline = Instant::now() + timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
-        let task_id = id.clone();
-        let disk = self
+        let (task_id, task_source, task_data) = (id.clone(), source.to_owned(), data_sources.to_vec());
+        let disks = self
             .blocking_within(OP_IN_PLACE, CALL_DEADLINE.min(left()), move |host, conn| {
-                host.inactive_disk(conn, &task_id)
+                host.inactive_disks(conn, &task_id, &task_source, &task_data)
             })
             .await?;
+        let mut restored = Vec::with_capacity(disks.len());
+        for disk in &disks {
+            restored.push(self.restore_one_in_place(id, disk, &disks, tag, deadline).await?);
+        }
+        let mut restored = restored.into_iter();
+        let Some((_, boot)) = restored.next() else {
+            return Err(Error::new(OP_IN_PLACE, ErrorKind::InvalidInput, format!("VM {id} has no disk to restore")));
+        };
+        let data_disks = restored
+            .map(|(name, done)| RestoredDataDisk {
+                name: name.unwrap_or_default(),
+                disk: done.disk,
+                kept_as: done.kept_as,
+                bytes: done.bytes,
+            })
+            .collect();
+        Ok(InPlaceRestore { data_disks, ..boot })
+    }
+
+    /// One disk of an in-place restore (`disk`, one of the VM's `all`): the
+    /// steps of the module docs, picked up where an earlier call stopped.
+    /// Returns the data disk's name and what was done (`data_disks` empty).
+    async fn restore_one_in_place(
+        &self,
+        id: &VmId,
+        disk: &DiskFile,
+        all: &[DiskFile],
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<(Option<String>, InPlaceRestore)> {
+        let left = || deadline.saturating_duration_since(Instant::now());
         let files = InPlaceFiles::new(&disk.file, tag);
         let stage = stage_of(
             exists(OP_IN_PLACE, &files.disk).await?,
@@ -371,7 +423,7 @@ impl LibvirtProvider {
         );
         tracing::debug!(?stage, disk = %files.disk, "in-place restore");
         match stage {
-            Stage::Start => self.copy_and_swap(id, source, &disk, &files, deadline).await?,
+            Stage::Start => self.copy_and_swap(id, disk, all, &files, deadline).await?,
             Stage::Renamed => {
                 rename(OP_IN_PLACE, &files.partial, &files.disk, "the disk's previous content is kept; retry").await?;
                 sync_parent(&files.disk).await?;
@@ -415,45 +467,50 @@ impl LibvirtProvider {
                 "snapshots of the previous disk dropped from libvirt; their data stays in the kept file"
             );
         }
-        Ok(InPlaceRestore { disk: files.disk, kept_as: files.kept, bytes: info.virtual_size, data_disks: Vec::new() })
+        let done =
+            InPlaceRestore { disk: files.disk, kept_as: files.kept, bytes: info.virtual_size, data_disks: Vec::new() };
+        Ok((disk.name.clone(), done))
     }
 
-    /// Steps 1 to 3 of the module docs: copy `source` into `files.partial`
-    /// (with `disk`'s format, owner and mode), check the VM is still inactive
-    /// with the same disk, then rename the disk to `files.kept` and the copy
-    /// to the disk.
+    /// Steps 1 to 3 of the module docs: copy `disk.source` into
+    /// `files.partial` (with `disk`'s format, owner and mode), check the VM
+    /// is still inactive with the same disks (`all`), then rename the disk
+    /// to `files.kept` and the copy to the disk.
     async fn copy_and_swap(
         &self,
         id: &VmId,
-        source: &str,
         disk: &DiskFile,
+        all: &[DiskFile],
         files: &InPlaceFiles,
         deadline: Instant,
     ) -> Result<()> {
-        check_backup_file(OP_IN_PLACE, source).await?;
+        check_backup_file(OP_IN_PLACE, &disk.source).await?;
         let started = Instant::now();
         let old = tokio::fs::metadata(&files.disk).await.map_err(|err| {
             Error::new(OP_IN_PLACE, ErrorKind::Permanent, format!("cannot read VM {id}'s disk {}: {err}", files.disk))
         })?;
-        let bytes = copy_into_partial(OP_IN_PLACE, source, &files.partial, &disk.format, deadline).await?;
+        let bytes = copy_into_partial(OP_IN_PLACE, &disk.source, &files.partial, &disk.format, deadline).await?;
         if let Err(err) = take_owner_and_mode(OP_IN_PLACE, &files.partial, &old).await {
             qemu_img::remove_partial(&files.partial);
             return Err(err);
         }
         // Started meanwhile, QEMU would go on with the renamed file.
-        let task_id = id.clone();
+        let (task_id, boot, data) = (id.clone(), all[0].source.clone(), data_sources_of(all));
         let left = deadline.saturating_duration_since(Instant::now());
         let now = self
-            .blocking_within(OP_IN_PLACE, CALL_DEADLINE.min(left), move |host, conn| host.inactive_disk(conn, &task_id))
+            .blocking_within(OP_IN_PLACE, CALL_DEADLINE.min(left), move |host, conn| {
+                host.inactive_disks(conn, &task_id, &boot, &data)
+            })
             .await;
         match now {
-            Ok(now) if now == *disk => {}
+            Ok(now) if now == all => {}
             Ok(now) => {
                 qemu_img::remove_partial(&files.partial);
+                let now: Vec<&str> = now.iter().map(|disk| disk.file.as_str()).collect();
                 return Err(Error::new(
                     OP_IN_PLACE,
                     ErrorKind::Conflict,
-                    format!("VM {id}'s disk changed during the restore (now {}); retry", now.file),
+                    format!("VM {id}'s disks changed during the restore (now {}); retry", now.join(", ")),
                 ));
             }
             Err(err) => {
@@ -466,13 +523,18 @@ impl LibvirtProvider {
             OP_IN_PLACE,
             &files.partial,
             &files.disk,
-            &format!("the disk's previous content is in {}; a retry completes the restore", files.kept),
+            "the disk's previous content is kept under the other name; a retry completes the restore",
         )
         .await?;
         sync_parent(&files.disk).await?;
         tracing::info!(bytes, elapsed = ?started.elapsed(), disk = %files.disk, kept_as = %files.kept, "disk restored in place");
         Ok(())
     }
+}
+
+/// The data disks' backup files of an in-place restore's disks.
+fn data_sources_of(disks: &[DiskFile]) -> Vec<DataDiskFile> {
+    disks.iter().filter_map(|disk| Some(DataDiskFile { disk: disk.name.clone()?, path: disk.source.clone() })).collect()
 }
 
 /// `fsync` the directory holding `path`, so that renames in it last.

@@ -13,9 +13,10 @@
 //!   (libvirt refuses to freeze for anything but a disk-only snapshot), and an
 //!   inactive VM has no guest to freeze.
 //! - **Which disks**: every disk of the VM must be a qcow2 file, the only
-//!   format that holds internal snapshots. vmlet's data disks
-//!   ([`vmlet_provider::VmSpec::disks`]) are raw images, so a VM with data
-//!   disks (or a raw boot disk) is refused `InvalidInput` naming the disk. The
+//!   format that holds internal snapshots. A data disk
+//!   ([`vmlet_provider::VmSpec::disks`]) on a qcow2 volume is snapshotted
+//!   with the boot disk; a VM with a raw data disk (or a raw boot disk) is
+//!   refused `InvalidInput` naming the disk. The
 //!   read-only cloud-init seed CD-ROM is left out (libvirt's default for
 //!   read-only disks, `snapshot='no'`), so a seeded VM can be snapshotted.
 //! - **Reverting** (only an inactive VM, only its disks): vmlet runs
@@ -243,8 +244,8 @@ fn check_disks(id: &VmId, found: &[Disk]) -> Result<()> {
         let (what, fix) = match &disk.serial {
             Some(name) => (
                 format!("spec.disks[{name}]"),
-                "vmlet's data disks are raw images: remove the disk from spec.disks to snapshot the VM, or back \
-                 the VM up instead",
+                "give the disk a qcow2 volume (a StorageClass with parameters.format: qcow2) to snapshot the VM, or back the \
+                 VM up instead (a backup copies raw disks too)",
             ),
             None => ("spec.image".to_owned(), "use a qcow2 image for spec.image (a name ending in .qcow2)"),
         };
@@ -812,6 +813,9 @@ mod tests {
         let data = check_disks(&id(), &[disk("vda", "qcow2", None), disk("vdb", "raw", Some("data"))]).unwrap_err();
         assert_eq!(data.kind, ErrorKind::InvalidInput);
         assert!(data.message.contains("disk vdb") && data.message.contains("spec.disks[data]"), "{data}");
+        assert!(data.message.contains("format: qcow2"), "{data}");
+        let qcow2_data = [disk("vda", "qcow2", None), disk("vdb", "qcow2", Some("data"))];
+        assert!(check_disks(&id(), &qcow2_data).is_ok(), "a qcow2 data disk holds snapshots");
         let boot = check_disks(&id(), &[disk("vda", "raw", None)]).unwrap_err();
         assert!(boot.message.contains("spec.image"), "{boot}");
         let none = check_disks(&id(), &[]).unwrap_err();

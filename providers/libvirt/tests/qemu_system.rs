@@ -226,3 +226,39 @@ async fn a_backing_file_rewritten_after_the_define_is_refused_and_never_opened()
     provider.undefine(&spec.id).await.expect("undefine");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `accelerator: auto` boots a probe guest before it trusts KVM: it chooses
+/// what the test guest's own probe (`test-vms/guest/accelerator.sh`, a
+/// kernel booted under KVM outside libvirt) found on this machine, and TCG
+/// where the host has no kernel in /boot to probe with. Where KVM runs
+/// firmware only (nested hosts here), the capabilities offer KVM and vmlet
+/// turns it down.
+#[tokio::test]
+async fn auto_chooses_kvm_only_where_a_kernel_runs_under_it() {
+    let uri = qemu_uri();
+    // vmlet probes with the host's own kernel; without one it trusts no KVM.
+    let host_kernel = std::fs::read_dir("/boot")
+        .map(|dir| dir.flatten().any(|e| e.file_name().to_string_lossy().starts_with("vmlinuz")))
+        .unwrap_or(false);
+    let expected = match common::guest::guest_accelerator(&common::guest::guest_dir()) {
+        vmlet_libvirt::AcceleratorSetting::Kvm if host_kernel => "kvm",
+        _ => "tcg",
+    };
+    let provider = LibvirtProvider::connect(&uri).await.expect("connect");
+    let chosen = provider.host_info().await.expect("host info").accelerator;
+    println!("accelerator: auto chose {chosen:?}; the test guest's probe says {expected}");
+    assert_eq!(chosen.as_deref(), Some(expected));
+
+    // The probe itself, with the test guest's kernel where the host has none:
+    // it agrees with the test guest's probe.
+    let guest = common::guest::guest_dir();
+    let run = common::guest::RunDir::new(&guest, &format!("kvm-probe-{}", std::process::id()), &["vmlinuz"]);
+    let verdict =
+        vmlet_libvirt::probe_kvm(&uri, &run.path("vmlinuz"), std::time::Duration::from_secs(20)).await.expect("probe");
+    println!("KVM probe with the test guest's kernel: {verdict:?}");
+    let guest_says = common::guest::guest_accelerator(&guest);
+    assert_eq!(verdict.is_none(), guest_says == vmlet_libvirt::AcceleratorSetting::Kvm, "{verdict:?}");
+    let out = output_within(Command::new("virsh").args(["-c", &uri, "list", "--all", "--name"]), VIRSH);
+    let left = String::from_utf8_lossy(&out.stdout);
+    assert!(!left.contains(&format!("vmlet-kvm-probe-{}-", std::process::id())), "the probe is gone: {left}");
+}

@@ -165,7 +165,7 @@ impl World {
                     self.due.extend(bound);
                 }
             }
-            Changes::Polled if self.tick % RESYNC_TICKS == 0 => self.due.extend(bound),
+            Changes::Polled if self.tick.is_multiple_of(RESYNC_TICKS) => self.due.extend(bound),
             Changes::Polled => {}
         }
         for name in std::mem::take(&mut self.due) {

@@ -1,8 +1,8 @@
 //! [`vmlet_provider::Backup::abort_backup`]: the VM's backup job to one
-//! target cancelled (`virDomainAbortJob`) and waited out, its partial file
-//! removed. Only a backup job whose push target (`virDomainBackupGetXMLDesc`)
-//! is that file is touched: a migration, or a backup to another file, is left
-//! alone.
+//! target cancelled (`virDomainAbortJob`) and waited out, its partial files
+//! (that target and the job's other disks' targets) removed. Only a backup
+//! job whose push targets (`virDomainBackupGetXMLDesc`) include that file is
+//! touched: a migration, or a backup to other files, is left alone.
 
 use std::time::Instant;
 
@@ -15,30 +15,30 @@ use crate::jobs::{abort_job, backup_targets};
 use crate::provider::{Host, LibvirtProvider};
 
 impl Host {
-    /// Whether VM `id` has a backup job writing `target` (false for a VM
-    /// this host does not have).
-    fn backs_up_to(&self, conn: &Connect, id: &VmId, target: &str) -> Result<bool> {
+    /// The files VM `id`'s backup job writes when one of them is `target`;
+    /// `None` when no such job runs (or this host has no such VM).
+    fn backup_job_to(&self, conn: &Connect, id: &VmId, target: &str) -> Result<Option<Vec<String>>> {
         let domain = match self.require(conn, OP_ABORT, id) {
             Ok(domain) => domain,
-            Err(err) if err.kind == ErrorKind::NotFound => return Ok(false),
+            Err(err) if err.kind == ErrorKind::NotFound => return Ok(None),
             Err(err) => return Err(err),
         };
         let targets = backup_targets(&domain).map_err(|e| from_libvirt(OP_ABORT, e))?;
-        Ok(targets.is_some_and(|targets| targets.iter().any(|t| t == target)))
+        Ok(targets.filter(|targets| targets.iter().any(|t| t == target)))
     }
 
     /// `virDomainAbortJob` on VM `id` while its backup job writes `target`;
-    /// whether it was asked to end (false when no such job runs, or it ended
-    /// just before).
-    fn abort_backup_to(&self, conn: &Connect, id: &VmId, target: &str) -> Result<bool> {
-        if !self.backs_up_to(conn, id, target)? {
-            return Ok(false);
-        }
+    /// the files the job writes when it was asked to end (`None` when no
+    /// such job runs, or it ended just before).
+    fn abort_backup_to(&self, conn: &Connect, id: &VmId, target: &str) -> Result<Option<Vec<String>>> {
+        let Some(files) = self.backup_job_to(conn, id, target)? else {
+            return Ok(None);
+        };
         let domain = self.require(conn, OP_ABORT, id)?;
         match abort_job(&domain) {
-            Ok(()) => Ok(true),
+            Ok(()) => Ok(Some(files)),
             // No job any more: it ended by itself meanwhile.
-            Err(err) if is_operation_invalid(&err) => Ok(false),
+            Err(err) if is_operation_invalid(&err) => Ok(None),
             Err(err) => Err(from_libvirt(OP_ABORT, err)),
         }
     }
@@ -55,16 +55,16 @@ impl LibvirtProvider {
                 host.abort_backup_to(conn, &task_id, &task_target)
             })
             .await?;
-        if !aborted {
+        let Some(files) = aborted else {
             return Ok(false);
-        }
+        };
         tracing::info!(vm.uid = %id, backup.target = %target, "backup job aborted; waiting for it to end");
         let until = Instant::now() + ABORT_GRACE;
         loop {
             let (task_id, task_target) = (id.clone(), target.to_owned());
             let running = self
                 .blocking_within(OP_ABORT, POLL_DEADLINE, move |host, conn| {
-                    host.backs_up_to(conn, &task_id, &task_target)
+                    host.backup_job_to(conn, &task_id, &task_target).map(|job| job.is_some())
                 })
                 .await;
             match running {
@@ -83,7 +83,7 @@ impl LibvirtProvider {
                 Err(err) => return Err(err),
             }
         }
-        let partial = self.discard_partial(target);
+        let partial = self.discard_partials(files.iter().map(String::as_str));
         tracing::info!(vm.uid = %id, backup.target = %target, partial, "aborted backup ended");
         Ok(true)
     }

@@ -12,8 +12,9 @@
 //! vmlet takes the last completed backup for the one into the target when
 //! the file exists (libvirt removes the target of a failed full backup it
 //! created, and nothing but a backup of this caller writes that name) and
-//! - for a full backup, the file is a qcow2 image of the size the record
-//!   says was copied (the disk's virtual size);
+//! - for a full backup, the files (the boot disk's target and the data
+//!   disks') are qcow2 images whose virtual sizes add up to what the record
+//!   says was copied (the disks' virtual sizes);
 //! - for a request that names a checkpoint, that checkpoint exists (libvirt
 //!   creates it atomically with the backup's beginning; vmlet creates an
 //!   incremental backup's file before, so only the checkpoint tells).
@@ -30,7 +31,7 @@ use virt::connect::Connect;
 use virt::sys;
 use vmlet_provider::{BackupOutcome, BackupProgress, BackupRequest, Consistency, Error, ErrorKind, Result, VmId};
 
-use super::{INFO_DEADLINE, OP};
+use super::{files, INFO_DEADLINE, OP};
 use crate::checkpoint::{self, check_name};
 use crate::error::from_libvirt;
 use crate::jobs::{backup_targets, job_stats, JobStats};
@@ -53,11 +54,11 @@ pub(super) struct Seen {
     pub(super) completed: Option<JobStats>,
     /// The request's checkpoint exists on the VM.
     pub(super) checkpoint_exists: bool,
-    /// The target file exists; `None` where vmlet cannot tell (a remote
-    /// connection).
+    /// One of the request's files (the target, a data disk's) exists;
+    /// `None` where vmlet cannot tell (a remote connection).
     pub(super) file_exists: Option<bool>,
-    /// The target's virtual size when it is a qcow2 image (read only where
-    /// a completed backup may have written it).
+    /// The files' virtual sizes added up when all are qcow2 images (read
+    /// only where a completed backup may have written them).
     pub(super) file_qcow2_bytes: Option<u64>,
 }
 
@@ -141,6 +142,18 @@ impl Host {
     }
 }
 
+/// The virtual sizes of `request`'s files added up; `None` when one of them
+/// is missing or no qcow2 image (a file that is no image is no backup: a
+/// leftover).
+async fn qcow2_bytes(request: &BackupRequest) -> Option<u64> {
+    let mut total = 0;
+    for file in files(request) {
+        let info = qemu_img::info(OP, file, None, INFO_DEADLINE).await.ok().filter(|info| info.format == "qcow2")?;
+        total += info.virtual_size;
+    }
+    Some(total)
+}
+
 impl LibvirtProvider {
     /// Find what an earlier attempt at `request` left and carry it on: the
     /// outcome when it is followed to its end or had completed; `None` when a
@@ -161,23 +174,23 @@ impl LibvirtProvider {
             })
             .await?;
         if is_local_uri(self.uri()) {
-            let exists = tokio::fs::symlink_metadata(&request.target).await.is_ok();
+            let mut exists = false;
+            for file in files(request) {
+                exists |= tokio::fs::symlink_metadata(file).await.is_ok();
+            }
             seen.file_exists = Some(exists);
             let completed_backup = seen.completed.as_ref().is_some_and(JobStats::is_backup);
             if exists && completed_backup && request.incremental.is_none() {
-                // A file that is no image is no backup: a leftover.
-                seen.file_qcow2_bytes = qemu_img::info(OP, &request.target, None, INFO_DEADLINE)
-                    .await
-                    .ok()
-                    .filter(|info| info.format == "qcow2")
-                    .map(|info| info.virtual_size);
+                seen.file_qcow2_bytes = qcow2_bytes(request).await;
             }
         }
         let (outcome, checkpoint) = match earlier_attempt(id, request, seen)? {
             Earlier::None => return Ok(None),
             Earlier::Leftover => {
                 tracing::info!(vm.uid = %id, backup.target = %request.target, "removing what an interrupted attempt of this backup left");
-                qemu_img::remove_partial(&request.target);
+                files(request).for_each(|file| {
+                    qemu_img::remove_partial(file);
+                });
                 return Ok(None);
             }
             Earlier::Running { checkpoint } => {
