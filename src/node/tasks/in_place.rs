@@ -206,19 +206,6 @@ pub(super) async fn sync(
                     .restore_in_place(&id, path, data_disks, &tag, DEADLINE)
                     .await
                     .map(|done| (put_back_status(&done), put_back_message(&done, path)))
-                    .map_err(|e| match e.kind {
-                        // The VM's disks are not the backup's: say what to do.
-                        vmlet_provider::ErrorKind::InvalidInput => vmlet_provider::Error::new(
-                            e.operation,
-                            e.kind,
-                            format!(
-                                "{}; a backup is put back in place only onto the disks it was taken of: restore it \
-                                 to a new VM instead (leave spec.target.inPlace unset)",
-                                e.message
-                            ),
-                        ),
-                        _ => e,
-                    })
             }
             Source::Snapshot { backend_name } => {
                 let capability = agent.provider.snapshots().expect("checked before the task started");
