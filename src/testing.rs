@@ -25,6 +25,22 @@ impl VmBuilder {
         };
         VmBuilder(vm)
     }
+    /// `spec.disks`: a claim disk per `(name, claim)`, or a host image disk
+    /// for a claim starting with `/` (its path).
+    pub fn disks(mut self, disks: &[(&str, &str)]) -> Self {
+        self.0.spec.disks = disks
+            .iter()
+            .map(|(name, source)| {
+                let source = if source.starts_with('/') {
+                    serde_json::json!({"name": name, "hostImage": {"path": source}})
+                } else {
+                    serde_json::json!({"name": name, "persistentVolumeClaim": {"claimName": source}})
+                };
+                serde_json::from_value(source).unwrap()
+            })
+            .collect();
+        self
+    }
     /// `spec.replicas: 0`.
     pub fn stopped(mut self) -> Self {
         self.0.spec.replicas = 0;

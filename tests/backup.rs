@@ -10,9 +10,10 @@ mod common;
 
 use common::deadline::{output_within, VIRSH};
 use common::disk::{domstate, fill_random, read_marker, wait_backup_ended, wait_job_condition, write_marker};
-use common::{guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
+use common::pool::Pool;
+use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use std::process::Command;
@@ -486,4 +487,94 @@ async fn a_vmlet_restarted_mid_backup_follows_the_copy_to_its_end() {
     assert_eq!(domstate(&env, "web"), "running");
     std::fs::remove_file(&disk).unwrap();
     std::fs::remove_file(&file).unwrap();
+}
+
+/// The status of restore `name` once it ended (Succeeded or Failed).
+async fn restore_ended(env: &TestEnv, name: &str) -> vmlet::v1alpha1::VirtualMachineRestoreStatus {
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
+    env.wait_for(&format!("VirtualMachineRestore {name} to end"), || {
+        let restores = restores.clone();
+        async move {
+            let status = restores.get_opt(name).await.ok()??.status?;
+            matches!(status.phase?, OperationPhase::Succeeded | OperationPhase::Failed).then_some(status)
+        }
+    })
+    .await
+}
+
+/// A VM booting a host path (a trusted namespace) with a provisioned 1 GiB
+/// data claim: its backup holds both disks; put back in place, the stopped
+/// VM's boot and data disks hold again what they held at the backup (each
+/// disk's later content kept beside it). Restoring that backup to a new VM
+/// is refused before anything is made (it would get the boot disk only),
+/// naming what to do instead.
+#[tokio::test]
+async fn a_vm_with_a_data_claim_is_put_back_in_place_with_it() {
+    let (env, guest) = vmlet_with_backups("datainplace").await;
+    let pool = Pool::new(&env);
+    pool.class(&env, json!({"format": "raw"}), false);
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let data: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "data"},
+        "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &data).await.unwrap();
+    let mut spec = guest_vm_spec(&guest);
+    spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    env.apply_vm("web", spec);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    let write_data = |marker: &str| {
+        format!(
+            "dev=$({}) && printf '%s\\n' {marker} | dd of=/dev/$dev bs=512 count=1 conv=sync,fsync 2>/dev/null && \
+             echo ok",
+            device_named("data")
+        )
+    };
+    let read_data = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
+    let (boot_before, data_before) = (format!("boot-before-{}", env.ns), format!("data-before-{}", env.ns));
+    write_marker(&env, &pod, &boot_before).await;
+    assert_eq!(env.exec_stdout(&pod, &write_data(&data_before)).await, "ok");
+
+    apply_backup(&env, "nightly", json!({"virtualMachine": "web"}));
+    let status = wait_backup_ended(&env, "nightly").await.status.unwrap();
+    assert_eq!(status.phase, Some(OperationPhase::Succeeded), "{:?}", status.message);
+    assert_eq!(status.data_disks.len(), 1, "{:?}", status.data_disks);
+    assert_eq!(status.data_disks[0].virtual_bytes, Some(1 << 30));
+    write_marker(&env, &pod, &format!("boot-after-{}", env.ns)).await;
+    assert_eq!(env.exec_stdout(&pod, &write_data(&format!("data-after-{}", env.ns))).await, "ok");
+
+    // To a new VM: refused by the controller, no Job, no VM.
+    let copy = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
+        "metadata": {"name": "copy", "namespace": env.ns},
+        "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web-copy"}}});
+    assert!(env.apply(&copy.to_string()).status.success());
+    let refused = restore_ended(&env, "copy").await;
+    assert_eq!(refused.phase, Some(OperationPhase::Failed));
+    let message = refused.message.unwrap_or_default();
+    assert!(message.contains("holds data disks [data]") && message.contains("spec.target.inPlace"), "{message}");
+    let jobs: Api<Job> = Api::namespaced(env.client.clone(), &env.ns);
+    assert!(jobs.get_opt("copy-restore").await.unwrap().is_none(), "refused before any Job");
+
+    // In place: both disks come back.
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    let in_place = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
+        "metadata": {"name": "back", "namespace": env.ns},
+        "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web", "inPlace": true}}});
+    assert!(env.apply(&in_place.to_string()).status.success());
+    let put_back = restore_ended(&env, "back").await;
+    assert_eq!(put_back.phase, Some(OperationPhase::Succeeded), "{:?}", put_back.message);
+    assert_eq!(put_back.data_disks.len(), 1, "{put_back:?}");
+    assert_eq!(put_back.data_disks[0].name, "data");
+    let kept = put_back.data_disks[0].previous_disk.clone().expect("the data disk's previous content");
+    assert!(std::path::Path::new(&kept).exists(), "{kept}");
+    assert!(put_back.message.unwrap_or_default().contains("data disk data"));
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    assert_eq!(read_marker(&env, &pod).await, boot_before, "the boot disk as it was at the backup");
+    assert_eq!(env.exec_stdout(&pod, &read_data).await, data_before, "the data disk as it was at the backup");
 }

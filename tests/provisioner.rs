@@ -584,3 +584,126 @@ async fn a_tenants_vm_is_restored_from_its_backup_onto_a_root_disk_claim_of_its_
     .await;
     drop(env);
 }
+
+/// A tenant's VM with a 1 GiB data claim is backed up with its data disk at
+/// the same point in time (a file per disk beside the boot disk's,
+/// `status.dataDisks` with the claim, its class and real sizes) and restored
+/// as a new VM whose data disk is a claim of its own (`<vm>-disk-<disk>`),
+/// filled from that disk's copy: its guest reads on its data disk what was
+/// written there before the backup, not after. A claim whose
+/// `vmlet.io/backup-disk` names no disk of the backup, or no disk name at
+/// all, gets nothing.
+#[tokio::test]
+async fn a_vm_with_a_data_claim_is_backed_up_with_it_and_restored_onto_claims_of_its_own() {
+    let (env, guest) = untrusted_env("datarestore").await;
+    let node = env.node("q");
+    let pool = pool_and_class(&env, "raw", false);
+    let (tiny, by_path) = tiny_image(&env, &guest);
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
+    let data: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "data"},
+        "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &data).await.unwrap();
+    let disks = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
+    env.apply_vm("web", tiny_vm(&env, &pool, &tiny.0, &by_path, disks));
+    env.wait_vm_phase("web", "Running").await;
+    let pod = env.pod_of("web").await;
+    let write_data = |marker: String| {
+        format!(
+            "dev=$({}) && printf '%s\\n' {marker} | dd of=/dev/$dev bs=512 count=1 conv=sync,fsync 2>/dev/null && \
+             echo ok",
+            device_named("data")
+        )
+    };
+    let read_data = format!("dd if=/dev/$({}) bs=512 count=1 2>/dev/null | head -n 1", device_named("data"));
+    let before = format!("data-before-{}", env.ns);
+    assert_eq!(env.exec_stdout(&pod, &write_data(before.clone())).await, "ok");
+
+    let backup = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineBackup",
+        "metadata": {"name": "nightly", "namespace": env.ns}, "spec": {"virtualMachine": "web"}});
+    assert!(env.apply(&backup.to_string()).status.success());
+    let backed_up = wait_backup_ended(&env, "nightly").await;
+    let uid = backed_up.uid().unwrap();
+    let status = backed_up.status.unwrap();
+    assert_eq!(status.phase, Some(OperationPhase::Succeeded), "{:?}", status.message);
+    let backups_dir = storage_root(&env).join("backups");
+    let boot_file = format!("{}/{}_nightly_{uid}.qcow2", backups_dir.display(), env.ns);
+    let data_file = format!("{}/{}_nightly_{uid}.data.qcow2", backups_dir.display(), env.ns);
+    assert_eq!(status.location.as_deref(), Some(boot_file.as_str()));
+    assert_eq!(status.data_disks.len(), 1, "{:?}", status.data_disks);
+    let copy = &status.data_disks[0];
+    assert_eq!(
+        (copy.name.as_str(), copy.claim_name.as_deref(), copy.storage_class_name.as_deref(), copy.location.as_str()),
+        ("data", Some("data"), Some(pool.name.as_str()), data_file.as_str())
+    );
+    assert_eq!(copy.virtual_bytes, Some(1 << 30), "the claim's 1 GiB");
+    let on_disk = std::fs::metadata(&data_file).expect("the data disk's file").len();
+    assert!(copy.file_bytes.is_some_and(|bytes| bytes > 0), "{copy:?}");
+    assert_eq!(copy.file_bytes, Some(on_disk as i64));
+    assert_eq!(status.total_bytes, Some((128 << 20) + (1 << 30)), "both disks' virtual sizes");
+    let message = status.message.unwrap_or_default();
+    assert!(message.contains(&format!("data disk data in {data_file}")), "{message}");
+    assert_eq!(env.exec_stdout(&pod, &write_data(format!("data-after-{}", env.ns))).await, "ok");
+
+    let restore = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": "VirtualMachineRestore",
+        "metadata": {"name": "back", "namespace": env.ns},
+        "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web-restored"}}});
+    assert!(env.apply(&restore.to_string()).status.success());
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
+    let ended = env
+        .wait_for("VirtualMachineRestore back to end", || {
+            let restores = restores.clone();
+            async move {
+                let status = restores.get_opt("back").await.ok()??.status?;
+                matches!(status.phase?, OperationPhase::Succeeded | OperationPhase::Failed).then_some(status)
+            }
+        })
+        .await;
+    assert_eq!(ended.phase, Some(OperationPhase::Succeeded), "{:?}", ended.message);
+    let message = ended.message.unwrap_or_default();
+    assert!(message.contains("data disk claim web-restored-disk-data"), "{message}");
+    assert_eq!(ended.data_disks.len(), 1);
+    assert_eq!(ended.data_disks[0].claim_name.as_deref(), Some("web-restored-disk-data"));
+
+    // The new VM's data disk is a claim of its own, in the original's
+    // class, filled from the data disk's copy: a raw volume of its own.
+    let vm = env.wait_vm_phase("web-restored", "Running").await;
+    assert_eq!(vm.status.as_ref().unwrap().node_name.as_deref(), Some(node.as_str()));
+    assert_eq!(
+        serde_json::to_value(&vm.spec.disks).unwrap(),
+        json!([{"name": "data", "persistentVolumeClaim": {"claimName": "web-restored-disk-data"}}])
+    );
+    let restored = claims.get("web-restored-disk-data").await.unwrap();
+    assert_eq!(restored.annotations().get("vmlet.io/backup-disk").map(String::as_str), Some("data"));
+    assert_eq!(restored.spec.as_ref().unwrap().storage_class_name.as_deref(), Some(pool.name.as_str()));
+    let volume = format!("{}_web-restored-disk-data_{}", env.ns, restored.uid().unwrap());
+    assert_eq!(pool.volumes_of("web-restored-disk-data"), vec![volume]);
+    let restored_pod = env.pod_of("web-restored").await;
+    let size = format!("cat /sys/block/$({})/size", device_named("data"));
+    assert_eq!(env.exec_stdout(&restored_pod, &size).await, (1u64 << 30 >> 9).to_string(), "1 GiB");
+    assert_eq!(env.exec_stdout(&restored_pod, &read_data).await, before, "what the data disk held at the backup");
+    assert_eq!(env.exec_stdout(&pod, &read_data).await, format!("data-after-{}", env.ns), "the original is its own");
+
+    // The annotation reaches only disks the backup holds, by vmlet's name.
+    for (claim_name, disk, refusal) in
+        [("grab-logs", "logs", "holds no data disk \"logs\""), ("grab-up", "../data", "is no data disk's name")]
+    {
+        let grab: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": {"name": claim_name, "annotations": {"volume.kubernetes.io/selected-node": node,
+                                                             "vmlet.io/backup-disk": disk}},
+            "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "1Gi"}},
+                "dataSourceRef": {"apiGroup": "vmlet.io", "kind": "VirtualMachineBackup", "name": "nightly"}},
+        }))
+        .unwrap();
+        claims.create(&PostParams::default(), &grab).await.unwrap();
+        let note = wait_event(&env, claim_name, "ProvisioningFailed").await;
+        assert!(note.contains(refusal), "{note}");
+        assert_eq!(pool.volumes_of(claim_name), Vec::<String>::new());
+        claims.delete(claim_name, &DeleteParams::default()).await.unwrap();
+    }
+    drop(env);
+}

@@ -22,8 +22,9 @@
 use super::task_jobs::{job_failure, run_job_owner, task_job, TaskJob, TaskPlacement};
 use crate::conditions::new_condition;
 use crate::v1alpha1::{
-    OperationPhase, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineRestoreStatus,
-    VirtualMachineSnapshot, VirtualMachineSpec, VmPhase, RESTORE_ANNOTATION,
+    boot_only_restore_refusal, is_disk_name, restored_data_claim_name, BackupDataDisk, ClaimSource, OperationPhase,
+    RestoredDataDisk, VirtualMachine, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineRestoreStatus,
+    VirtualMachineSnapshot, VirtualMachineSpec, VmDisk, VmPhase, BACKUP_DISK_ANNOTATION, RESTORE_ANNOTATION,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Toleration};
@@ -110,9 +111,13 @@ async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -> Re
             return Ok(Action::requeue(Duration::from_secs(10)));
         }
     };
-    let NewVmSource { node, mut spec, label, what, disk_bytes } = source;
+    let NewVmSource { node, mut spec, label, what, disk_bytes, data_disks } = source;
     if restore.spec.source.backup.is_some() && spec.root_disk.is_some() {
-        return onto_root_claim(&restore, &ctx, spec, &node, label, disk_bytes).await;
+        return onto_root_claim(&restore, &ctx, spec, &node, label, disk_bytes, &data_disks).await;
+    }
+    if let (Some(backup), false) = (&restore.spec.source.backup, data_disks.is_empty()) {
+        let message = boot_only_restore_refusal(backup, data_disks.iter().map(|d| d.name.as_str()));
+        return fail(message).await.map_err(err("write status"));
     }
     // The new disk is a host file this restore makes: the VM boots it as its
     // image, not a root disk claim.
@@ -203,10 +208,16 @@ fn restored_vm(
 ///    backup's disk size), labelled with the VM and the backup, annotated
 ///    with the restore's UID. A claim of that name this restore did not
 ///    make fails the restore (it is the namespace's own).
-/// 2. The VirtualMachine ([`restored_vm`]), whose controller uses that
-///    claim; with `deletionPolicy: Delete` it then owns the claim.
-/// 3. `Succeeded` once the claim is bound (its volume made); until then
-///    `Running`, naming the claim whose Events say what it waits for.
+/// 2. One claim per data disk the backup holds (`status.dataDisks`,
+///    [`data_claim`]): `<vm>-disk-<disk>`, filled from that disk's file
+///    (annotation [`BACKUP_DISK_ANNOTATION`]), in the class the original
+///    claim had (else the root disk's), of the disk's size; the new VM's
+///    `spec.disks` name these claims ([`restored_disks`]). They stay when
+///    the VM is deleted, as data claims do.
+/// 3. The VirtualMachine ([`restored_vm`]), whose controller uses the root
+///    claim; with `deletionPolicy: Delete` it then owns that claim.
+/// 4. `Succeeded` once every claim is bound (its volume made); until then
+///    `Running`, naming the claims whose Events say what they wait for.
 async fn onto_root_claim(
     restore: &VirtualMachineRestore,
     ctx: &Context,
@@ -214,6 +225,7 @@ async fn onto_root_claim(
     node: &str,
     label: (String, String),
     disk_bytes: Option<u64>,
+    data_disks: &[BackupDataDisk],
 ) -> Result<Action, Error> {
     let namespace = restore.namespace().unwrap_or_default();
     let name = restore.name_any();
@@ -239,6 +251,19 @@ async fn onto_root_claim(
         .map_err(err("write status"));
     }
     let root = spec.root_disk.clone().expect("the caller checked spec.rootDisk");
+    // Everything that can refuse the restore before anything is made.
+    let mut spec = spec;
+    let planned = restored_disks(vm_name, &spec.disks, data_disks, &backup).and_then(|disks| {
+        spec.disks = disks;
+        data_disks
+            .iter()
+            .map(|disk| data_claim(vm_name, &backup, &uid, disk, root.storage_class_name.as_deref()))
+            .collect::<Result<Vec<_>, String>>()
+    });
+    let planned = match planned {
+        Ok(planned) => planned,
+        Err(message) => return fail(message).await.map_err(err("write status")),
+    };
     let claim = match claims.get_opt(&claim_name).await.map_err(err("read the root disk claim"))? {
         Some(claim) if made_here(&claim.metadata) => claim,
         Some(_) => {
@@ -286,6 +311,51 @@ async fn onto_root_claim(
         }
     };
 
+    let mut data_claims = Vec::with_capacity(planned.len());
+    for wanted in planned {
+        let data_claim_name = wanted.name_any();
+        match claims.get_opt(&data_claim_name).await.map_err(err("read a data disk claim"))? {
+            Some(claim) if made_here(&claim.metadata) => data_claims.push(claim),
+            Some(_) => {
+                return fail(format!(
+                    "spec.target.virtualMachine: claim {data_claim_name} exists; the restored VM's data disk claims \
+                     are made by the restore: delete that claim or name another VM"
+                ))
+                .await
+                .map_err(err("write status"));
+            }
+            None if existing_vm.is_some() => {
+                return fail(format!(
+                    "claim {data_claim_name} of VirtualMachine {vm_name}, made by this restore, is gone; delete the VM \
+                     and its claims, and restore again"
+                ))
+                .await
+                .map_err(err("write status"));
+            }
+            None => {
+                let created =
+                    claims.create(&PostParams::default(), &wanted).await.map_err(err("create a data disk claim"))?;
+                info!(claim = %data_claim_name, backup = %backup, "data disk claim to fill from the backup created");
+                data_claims.push(created);
+            }
+        }
+    }
+    let recorded: Vec<RestoredDataDisk> = data_claims
+        .iter()
+        .map(|claim| RestoredDataDisk {
+            name: claim.annotations().get(BACKUP_DISK_ANNOTATION).cloned().unwrap_or_default(),
+            claim_name: Some(claim.name_any()),
+            ..RestoredDataDisk::default()
+        })
+        .collect();
+    if restore.status.as_ref().map(|s| &s.data_disks) != Some(&recorded) {
+        let patch = serde_json::json!({"status": {"dataDisks": recorded}});
+        restores
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(err("write status"))?;
+    }
+
     let vm = match existing_vm {
         Some(vm) => vm,
         None => {
@@ -298,8 +368,10 @@ async fn onto_root_claim(
                 Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
                     return fail(format!(
                         "the API server refused VirtualMachine {vm_name} with the spec VirtualMachineBackup {backup} \
-                         recorded: {}; claim {claim_name} is kept: create a VirtualMachine with it as its root disk",
-                        s.message
+                         recorded: {}; claim {claim_name} (and the data disks' claims [{}]) are kept: create a \
+                         VirtualMachine with it as its root disk",
+                        s.message,
+                        data_claims.iter().map(|c| c.name_any()).collect::<Vec<_>>().join(", ")
                     ))
                     .await
                     .map_err(err("write status"));
@@ -319,21 +391,116 @@ async fn onto_root_claim(
             .await
             .map_err(err("give the root disk claim to its VM"))?;
     }
-    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
-    if !bound {
+    let bound = |claim: &PersistentVolumeClaim| claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    let waiting: Vec<String> =
+        std::iter::once(&claim).chain(&data_claims).filter(|c| !bound(c)).map(|c| c.name_any()).collect();
+    if !waiting.is_empty() {
         let message = format!(
-            "VirtualMachine {vm_name} created on host {node}; waiting for claim {claim_name} to be filled from \
-             VirtualMachineBackup {backup} (kubectl describe pvc {claim_name})"
+            "VirtualMachine {vm_name} created on host {node}; waiting for claim{} {} to be filled from \
+             VirtualMachineBackup {backup} (kubectl describe pvc {})",
+            if waiting.len() == 1 { "" } else { "s" },
+            waiting.join(", "),
+            waiting.join(" ")
         );
         if restore.status.as_ref().and_then(|s| s.message.as_deref()) != Some(message.as_str()) {
             running(&restores, &name, node, &message).await.map_err(err("write status"))?;
         }
         return Ok(Action::requeue(Duration::from_secs(5)));
     }
+    let data = match data_claims.as_slice() {
+        [] => String::new(),
+        claims => format!(
+            " and data disk claim{} {}",
+            if claims.len() == 1 { "" } else { "s" },
+            claims.iter().map(|c| c.name_any()).collect::<Vec<_>>().join(", ")
+        ),
+    };
     let message = format!(
-        "VirtualMachine {vm_name} created on host {node} with claim {claim_name} filled from VirtualMachineBackup {backup}"
+        "VirtualMachine {vm_name} created on host {node} with claim {claim_name}{data} filled from VirtualMachineBackup \
+         {backup}"
     );
     end(&restores, &name, OperationPhase::Succeeded, &message, vm.uid()).await.map_err(err("write status"))
+}
+
+/// The new VM `vm`'s `spec.disks` from the recorded ones (`recorded`, the
+/// backed-up VM's) and the data disks backup `backup` holds: each disk,
+/// whatever it was (a claim, a host image), becomes the claim the restore
+/// fills from its copy ([`restored_data_claim_name`]), under its name (its
+/// serial in the guest), in its place. `Err(why)` when the two lists do not
+/// name the same disks (a backup holds every disk of its VM: an edited
+/// status).
+fn restored_disks(
+    vm: &str,
+    recorded: &[VmDisk],
+    data_disks: &[BackupDataDisk],
+    backup: &str,
+) -> Result<Vec<VmDisk>, String> {
+    let names = |names: Vec<&str>| names.join(", ");
+    let same =
+        recorded.len() == data_disks.len() && recorded.iter().all(|d| data_disks.iter().any(|b| b.name == d.name));
+    if !same {
+        return Err(format!(
+            "VirtualMachineBackup {backup}'s status.dataDisks [{}] are not the disks of its \
+             status.virtualMachineSpec.disks [{}]; it cannot be restored to a new VM: take a new backup",
+            names(data_disks.iter().map(|d| d.name.as_str()).collect()),
+            names(recorded.iter().map(|d| d.name.as_str()).collect())
+        ));
+    }
+    Ok(recorded
+        .iter()
+        .map(|disk| VmDisk {
+            name: disk.name.clone(),
+            persistent_volume_claim: Some(ClaimSource { claim_name: restored_data_claim_name(vm, &disk.name) }),
+            host_image: None,
+        })
+        .collect())
+}
+
+/// The claim restore `restore_uid` makes for data disk `disk` of backup
+/// `backup`, for the new VM `vm`: `<vm>-disk-<disk>`
+/// ([`restored_data_claim_name`]), filled from the backup
+/// (`dataSourceRef`) with that disk's file (annotation
+/// [`BACKUP_DISK_ANNOTATION`]), in the original claim's class (else
+/// `root_class`, the root disk's), asking for the disk's virtual size,
+/// `ReadWriteOnce`, labelled with the VM and the backup, annotated with the
+/// restore's UID. `Err(why)` when the backup records no size for the disk
+/// or no valid disk name.
+fn data_claim(
+    vm: &str,
+    backup: &str,
+    restore_uid: &str,
+    disk: &BackupDataDisk,
+    root_class: Option<&str>,
+) -> Result<PersistentVolumeClaim, String> {
+    if !is_disk_name(&disk.name) {
+        return Err(format!(
+            "VirtualMachineBackup {backup}'s status.dataDisks names {:?}, which is no data disk's name; take a new \
+             backup",
+            disk.name
+        ));
+    }
+    let Some(bytes) = disk.virtual_bytes.filter(|bytes| *bytes > 0) else {
+        return Err(format!(
+            "VirtualMachineBackup {backup}'s status.dataDisks[{}] records no virtualBytes, so the size of the disk's \
+             new claim is not known; restore it in place (spec.target.inPlace), or take a new backup",
+            disk.name
+        ));
+    };
+    let class = disk.storage_class_name.as_deref().or(root_class);
+    Ok(serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": restored_data_claim_name(vm, &disk.name),
+            "labels": {crate::v1alpha1::VM_LABEL: vm, RESTORED_FROM_LABEL: backup},
+            "annotations": {RESTORED_BY_ANNOTATION: restore_uid, BACKUP_DISK_ANNOTATION: disk.name},
+        },
+        "spec": {
+            "storageClassName": class,
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": bytes.to_string()}},
+            "dataSourceRef": {"apiGroup": crate::v1alpha1::GROUP, "kind": "VirtualMachineBackup", "name": backup},
+        },
+    }))
+    .expect("a claim serializes"))
 }
 
 /// What a new VM is made from ([`new_vm_source`]).
@@ -346,9 +513,12 @@ struct NewVmSource {
     label: (String, String),
     /// The source, for messages: `VirtualMachineBackup <name>`.
     what: String,
-    /// Bytes of disk data the source holds (a backup's `status.totalBytes`),
-    /// when known: the least a new root disk claim asks for.
+    /// Bytes of boot disk data the source holds (a backup's
+    /// `status.totalBytes` less its data disks' `virtualBytes`), when known:
+    /// the least a new root disk claim asks for.
     disk_bytes: Option<u64>,
+    /// The data disks the source holds (a backup's `status.dataDisks`).
+    data_disks: Vec<BackupDataDisk>,
 }
 
 /// Whether a restore to a new VM can go on from its source.
@@ -367,6 +537,7 @@ enum Verdict {
 async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Result<Verdict, kube::Error> {
     let namespace = restore.namespace().unwrap_or_default();
     let mut disk_bytes = None;
+    let mut data_disks = Vec::new();
     let (recorded, what, label) = match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
         (Some(backup_name), _) => {
             let backups: Api<VirtualMachineBackup> = Api::namespaced(client.clone(), &namespace);
@@ -386,7 +557,10 @@ async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Resu
                 _ => return Ok(Verdict::Wait(format!("waiting for VirtualMachineBackup {backup_name} to succeed"))),
             }
             let label = (RESTORED_FROM_LABEL.to_owned(), backup_name.clone());
-            disk_bytes = status.total_bytes.and_then(|bytes| u64::try_from(bytes).ok());
+            // totalBytes counts all disks together.
+            let data_bytes: i64 = status.data_disks.iter().filter_map(|d| d.virtual_bytes).sum();
+            disk_bytes = status.total_bytes.and_then(|bytes| u64::try_from(bytes.saturating_sub(data_bytes)).ok());
+            data_disks = status.data_disks.clone();
             ((status.node_name, status.virtual_machine_spec), format!("VirtualMachineBackup {backup_name}"), label)
         }
         (None, Some(snapshot_name)) => {
@@ -430,7 +604,9 @@ async fn new_vm_source(restore: &VirtualMachineRestore, client: &Client) -> Resu
         (None, None) => return Ok(Verdict::Fail("spec.source: name a backup or a snapshot".to_owned())),
     };
     match recorded {
-        (Some(node), Some(spec)) => Ok(Verdict::Go(Box::new(NewVmSource { node, spec, label, what, disk_bytes }))),
+        (Some(node), Some(spec)) => {
+            Ok(Verdict::Go(Box::new(NewVmSource { node, spec, label, what, disk_bytes, data_disks })))
+        }
         _ => Ok(Verdict::Fail(format!("{what} records no host or VM spec; it cannot be restored to a new VM"))),
     }
 }
@@ -682,4 +858,84 @@ async fn end(
     }
     restores.patch_status(name, &PatchParams::default(), &Patch::Merge(&serde_json::json!({"status": status}))).await?;
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::VmBuilder;
+
+    fn backed_up(name: &str, class: Option<&str>, virtual_bytes: Option<i64>) -> BackupDataDisk {
+        BackupDataDisk {
+            name: name.into(),
+            claim_name: class.map(|_| format!("web-{name}")),
+            storage_class_name: class.map(str::to_owned),
+            location: format!("/backups/team-a_nightly_u-1.{name}.qcow2"),
+            file_bytes: Some(4096),
+            virtual_bytes,
+        }
+    }
+
+    #[test]
+    fn every_data_disk_of_the_new_vm_is_a_claim_of_its_own_under_the_disks_name() {
+        let recorded = VmBuilder::new("web").disks(&[("data", "web-data"), ("logs", "/images/logs.qcow2")]).build();
+        let data = [backed_up("logs", None, Some(1 << 30)), backed_up("data", Some("vmlet-local"), Some(1 << 30))];
+        let disks = restored_disks("copy", &recorded.spec.disks, &data, "nightly").unwrap();
+        assert_eq!(
+            serde_json::to_value(disks).unwrap(),
+            serde_json::json!([
+                {"name": "data", "persistentVolumeClaim": {"claimName": "copy-disk-data"}},
+                {"name": "logs", "persistentVolumeClaim": {"claimName": "copy-disk-logs"}},
+            ]),
+            "spec order, names (the guest's serials) kept, a host image becomes a claim too"
+        );
+    }
+
+    #[test]
+    fn a_backup_whose_disks_are_not_its_specs_is_not_restored_to_a_new_vm() {
+        let recorded = VmBuilder::new("web").disks(&[("data", "web-data")]).build();
+        let why = restored_disks("copy", &recorded.spec.disks, &[], "nightly").unwrap_err();
+        assert_eq!(
+            why,
+            "VirtualMachineBackup nightly's status.dataDisks [] are not the disks of its \
+             status.virtualMachineSpec.disks [data]; it cannot be restored to a new VM: take a new backup"
+        );
+        let other = [backed_up("other", None, Some(1))];
+        assert!(restored_disks("copy", &recorded.spec.disks, &other, "nightly").is_err());
+        assert_eq!(restored_disks("copy", &[], &[], "nightly"), Ok(Vec::new()));
+    }
+
+    #[test]
+    fn a_data_claim_is_filled_from_its_disks_file_in_the_original_class_at_the_disks_size() {
+        let claim = data_claim("copy", "nightly", "r-1", &backed_up("data", Some("vmlet-local"), Some(1 << 30)), None);
+        let json = serde_json::to_value(claim.unwrap()).unwrap();
+        assert_eq!(json["metadata"]["name"], "copy-disk-data");
+        assert_eq!(
+            json["metadata"]["annotations"],
+            serde_json::json!({BACKUP_DISK_ANNOTATION: "data", RESTORED_BY_ANNOTATION: "r-1"})
+        );
+        assert_eq!(
+            json["metadata"]["labels"],
+            serde_json::json!({"vmlet.io/vm": "copy", RESTORED_FROM_LABEL: "nightly"})
+        );
+        assert_eq!(
+            json["spec"],
+            serde_json::json!({
+                "storageClassName": "vmlet-local", "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "1073741824"}},
+                "dataSourceRef": {"apiGroup": "vmlet.io", "kind": "VirtualMachineBackup", "name": "nightly"},
+            })
+        );
+        // A host image disk had no claim: the root disk's class.
+        let image = data_claim("copy", "nightly", "r-1", &backed_up("logs", None, Some(1 << 20)), Some("root-class"));
+        assert_eq!(serde_json::to_value(image.unwrap()).unwrap()["spec"]["storageClassName"], "root-class");
+    }
+
+    #[test]
+    fn a_data_claim_needs_the_disks_size_and_a_disk_name() {
+        let no_size = data_claim("copy", "nightly", "r-1", &backed_up("data", None, None), None).unwrap_err();
+        assert!(no_size.contains("status.dataDisks[data] records no virtualBytes"), "{no_size}");
+        let hostile = data_claim("copy", "nightly", "r-1", &backed_up("../x", None, Some(1)), None).unwrap_err();
+        assert!(hostile.contains("\"../x\", which is no data disk's name"), "{hostile}");
+    }
 }

@@ -21,6 +21,12 @@ pub const BACKUP_ANNOTATION: &str = "vmlet.io/backup";
 /// Annotation on a restore Job's pod (template) naming its
 /// VirtualMachineRestore in the same namespace.
 pub const RESTORE_ANNOTATION: &str = "vmlet.io/restore";
+/// Annotation on a PersistentVolumeClaim whose `dataSourceRef` names a
+/// VirtualMachineBackup: the data disk (`spec.disks[].name` of the backed-up
+/// VM, one of the backup's `status.dataDisks`) whose file fills the claim.
+/// Absent: the backup's boot disk file. The disk is looked up in that
+/// backup's status only, so the annotation cannot reach another file.
+pub const BACKUP_DISK_ANNOTATION: &str = "vmlet.io/backup-disk";
 
 /// A copy of a VirtualMachine's disk, taken on its host by a Job's pod.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -155,16 +161,23 @@ pub struct VirtualMachineBackupStatus {
     /// The host (node) that holds the file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
-    /// The file on that host.
+    /// The boot disk's file on that host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub location: Option<String>,
-    /// Bytes of disk data copied so far.
+    /// The VM's data disks (`spec.disks`, in order) and their files on that
+    /// host: each is copied at the same point in time as the boot disk.
+    /// Written when the copy begins (names, claims, files) and completed
+    /// (sizes) when it succeeded. Empty for a VM without data disks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data_disks: Vec<BackupDataDisk>,
+    /// Bytes of disk data copied so far, all disks together.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<i64>,
-    /// Bytes of disk data in all (the disk's virtual size).
+    /// Bytes of disk data in all, all disks together (for a full backup,
+    /// their virtual sizes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub total_bytes: Option<i64>,
-    /// Size of the file in bytes (zero blocks are not stored).
+    /// Size of the boot disk's file in bytes (zero blocks are not stored).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file_bytes: Option<i64>,
     /// `Quiesced` (filesystems frozen), `CrashConsistent` (see
@@ -198,6 +211,35 @@ pub struct VirtualMachineBackupStatus {
     /// `Complete` or `Failed` (as a Job's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// One data disk in a backup ([`VirtualMachineBackupStatus::data_disks`]).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct BackupDataDisk {
+    /// The disk's name in the VirtualMachine (`spec.disks[].name`): its
+    /// serial in the guest (`/dev/disk/by-id/virtio-<name>`).
+    #[schemars(length(min = 1, max = 20), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: String,
+    /// The PersistentVolumeClaim that held the disk (`None` for a
+    /// `hostImage` disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+    /// That claim's StorageClass when the backup began: a restore to a new
+    /// VM makes the disk's new claim in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_class_name: Option<String>,
+    /// The disk's file on the backup's host
+    /// ([`backup_data_file_name`] in the boot file's directory).
+    pub location: String,
+    /// Size of the file in bytes (zero blocks are not stored); once the
+    /// backup succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_bytes: Option<i64>,
+    /// The disk's virtual size in bytes, what the guest saw (the least a
+    /// claim restored from it asks for); once the backup succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_bytes: Option<i64>,
 }
 
 /// A VirtualMachine's disk made from a backup (a new VM, or a stopped VM put
@@ -288,6 +330,11 @@ pub struct VirtualMachineRestoreStatus {
     /// In place from a backup: where the VM's previous disk was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_disk: Option<String>,
+    /// In place from a backup: the VM's data disks put back, and where
+    /// each one's previous content was kept. A new VM from a backup: its
+    /// data disks' claims, filled from the backup.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data_disks: Vec<RestoredDataDisk>,
     /// UID of the pod that runs it: only that pod writes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
@@ -305,12 +352,65 @@ pub struct VirtualMachineRestoreStatus {
     pub conditions: Vec<Condition>,
 }
 
+/// One data disk a restore made or put back
+/// ([`VirtualMachineRestoreStatus::data_disks`]).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoredDataDisk {
+    /// The disk's name in the VirtualMachine (`spec.disks[].name`).
+    pub name: String,
+    /// In place: the disk's file, now holding the backup's data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<String>,
+    /// In place: where the disk's previous content was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_disk: Option<String>,
+    /// A new VM: the claim filled from the backup's file of this disk
+    /// ([`restored_data_claim_name`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+}
+
+/// Why backup `backup_name`, which holds data disks `data_disks`, is not
+/// restored to a new VM whose boot disk is a host file (the backed-up VM had
+/// no `spec.rootDisk`): that path makes the boot disk only, and the new VM
+/// would lack the data disks (or share the original's claims). The message
+/// names `spec.source.backup` and the two ways that work.
+pub fn boot_only_restore_refusal<'a>(backup_name: &str, data_disks: impl IntoIterator<Item = &'a str>) -> String {
+    let names: Vec<&str> = data_disks.into_iter().collect();
+    format!(
+        "spec.source.backup: VirtualMachineBackup {backup_name} holds data disks [{}] of a VM that booted a host \
+         file (no spec.rootDisk); a new VM is made from such a backup with its boot disk only: restore it in place \
+         instead (spec.target.inPlace: true, onto the stopped VM), or back up a VM with spec.rootDisk, whose \
+         restore fills a claim per disk",
+        names.join(", ")
+    )
+}
+
 /// The file name of backup `name` (UID `uid`) of `namespace`:
 /// `<namespace>_<name>_<uid>.qcow2`. Neither a namespace nor an object name
 /// may contain `_` or `/`, so the name says whose backup it is and cannot
 /// reach another directory.
 pub fn backup_file_name(namespace: &str, name: &str, uid: &str) -> String {
     format!("{namespace}_{name}_{uid}.qcow2")
+}
+
+/// The file name of data disk `disk` (`spec.disks[].name`) in backup
+/// `name` (UID `uid`) of `namespace`: `<namespace>_<name>_<uid>.<disk>.qcow2`,
+/// beside the boot disk's [`backup_file_name`]. `None` when `disk` is no
+/// disk name ([`super::is_disk_name`]: a DNS label of at most 20, so no `/`,
+/// `.` or `_`): the name then neither leaves its directory nor matches
+/// another backup's or disk's file.
+pub fn backup_data_file_name(namespace: &str, name: &str, uid: &str, disk: &str) -> Option<String> {
+    super::is_disk_name(disk).then(|| format!("{namespace}_{name}_{uid}.{disk}.qcow2"))
+}
+
+/// The name of the PersistentVolumeClaim a restore makes for data disk
+/// `disk` of the new VM `vm`: `<vm>-disk-<disk>` (never the root disk's
+/// `<vm>-root`, whatever the disk is called). At most 63 + 6 + 20
+/// characters, a valid claim name for a VM name and a disk name.
+pub fn restored_data_claim_name(vm: &str, disk: &str) -> String {
+    format!("{vm}-disk-{disk}")
 }
 
 /// The file name of the disk restore `uid` makes for VM `vm` of `namespace`:
@@ -323,4 +423,55 @@ pub fn restored_disk_name(namespace: &str, vm: &str, uid: &str) -> String {
 /// (libvirt checkpoint names: at most 128 of letters, digits, `-_.`).
 pub fn backup_checkpoint_name(uid: &str) -> String {
     format!("vmlet-{uid}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_data_disks_file_sits_beside_the_boot_file_and_names_backup_and_disk() {
+        let boot = backup_file_name("team-a", "nightly", "u-1");
+        let data = backup_data_file_name("team-a", "nightly", "u-1", "data").unwrap();
+        assert_eq!(boot, "team-a_nightly_u-1.qcow2");
+        assert_eq!(data, "team-a_nightly_u-1.data.qcow2");
+        assert_ne!(backup_data_file_name("team-a", "nightly", "u-1", "logs").unwrap(), data);
+    }
+
+    #[test]
+    fn a_data_file_name_is_refused_for_a_disk_name_that_could_leave_its_directory() {
+        for hostile in ["", "../../etc/passwd", "a/b", "..", "x.qcow2", "a_b", "Data", "-x", "d".repeat(21).as_str()] {
+            assert_eq!(backup_data_file_name("team-a", "nightly", "u-1", hostile), None, "{hostile:?}");
+        }
+    }
+
+    #[test]
+    fn a_restored_data_claim_is_never_the_root_disk_claim() {
+        assert_eq!(restored_data_claim_name("web", "data"), "web-disk-data");
+        assert_ne!(restored_data_claim_name("web", "root"), crate::v1alpha1::root_claim_name("web"));
+    }
+
+    #[test]
+    fn a_backups_data_disks_round_trip_through_its_status() {
+        let status: VirtualMachineBackupStatus = serde_json::from_value(serde_json::json!({
+            "location": "/b/ns_n_u.qcow2",
+            "dataDisks": [{"name": "data", "claimName": "web-data", "storageClassName": "vmlet-local",
+                           "location": "/b/ns_n_u.data.qcow2", "fileBytes": 4096, "virtualBytes": 1073741824}],
+        }))
+        .unwrap();
+        assert_eq!(
+            status.data_disks,
+            vec![BackupDataDisk {
+                name: "data".into(),
+                claim_name: Some("web-data".into()),
+                storage_class_name: Some("vmlet-local".into()),
+                location: "/b/ns_n_u.data.qcow2".into(),
+                file_bytes: Some(4096),
+                virtual_bytes: Some(1 << 30),
+            }]
+        );
+        let without: VirtualMachineBackupStatus = serde_json::from_value(serde_json::json!({})).unwrap();
+        assert!(without.data_disks.is_empty());
+        assert_eq!(serde_json::to_value(&without).unwrap(), serde_json::json!({}), "no empty list is written");
+    }
 }

@@ -298,6 +298,21 @@ pub struct VmDisk {
     pub host_image: Option<HostImageSource>,
 }
 
+/// Whether `name` is a data disk's name as `spec.disks[].name` allows it
+/// (the CRD's rule): a DNS label of 1 to 20 lower-case letters, digits and
+/// `-`, starting and ending with a letter or digit. Such a name holds no `/`,
+/// `.` or `_`, so a file name built from it stays in its directory and says
+/// whose it is. vmlet checks it again wherever a name comes from a status or
+/// an annotation, which the API server does not hold to the spec's rule.
+pub fn is_disk_name(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    let inner = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    (1..=20).contains(&bytes.len())
+        && bytes.first().is_some_and(inner)
+        && bytes.last().is_some_and(inner)
+        && bytes.iter().all(|b| inner(b) || *b == b'-')
+}
+
 /// Where a [`VmDisk`] comes from ([`VmDisk::source`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DiskSource<'a> {
@@ -824,6 +839,18 @@ mod tests {
     }
 
     #[test]
+    fn disk_names_are_dns_labels_of_at_most_20_and_nothing_that_leaves_a_directory() {
+        for good in ["data", "d", "logs-2", "0", "a".repeat(20).as_str()] {
+            assert!(is_disk_name(good), "{good}");
+        }
+        for bad in
+            ["", "Data", "-data", "data-", "..", "a/b", "../x", "a.b", "a_b", "a b", "a\0b", "a".repeat(21).as_str()]
+        {
+            assert!(!is_disk_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn the_crd_requires_one_disk_source_and_checks_host_image_paths_as_kernel_paths() {
         use kube::CustomResourceExt;
         let crd = serde_json::to_value(VirtualMachine::crd()).unwrap();
@@ -839,5 +866,8 @@ mod tests {
         assert_eq!(path["pattern"], spec["kernelBoot"]["properties"]["kernel"]["pattern"], "absolute, no controls");
         assert_eq!(path["pattern"], r"^/[^\x00-\x1f\x7f]*$");
         assert_eq!(disk["properties"]["hostImage"]["required"], serde_json::json!(["path"]));
+        // is_disk_name is the schema's rule for a disk's name.
+        assert_eq!(disk["properties"]["name"]["pattern"], "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$");
+        assert_eq!(disk["properties"]["name"]["maxLength"], 20);
     }
 }

@@ -35,8 +35,12 @@
 //!   `VirtualMachineImage` gets a qcow2 overlay on (or, with `fromImage:
 //!   copy`, a full copy of) the image's file; one naming a
 //!   `VirtualMachineBackup` of its own namespace gets a full copy of the
-//!   backup's disk, made on the backup's host from the one file vmlet named
-//!   after that backup ([`super::tasks::locate_backup_file`]).
+//!   backup's boot disk, or with the annotation
+//!   [`BACKUP_DISK_ANNOTATION`] `<disk>` of that data disk, made on the
+//!   backup's host from the one file vmlet named after that backup (and
+//!   disk) ([`super::tasks::locate_backup`]). The disk is looked up in that
+//!   backup's `status.dataDisks` only, and its file must bear vmlet's name
+//!   for it, so no annotation reaches another namespace's file or any other.
 //! - **Growth.** A bound claim of an `allowVolumeExpansion` class that asks
 //!   for more gets its volume grown, live on a running VM ([`expansion`]).
 //! - **Release → deletion.** A PersistentVolume of `Delete` policy carries
@@ -54,6 +58,7 @@ mod expansion;
 use super::Hosts;
 use crate::events::{EventSink, Reason};
 use crate::quantity;
+use crate::v1alpha1::BACKUP_DISK_ANNOTATION;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference,
@@ -191,9 +196,16 @@ enum DataSource {
     /// A cluster-scoped `VirtualMachineImage`, by name.
     Image(String),
     /// A `VirtualMachineBackup` of the claim's own namespace, by name: the
-    /// volume is an independent copy of the disk it holds (its whole
+    /// volume is an independent copy of a disk it holds (its whole
     /// incremental chain read), made on the backup's host.
-    Backup(String),
+    Backup {
+        /// The backup's name.
+        backup: String,
+        /// The data disk whose copy fills the claim (the claim's annotation
+        /// [`BACKUP_DISK_ANNOTATION`], a checked disk name); `None`: the
+        /// boot disk.
+        disk: Option<String>,
+    },
 }
 
 /// Why a claim of a vmlet class gets no volume now: the Warning Event's note.
@@ -280,7 +292,7 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
                          its own namespace; leave the namespace out"
                     ));
                 }
-                Some(DataSource::Backup(source.name.clone()))
+                Some(DataSource::Backup { backup: source.name.clone(), disk: backup_disk(claim)? })
             }
             other => {
                 return Err(format!(
@@ -303,8 +315,31 @@ fn wanted(claim: &PersistentVolumeClaim, class: &StorageClass) -> Result<Option<
     let capacity_bytes = quantity::parse_bytes(&size.0)
         .map_err(|e| format!("spec.resources.requests.storage {:?}: {e}", size.0))?
         .max(1);
-    let copy = copy || matches!(source, Some(DataSource::Backup(_)));
+    if claim.annotations().contains_key(BACKUP_DISK_ANNOTATION) && !matches!(source, Some(DataSource::Backup { .. })) {
+        return Err(format!(
+            "metadata.annotations[{BACKUP_DISK_ANNOTATION}] names a data disk of a backup, and spec.dataSourceRef \
+             names no VirtualMachineBackup: remove the annotation, or fill the claim from a backup"
+        ));
+    }
+    let copy = copy || matches!(source, Some(DataSource::Backup { .. }));
     Ok(Some(Wanted { node: node.clone(), pool: pool.clone(), format, capacity_bytes, source, copy, shared }))
+}
+
+/// The data disk of a backup that fills `claim` (its annotation
+/// [`BACKUP_DISK_ANNOTATION`]): `None` without it (the boot disk). A value
+/// that is no disk name ([`crate::v1alpha1::is_disk_name`]) is refused,
+/// naming the annotation; whether the backup holds that disk is asked of
+/// the backup's own status when the volume is made.
+fn backup_disk(claim: &PersistentVolumeClaim) -> Result<Option<String>, Refusal> {
+    match claim.annotations().get(BACKUP_DISK_ANNOTATION) {
+        None => Ok(None),
+        Some(disk) if crate::v1alpha1::is_disk_name(disk) => Ok(Some(disk.clone())),
+        Some(disk) => Err(format!(
+            "metadata.annotations[{BACKUP_DISK_ANNOTATION}] {disk:?} is no data disk's name (spec.disks[].name of \
+             the backed-up VM: a DNS label of at most 20 characters): name one of the backup's status.dataDisks, or \
+             remove the annotation to fill the claim from its boot disk"
+        )),
+    }
 }
 
 /// The volume name of `claim`: `<namespace>_<claim>_<uid>`, or
@@ -384,8 +419,8 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
                 return Ok(Action::requeue(RETRY));
             }
         },
-        Some(DataSource::Backup(backup)) => {
-            let found = super::tasks::locate_backup_file(
+        Some(DataSource::Backup { backup, disk }) => {
+            let found = super::tasks::locate_backup(
                 &ctx.client,
                 &namespace,
                 backup,
@@ -395,7 +430,7 @@ async fn provision(claim: Arc<PersistentVolumeClaim>, ctx: Arc<Context>) -> Resu
             )
             .await
             .map_err(kube("read the VirtualMachineBackup of"))?;
-            match found {
+            match found.and_then(|files| files.file_of(backup, disk.as_deref()).map(str::to_owned)) {
                 // Written by vmlet (QEMU's backup job or qemu-img): its
                 // format, and an incremental one's backing chain, are vmlet's.
                 Ok(path) => Some(vmlet_provider::BackingFile { path, format: DiskFormat::Qcow2 }),
@@ -887,7 +922,7 @@ mod tests {
         for parameters in [serde_json::json!({}), serde_json::json!({"format": "qcow2"})] {
             let wanted = wanted(&from(backup.clone()), &class(serde_json::json!({"parameters": parameters}))).unwrap();
             let wanted = wanted.unwrap();
-            assert_eq!(wanted.source, Some(DataSource::Backup("nightly".into())));
+            assert_eq!(wanted.source, Some(DataSource::Backup { backup: "nightly".into(), disk: None }));
             assert!(wanted.copy, "a restored disk never leans on the backup file: {parameters}");
         }
         let mut own = backup.clone();
@@ -905,6 +940,34 @@ mod tests {
             wanted(&from(unknown), &class(serde_json::json!({}))).unwrap_err(),
             "spec.dataSourceRef names VirtualMachine web: vmlet fills claims from VirtualMachineImages and \
              VirtualMachineBackups only"
+        );
+    }
+
+    #[test]
+    fn a_claim_names_the_backups_data_disk_that_fills_it_by_annotation_and_nothing_else() {
+        let backup = serde_json::json!({"apiGroup": "vmlet.io", "kind": "VirtualMachineBackup", "name": "nightly"});
+        let annotated = |disk: &str| {
+            claim(serde_json::json!({"metadata": {"annotations": {BACKUP_DISK_ANNOTATION: disk}},
+                                     "spec": {"dataSourceRef": backup.clone()}}))
+        };
+        let source = wanted(&annotated("data"), &class(serde_json::json!({}))).unwrap().unwrap().source;
+        assert_eq!(source, Some(DataSource::Backup { backup: "nightly".into(), disk: Some("data".into()) }));
+        for hostile in
+            ["../../team-b_nightly_u-1", "data/../../x", "..", "data.qcow2", "", "Data", "d".repeat(21).as_str()]
+        {
+            let refusal = wanted(&annotated(hostile), &class(serde_json::json!({}))).unwrap_err();
+            assert!(
+                refusal.starts_with(&format!(
+                    "metadata.annotations[vmlet.io/backup-disk] {hostile:?} is no data disk's name"
+                )),
+                "{hostile:?}: {refusal}"
+            );
+        }
+        let without_backup = claim(serde_json::json!({"metadata": {"annotations": {BACKUP_DISK_ANNOTATION: "data"}}}));
+        let refusal = wanted(&without_backup, &class(serde_json::json!({}))).unwrap_err();
+        assert!(
+            refusal.contains("spec.dataSourceRef names no VirtualMachineBackup: remove the annotation"),
+            "{refusal}"
         );
     }
 }

@@ -1,12 +1,16 @@
-//! A backup Job's pod: copy the VM's disk to a file under the host's backup
+//! A backup Job's pod: copy the VM's disks (the boot disk and each data disk
+//! of `spec.disks`, at one point in time) to files under the host's backup
 //! roots through the provider's [`vmlet_provider::Backup`], report progress in
-//! the pod's log and the VirtualMachineBackup's status, end the pod.
+//! the pod's log and the VirtualMachineBackup's status (`location`,
+//! `dataDisks`), end the pod.
 //!
-//! Only one pod ever writes a backup's file: the first to claim the backup
+//! Only one pod ever writes a backup's files: the first to claim the backup
 //! (`status.podUid`, written with the object's resourceVersion as
-//! precondition). The file's name is vmlet's (namespace, backup name and UID),
-//! its directory must lie under the host's backup roots.
+//! precondition). The files' names are vmlet's (namespace, backup name and
+//! UID, and the data disk's name: [`backup_data_file_name`]), all in one
+//! directory, which must lie under the host's backup roots.
 
+use super::backup_files::{checked_files, BackupFiles};
 use super::{end, log_line, mib, now, Outcome, STATUS_EVERY};
 use crate::conditions::new_condition;
 use crate::node::pods::Error;
@@ -14,11 +18,11 @@ use crate::node::volumes::{claim_directory, ClaimError};
 use crate::node::Agent;
 use crate::storage::check_host_file;
 use crate::v1alpha1::{
-    backup_checkpoint_name, backup_file_name, BackupMode, OperationPhase, VirtualMachine, VirtualMachineBackup,
-    VirtualMachineBackupStatus,
+    backup_checkpoint_name, backup_data_file_name, backup_file_name, BackupDataDisk, BackupMode, OperationPhase,
+    VirtualMachine, VirtualMachineBackup, VirtualMachineBackupStatus,
 };
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
@@ -26,7 +30,9 @@ use kube::{Api, ResourceExt};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::{info, warn};
-use vmlet_provider::{BackupOutcome, BackupProgress, BackupRequest, Consistency, ErrorKind, IncrementalBase, VmId};
+use vmlet_provider::{
+    BackupOutcome, BackupProgress, BackupRequest, Consistency, DataDiskFile, ErrorKind, IncrementalBase, VmId,
+};
 
 /// How often a running backup's pod is looked at (its task writes the rest).
 const WHILE_RUNNING: Duration = Duration::from_secs(30);
@@ -145,29 +151,41 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
                 }
             },
         };
-        let path = format!("{dir}/{}", backup_file_name(&namespace, name, &backup.uid().unwrap_or_default()));
-        if let Err(why) = check_host_file(&roots, agent.storage.resolves_links(), &path).await {
-            return Err(refuse(
-                "TargetNotAllowed",
-                format!(
-                    "{field} {dir:?}: the backup file {path:?} {why}; host {} writes backups only under its \
-                     backupRoots [{}]: name one of them or a directory under one",
-                    agent.host.name,
-                    roots.join(", ")
-                ),
-            ));
+        let uid = backup.uid().unwrap_or_default();
+        let path = format!("{dir}/{}", backup_file_name(&namespace, name, &uid));
+        let data_disks = match data_disk_targets(&vm, &namespace, name, &uid, &dir) {
+            Ok(disks) => disks,
+            Err(message) => return Err(refuse("InvalidDiskName", message)),
+        };
+        let files = std::iter::once(path.as_str()).chain(data_disks.iter().map(|d| d.location.as_str()));
+        for file in files {
+            if let Err(why) = check_host_file(&roots, agent.storage.resolves_links(), file).await {
+                return Err(refuse(
+                    "TargetNotAllowed",
+                    format!(
+                        "{field} {dir:?}: the backup file {file:?} {why}; host {} writes backups only under its \
+                         backupRoots [{}]: name one of them or a directory under one",
+                        agent.host.name,
+                        roots.join(", ")
+                    ),
+                ));
+            }
         }
+        let data_disks = match with_storage_classes(agent, &namespace, data_disks).await {
+            Ok(disks) => disks,
+            Err(e) => return Err(refuse("", e.to_string())),
+        };
         let base = match backup.spec.mode {
             BackupMode::Full => None,
-            BackupMode::Incremental => match incremental_base(agent, &backups, &backup).await {
+            BackupMode::Incremental => match incremental_base(agent, &backups, &backup, &data_disks).await {
                 Ok(Ok(base)) => Some(base),
                 Ok(Err(message)) => return Err(refuse("NoIncrementalBase", message)),
                 Err(e) => return Err(refuse("", e.to_string())),
             },
         };
-        Ok((vm, id, dir, path, base))
+        Ok((vm, id, dir, path, data_disks, base))
     };
-    let (vm, id, dir, path, base) = match plan.await {
+    let (vm, id, dir, path, data_disks, base) = match plan.await {
         Ok(plan) => plan,
         // Reading failed: retry with the pod's backoff.
         Err(("", message)) => {
@@ -188,6 +206,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
                 pod_uid: Some(pod_uid.clone()),
                 node_name: Some(agent.host.name.clone()),
                 location: Some(path.clone()),
+                data_disks: data_disks.clone(),
                 start_time: Some(now()),
                 message: Some(format!("backing up VirtualMachine {} to {path}", vm.name_any())),
                 virtual_machine_spec: Some(vm.spec.clone()),
@@ -211,7 +230,10 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
     // A resumed backup passes the same target: the provider follows, answers
     // from or replaces what the interrupted attempt left (`Backup::backup`).
     let request = BackupRequest {
-        data_disks: Vec::new(),
+        data_disks: data_disks
+            .iter()
+            .map(|d| DataDiskFile { disk: d.name.clone(), path: d.location.clone() })
+            .collect(),
         target: path.clone(),
         quiesce: backup.spec.quiesce,
         timeout: Duration::from_secs(backup.spec.active_deadline_seconds.max(10) as u64),
@@ -228,6 +250,9 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         &pod_uid,
         &format!("backing up VirtualMachine {} ({}) on host {} to {path}", vm.name_any(), id, agent.host.name),
     );
+    for disk in &data_disks {
+        log_line(agent, &pod_uid, &format!("data disk {}: to {}", disk.name, disk.location));
+    }
     if let Some((base_name, base)) = &base {
         let line = format!(
             "incremental: only what changed since VirtualMachineBackup {base_name} (checkpoint {}, file {})",
@@ -235,7 +260,7 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         );
         log_line(agent, &pod_uid, &line);
     }
-    tokio::spawn(run(Arc::clone(agent), pod.clone(), backups, name.to_owned(), id, request));
+    tokio::spawn(run(Arc::clone(agent), pod.clone(), backups, name.to_owned(), id, request, data_disks));
     Ok(Action::requeue(WHILE_RUNNING))
 }
 
@@ -249,6 +274,7 @@ async fn run(
     name: String,
     id: VmId,
     request: BackupRequest,
+    data_disks: Vec<BackupDataDisk>,
 ) {
     let pod_uid = pod.uid().unwrap_or_default();
     let latest = Arc::new(Mutex::new(BackupProgress::default()));
@@ -285,13 +311,14 @@ async fn run(
         Ok(outcome) => {
             let message = done_message(&outcome);
             info!(backup = %name, path = %outcome.path, bytes = outcome.bytes, "backup complete");
-            (finished(&outcome, &message), message, false)
+            (finished(&outcome, &data_disks, &message), message, false)
         }
         Err(e) => {
             warn!(backup = %name, error = %e, "backup failed");
             let message = format!("backup failed; the VM runs on: {e}");
             let mut status = terminal(OperationPhase::Failed, "BackupFailed", &message);
             status["location"] = serde_json::Value::Null;
+            status["dataDisks"] = serde_json::Value::Null;
             (status, message, true)
         }
     };
@@ -319,13 +346,70 @@ async fn run(
     agent.task_ended(&pod_uid);
 }
 
+/// Each data disk of `vm` (`spec.disks`, in order) and its file in
+/// directory `dir` for backup `backup_name` (UID `uid`) of `namespace`
+/// ([`backup_data_file_name`]), with the claim that holds it; the claims'
+/// classes are [`with_storage_classes`]'s. `Err(why)` naming the field for a
+/// disk name the CRD's rule would have refused (an object that bypassed
+/// admission).
+fn data_disk_targets(
+    vm: &VirtualMachine,
+    namespace: &str,
+    backup_name: &str,
+    uid: &str,
+    dir: &str,
+) -> Result<Vec<BackupDataDisk>, String> {
+    vm.spec
+        .disks
+        .iter()
+        .enumerate()
+        .map(|(at, disk)| {
+            let Some(file) = backup_data_file_name(namespace, backup_name, uid, &disk.name) else {
+                return Err(format!(
+                    "spec.disks[{at}].name {:?} of VirtualMachine {}: not a data disk's name (a DNS label of at most \
+                     20 characters); rename the disk",
+                    disk.name,
+                    vm.name_any()
+                ));
+            };
+            Ok(BackupDataDisk {
+                name: disk.name.clone(),
+                claim_name: disk.persistent_volume_claim.as_ref().map(|c| c.claim_name.clone()),
+                location: format!("{dir}/{file}"),
+                ..BackupDataDisk::default()
+            })
+        })
+        .collect()
+}
+
+/// `disks` with each claim's StorageClass (read from the claim of
+/// `namespace`; none for a claim that is gone or names none), so that a
+/// restore can make the disk's new claim in the same class.
+async fn with_storage_classes(
+    agent: &Agent,
+    namespace: &str,
+    mut disks: Vec<BackupDataDisk>,
+) -> Result<Vec<BackupDataDisk>, kube::Error> {
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(agent.client.clone(), namespace);
+    for disk in &mut disks {
+        if let Some(claim_name) = &disk.claim_name {
+            let claim = claims.get_opt(claim_name).await?;
+            disk.storage_class_name = claim.and_then(|c| c.spec?.storage_class_name);
+        }
+    }
+    Ok(disks)
+}
+
 /// The backup an `Incremental` backup builds on: the newest Succeeded
-/// backup of the same VM on this host that left a checkpoint, whose file is
-/// vmlet's under this host's backup roots. `Ok(Err(why))` when there is none.
+/// backup of the same VM on this host that left a checkpoint, whose files
+/// are vmlet's under this host's backup roots ([`checked_files`]) and which
+/// holds a copy of each of `data_disks` (the VM's data disks now).
+/// `Ok(Err(why))` when there is none.
 async fn incremental_base(
     agent: &Agent,
     backups: &Api<VirtualMachineBackup>,
     backup: &VirtualMachineBackup,
+    data_disks: &[BackupDataDisk],
 ) -> Result<Result<(String, IncrementalBase), String>, kube::Error> {
     let namespace = backup.namespace().unwrap_or_default();
     let vm_name = &backup.spec.virtual_machine;
@@ -350,18 +434,40 @@ async fn incremental_base(
         )));
     };
     let base_name = base.name_any();
-    let expected = backup_file_name(&namespace, &base_name, &base.uid().unwrap_or_default());
-    let file = base.status.and_then(|s| s.location).unwrap_or_default();
     let roots = agent.host.effective_backup_roots();
-    let named_right = std::path::Path::new(&file).file_name().and_then(|f| f.to_str()) == Some(expected.as_str());
-    if !named_right || check_host_file(&roots, agent.storage.resolves_links(), &file).await.is_err() {
-        return Ok(Err(format!(
-            "spec.mode Incremental: the base VirtualMachineBackup {base_name}'s status.location {file:?} is not its \
-             file ({expected} under host {}'s backupRoots); take a Full backup",
-            agent.host.name
-        )));
-    }
-    Ok(Ok((base_name, IncrementalBase { checkpoint, backing_file: file, data_backing_files: Vec::new() })))
+    let files = match checked_files(&namespace, &base, &agent.host.name, &roots, agent.storage.resolves_links()).await {
+        Ok(files) => files,
+        Err(why) => return Ok(Err(format!("spec.mode Incremental: the base {why}; take a Full backup"))),
+    };
+    let data_backing_files = match data_backing_files(&base_name, &files, data_disks) {
+        Ok(files) => files,
+        Err(why) => return Ok(Err(why)),
+    };
+    Ok(Ok((base_name, IncrementalBase { checkpoint, backing_file: files.boot, data_backing_files })))
+}
+
+/// For each of `data_disks` (the VM's data disks now), the file base backup
+/// `base_name` wrote for it (`base`): the new data file's backing file.
+/// `Err(why)` asking for a full backup when the base holds no copy of a
+/// disk (one added since). Disks the base holds and the VM no longer has are
+/// left out.
+fn data_backing_files(
+    base_name: &str,
+    base: &BackupFiles,
+    data_disks: &[BackupDataDisk],
+) -> Result<Vec<DataDiskFile>, String> {
+    data_disks
+        .iter()
+        .map(|disk| match base.file_of(base_name, Some(&disk.name)) {
+            Ok(path) => Ok(DataDiskFile { disk: disk.name.clone(), path: path.to_owned() }),
+            Err(_) => Err(format!(
+                "spec.mode Incremental: the base VirtualMachineBackup {base_name} holds no copy of data disk {} \
+                 (spec.disks[{}], added to the VM since); an incremental backup copies only what changed since its \
+                 base: take a Full backup (with checkpoint: true) first",
+                disk.name, disk.name
+            )),
+        })
+        .collect()
 }
 
 /// Stop the copy that pod `pod` runs for backup `name` (its pod is being
@@ -398,33 +504,59 @@ pub(super) async fn abort(pod: &Pod, agent: &Agent, name: &str) {
     }
 }
 
-/// The pod's and the backup's message for a finished backup.
+/// The pod's and the backup's message for a finished backup: the bytes
+/// copied (all disks together), the boot disk's file, each data disk's file
+/// and how consistent the copy is.
 fn done_message(outcome: &BackupOutcome) -> String {
     let consistency = match &outcome.consistency {
         Consistency::Quiesced { filesystems } => format!("quiesced ({filesystems} filesystems frozen)"),
         Consistency::CrashConsistent { reason } => format!("crash-consistent: {reason}"),
         Consistency::Offline => "offline (the VM was not running)".to_owned(),
     };
+    let data = match outcome.data_disks.as_slice() {
+        [] => String::new(),
+        disks => {
+            let each: Vec<String> =
+                disks.iter().map(|d| format!("{} in {} ({} on disk)", d.disk, d.path, mib(d.file_bytes))).collect();
+            format!(", data disk{} {}", if disks.len() == 1 { "" } else { "s" }, each.join(", "))
+        }
+    };
     format!(
-        "backup complete: {} of disk data in {} ({} on disk), {consistency}",
+        "backup complete: {} of disk data, boot disk in {} ({} on disk){data}, {consistency}",
         mib(outcome.bytes),
         outcome.path,
         mib(outcome.file_bytes)
     )
 }
 
-/// The status patch of a finished backup.
-fn finished(outcome: &BackupOutcome, message: &str) -> serde_json::Value {
+/// The status patch of a finished backup: `planned` (the data disks as the
+/// backup recorded them when it began) completed with their sizes from
+/// `outcome`.
+fn finished(outcome: &BackupOutcome, planned: &[BackupDataDisk], message: &str) -> serde_json::Value {
     let (consistency, reason) = match &outcome.consistency {
         Consistency::Quiesced { .. } => ("Quiesced", None),
         Consistency::CrashConsistent { reason } => ("CrashConsistent", Some(reason.clone())),
         Consistency::Offline => ("Offline", None),
     };
+    let bytes = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let data_disks: Vec<BackupDataDisk> = planned
+        .iter()
+        .map(|disk| {
+            let copy = outcome.data_disks.iter().find(|c| c.disk == disk.name);
+            BackupDataDisk {
+                location: copy.map_or_else(|| disk.location.clone(), |c| c.path.clone()),
+                file_bytes: copy.map(|c| bytes(c.file_bytes)),
+                virtual_bytes: copy.map(|c| bytes(c.virtual_bytes)).filter(|n| *n > 0),
+                ..disk.clone()
+            }
+        })
+        .collect();
     let mut status = terminal(OperationPhase::Succeeded, "BackupComplete", message);
     status["bytes"] = outcome.bytes.into();
     status["totalBytes"] = outcome.bytes.into();
     status["fileBytes"] = outcome.file_bytes.into();
     status["location"] = outcome.path.clone().into();
+    status["dataDisks"] = serde_json::to_value(data_disks).expect("data disks serialize");
     status["checkpoint"] = outcome.checkpoint.clone().into();
     status["consistency"] = consistency.into();
     status["consistencyReason"] = reason.into();
@@ -462,4 +594,126 @@ async fn fail(
     }
     end(pod, agent, Outcome::Failed { reason, message }).await?;
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::VmBuilder;
+    use vmlet_provider::DataDiskCopy;
+
+    fn planned() -> Vec<BackupDataDisk> {
+        let vm = VmBuilder::new("web").disks(&[("data", "web-data"), ("logs", "/images/logs.qcow2")]).build();
+        data_disk_targets(&vm, "team-a", "nightly", "u-1", "/backups").unwrap()
+    }
+
+    #[test]
+    fn each_data_disk_gets_a_file_beside_the_boot_file_in_spec_order() {
+        assert_eq!(
+            planned(),
+            vec![
+                BackupDataDisk {
+                    name: "data".into(),
+                    claim_name: Some("web-data".into()),
+                    location: "/backups/team-a_nightly_u-1.data.qcow2".into(),
+                    ..BackupDataDisk::default()
+                },
+                BackupDataDisk {
+                    name: "logs".into(),
+                    claim_name: None,
+                    location: "/backups/team-a_nightly_u-1.logs.qcow2".into(),
+                    ..BackupDataDisk::default()
+                },
+            ]
+        );
+        let without = VmBuilder::new("web").build();
+        assert_eq!(data_disk_targets(&without, "team-a", "nightly", "u-1", "/backups"), Ok(Vec::new()));
+    }
+
+    #[test]
+    fn a_disk_name_that_bypassed_admission_is_refused_naming_the_field() {
+        let mut vm = VmBuilder::new("web").disks(&[("data", "web-data")]).build();
+        vm.spec.disks[0].name = "../../etc".into();
+        let why = data_disk_targets(&vm, "team-a", "nightly", "u-1", "/backups").unwrap_err();
+        assert_eq!(
+            why,
+            "spec.disks[0].name \"../../etc\" of VirtualMachine web: not a data disk's name (a DNS label of at most \
+             20 characters); rename the disk"
+        );
+    }
+
+    #[test]
+    fn an_incremental_backup_builds_each_data_disk_on_the_bases_copy_and_needs_one_for_every_disk() {
+        let base = BackupFiles {
+            boot: "/backups/team-a_full_u-0.qcow2".into(),
+            data_disks: vec![
+                DataDiskFile { disk: "data".into(), path: "/backups/team-a_full_u-0.data.qcow2".into() },
+                DataDiskFile { disk: "gone".into(), path: "/backups/team-a_full_u-0.gone.qcow2".into() },
+            ],
+        };
+        let data = &planned()[..1];
+        assert_eq!(
+            data_backing_files("full", &base, data),
+            Ok(vec![DataDiskFile { disk: "data".into(), path: "/backups/team-a_full_u-0.data.qcow2".into() }]),
+            "a disk the VM no longer has is left out"
+        );
+        let why = data_backing_files("full", &base, &planned()).unwrap_err();
+        assert!(why
+            .starts_with("spec.mode Incremental: the base VirtualMachineBackup full holds no copy of data disk logs"));
+        assert!(why.ends_with("take a Full backup (with checkpoint: true) first"), "{why}");
+    }
+
+    fn outcome() -> BackupOutcome {
+        BackupOutcome {
+            path: "/backups/team-a_nightly_u-1.qcow2".into(),
+            data_disks: vec![
+                DataDiskCopy {
+                    disk: "data".into(),
+                    path: "/backups/team-a_nightly_u-1.data.qcow2".into(),
+                    virtual_bytes: 1 << 30,
+                    file_bytes: 1 << 20,
+                },
+                DataDiskCopy {
+                    disk: "logs".into(),
+                    path: "/backups/team-a_nightly_u-1.logs.qcow2".into(),
+                    virtual_bytes: 0,
+                    file_bytes: 2 << 20,
+                },
+            ],
+            bytes: (1 << 30) + (128 << 20),
+            file_bytes: 3 << 20,
+            consistency: Consistency::Offline,
+            checkpoint: None,
+        }
+    }
+
+    #[test]
+    fn a_finished_backups_status_records_each_data_disks_file_and_sizes() {
+        let status = finished(&outcome(), &planned(), "done");
+        assert_eq!(
+            status["dataDisks"],
+            serde_json::json!([
+                {"name": "data", "claimName": "web-data", "location": "/backups/team-a_nightly_u-1.data.qcow2",
+                 "fileBytes": 1 << 20, "virtualBytes": 1 << 30},
+                {"name": "logs", "location": "/backups/team-a_nightly_u-1.logs.qcow2", "fileBytes": 2 << 20},
+            ]),
+            "an unknown virtual size (0) is not written"
+        );
+        assert_eq!(status["bytes"], (1u64 << 30) + (128 << 20), "all disks together");
+        assert_eq!(status["location"], "/backups/team-a_nightly_u-1.qcow2");
+        let parsed: VirtualMachineBackupStatus = serde_json::from_value(status).unwrap();
+        assert_eq!(parsed.data_disks.len(), 2);
+    }
+
+    #[test]
+    fn the_done_message_names_every_disks_file() {
+        assert_eq!(
+            done_message(&outcome()),
+            "backup complete: 1152.0 MiB of disk data, boot disk in /backups/team-a_nightly_u-1.qcow2 (3.0 MiB on \
+             disk), data disks data in /backups/team-a_nightly_u-1.data.qcow2 (1.0 MiB on disk), logs in \
+             /backups/team-a_nightly_u-1.logs.qcow2 (2.0 MiB on disk), offline (the VM was not running)"
+        );
+        let boot_only = BackupOutcome { data_disks: Vec::new(), ..outcome() };
+        assert!(!done_message(&boot_only).contains("data disk"));
+    }
 }

@@ -1,6 +1,8 @@
 //! A restore Job's pod for `spec.target.inPlace`: put a stopped VM of this
 //! host back as its backup holds it ([`vmlet_provider::Backup::restore_in_place`]:
-//! the old disk is kept beside it) or revert it to its snapshot
+//! the boot disk and every data disk from their files in the backup, the old
+//! disks kept beside them; a VM whose data disks are not the backup's is
+//! refused by the back end, naming the disk) or revert it to its snapshot
 //! ([`vmlet_provider::Snapshots::revert_to_snapshot`]), then end the restore.
 //!
 //! Safety: the VM is the target named in the pod's own namespace, the source
@@ -12,13 +14,14 @@
 //! on its own as well. Only the pod that claimed the restore
 //! (`status.podUid`, guarded by resourceVersion) writes.
 
-use super::restore::{backup_file, fail, source_name};
+use super::restore::{backup_files, fail, source_name};
 use super::{end, log_line, mib, Outcome};
 use crate::conditions::new_condition;
 use crate::node::pods::Error;
 use crate::node::Agent;
 use crate::v1alpha1::{
-    OperationPhase, VirtualMachine, VirtualMachineRestore, VirtualMachineRestoreStatus, VirtualMachineSnapshot,
+    OperationPhase, RestoredDataDisk, VirtualMachine, VirtualMachineRestore, VirtualMachineRestoreStatus,
+    VirtualMachineSnapshot,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -28,15 +31,15 @@ use kube::{Api, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
-use vmlet_provider::VmId;
+use vmlet_provider::{DataDiskFile, InPlaceRestore, VmId};
 
 /// How long putting a disk back may take.
 const DEADLINE: Duration = Duration::from_secs(3600);
 
 /// What the restore puts back.
 enum Source {
-    /// A backup file on this host.
-    Backup { path: String },
+    /// A backup's files on this host: the boot disk's and each data disk's.
+    Backup { path: String, data_disks: Vec<DataDiskFile> },
     /// A snapshot's name on the back end.
     Snapshot { backend_name: String },
 }
@@ -100,8 +103,10 @@ pub(super) async fn sync(
     }
     let id = VmId(vm.uid().unwrap_or_default());
     let source = match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
-        (Some(backup_name), _) => match backup_file(agent, &namespace, backup_name).await? {
-            Ok(path) if agent.provider.backup().is_some() => Source::Backup { path },
+        (Some(backup_name), _) => match backup_files(agent, &namespace, backup_name).await? {
+            Ok(files) if agent.provider.backup().is_some() => {
+                Source::Backup { path: files.boot, data_disks: files.data_disks }
+            }
             Ok(_) => {
                 let backend = agent.host.describe(agent.provider.kind());
                 return refuse(format!(
@@ -195,17 +200,12 @@ pub(super) async fn sync(
         (Arc::clone(agent), pod.clone(), restores.clone(), restore.uid().unwrap_or_default());
     tokio::spawn(async move {
         let result = match &source {
-            Source::Backup { path } => {
+            Source::Backup { path, data_disks } => {
                 let capability = agent.provider.backup().expect("checked before the task started");
-                capability.restore_in_place(&id, path, &[], &tag, DEADLINE).await.map(|done| {
-                    let message = format!(
-                        "disk {} put back from {path} ({}); its previous content is kept as {}",
-                        done.disk,
-                        mib(done.bytes),
-                        done.kept_as
-                    );
-                    (serde_json::json!({"disk": done.disk, "previousDisk": done.kept_as, "bytes": done.bytes}), message)
-                })
+                capability
+                    .restore_in_place(&id, path, data_disks, &tag, DEADLINE)
+                    .await
+                    .map(|done| (put_back_status(&done), put_back_message(&done, path)))
             }
             Source::Snapshot { backend_name } => {
                 let capability = agent.provider.snapshots().expect("checked before the task started");
@@ -266,6 +266,53 @@ pub(super) async fn sync(
     Ok(Action::requeue(Duration::from_secs(30)))
 }
 
+/// The restore's status fields for what [`Backup::restore_in_place`] did:
+/// the boot disk (`disk`, `previousDisk`), all disks' bytes together, and
+/// each data disk (`dataDisks`).
+///
+/// [`Backup::restore_in_place`]: vmlet_provider::Backup::restore_in_place
+fn put_back_status(done: &InPlaceRestore) -> serde_json::Value {
+    let data_disks: Vec<RestoredDataDisk> = done
+        .data_disks
+        .iter()
+        .map(|d| RestoredDataDisk {
+            name: d.name.clone(),
+            disk: Some(d.disk.clone()),
+            previous_disk: Some(d.kept_as.clone()),
+            claim_name: None,
+        })
+        .collect();
+    let bytes = done.bytes + done.data_disks.iter().map(|d| d.bytes).sum::<u64>();
+    let mut status = serde_json::json!({"disk": done.disk, "previousDisk": done.kept_as, "bytes": bytes});
+    if !data_disks.is_empty() {
+        status["dataDisks"] = serde_json::to_value(data_disks).expect("data disks serialize");
+    }
+    status
+}
+
+/// The restore's message for what [`Backup::restore_in_place`] did from
+/// backup file `path`: each disk put back and where its old content is.
+///
+/// [`Backup::restore_in_place`]: vmlet_provider::Backup::restore_in_place
+fn put_back_message(done: &InPlaceRestore, path: &str) -> String {
+    let mut message = format!(
+        "disk {} put back from {path} ({}); its previous content is kept as {}",
+        done.disk,
+        mib(done.bytes),
+        done.kept_as
+    );
+    for data in &done.data_disks {
+        message.push_str(&format!(
+            "; data disk {} ({}) put back ({}), its previous content kept as {}",
+            data.name,
+            data.disk,
+            mib(data.bytes),
+            data.kept_as
+        ));
+    }
+    message
+}
+
 /// After a backup replaced VM `id`'s disk, the snapshots that lived in the
 /// old disk are no longer the VM's (the back end dropped them; their data is
 /// in `kept`): their objects say so and are no longer ready to use. Best
@@ -294,5 +341,40 @@ async fn retire_snapshots(agent: &Agent, namespace: &str, id: &VmId, restore: &s
         {
             warn!(snapshot = %snapshot.name_any(), error = %e, "could not mark a snapshot no longer usable");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmlet_provider::RestoredDataDisk as PutBack;
+
+    #[test]
+    fn a_put_back_backup_reports_every_disk_and_where_its_old_content_is() {
+        let done = InPlaceRestore {
+            disk: "/vms/web.qcow2".into(),
+            kept_as: "/vms/web.qcow2.before-r1".into(),
+            bytes: 128 << 20,
+            data_disks: vec![PutBack {
+                name: "data".into(),
+                disk: "/pool/data".into(),
+                kept_as: "/pool/data.before-r1".into(),
+                bytes: 1 << 30,
+            }],
+        };
+        assert_eq!(
+            put_back_status(&done),
+            serde_json::json!({"disk": "/vms/web.qcow2", "previousDisk": "/vms/web.qcow2.before-r1",
+                "bytes": (1u64 << 30) + (128 << 20),
+                "dataDisks": [{"name": "data", "disk": "/pool/data", "previousDisk": "/pool/data.before-r1"}]})
+        );
+        assert_eq!(
+            put_back_message(&done, "/b/f.qcow2"),
+            "disk /vms/web.qcow2 put back from /b/f.qcow2 (128.0 MiB); its previous content is kept as \
+             /vms/web.qcow2.before-r1; data disk data (/pool/data) put back (1024.0 MiB), its previous content kept \
+             as /pool/data.before-r1"
+        );
+        let boot_only = InPlaceRestore { data_disks: Vec::new(), ..done };
+        assert_eq!(put_back_status(&boot_only).get("dataDisks"), None);
     }
 }

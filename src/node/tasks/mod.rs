@@ -19,11 +19,12 @@
 //! reads through the kubelet API.
 
 mod backup;
+mod backup_files;
 mod in_place;
 mod restore;
 mod snapshot;
 
-pub(crate) use restore::locate_backup_file;
+pub(crate) use restore::locate_backup;
 
 use super::pods::{finish_deletion, write_status, Error};
 use super::Agent;

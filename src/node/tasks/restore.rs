@@ -14,13 +14,14 @@
 //! new disk goes under the host's first storage root, named after the
 //! namespace, the new VM and the restore's UID.
 
+use super::backup_files::{checked_files, BackupFiles};
 use super::{end, log_line, mib, Outcome};
 use crate::node::pods::Error;
 use crate::node::Agent;
 use crate::storage::check_host_file;
 use crate::v1alpha1::{
-    backup_file_name, restored_disk_name, snapshot_backend_name, OperationPhase, VirtualMachine, VirtualMachineBackup,
-    VirtualMachineRestore, VirtualMachineSnapshot,
+    boot_only_restore_refusal, restored_disk_name, snapshot_backend_name, OperationPhase, VirtualMachine,
+    VirtualMachineBackup, VirtualMachineRestore, VirtualMachineSnapshot,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
@@ -65,7 +66,14 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         return fail(pod, agent, None, &message).await;
     }
     let source = match (&restore.spec.source.backup, &restore.spec.source.snapshot) {
-        (Some(backup_name), _) => backup_file(agent, &namespace, backup_name).await?.map(DiskSource::Backup),
+        (Some(backup_name), _) => backup_files(agent, &namespace, backup_name).await?.and_then(|files| {
+            // The controller refuses these before it runs a Job; this pod
+            // never makes a VM that would lack the backup's data disks.
+            match files.data_disks.is_empty() {
+                true => Ok(DiskSource::Backup(files.boot)),
+                false => Err(boot_only_restore_refusal(backup_name, files.data_disks.iter().map(|f| f.disk.as_str()))),
+            }
+        }),
         (None, Some(snapshot_name)) => snapshot_disk(agent, &namespace, snapshot_name).await?,
         (None, None) => Err("spec.source: name a backup or a snapshot".to_owned()),
     };
@@ -251,48 +259,48 @@ pub(super) fn source_name(restore: &VirtualMachineRestore) -> String {
     }
 }
 
-/// The file of VirtualMachineBackup `backup_name` of `namespace` on this
-/// agent's host ([`locate_backup_file`]).
-pub(super) async fn backup_file(
+/// The files of VirtualMachineBackup `backup_name` of `namespace` on this
+/// agent's host ([`locate_backup`]), `Err` naming `spec.source.backup`.
+pub(super) async fn backup_files(
     agent: &Agent,
     namespace: &str,
     backup_name: &str,
-) -> Result<Result<String, String>, Error> {
+) -> Result<Result<BackupFiles, String>, Error> {
     let roots = agent.host.effective_backup_roots();
-    let found = locate_backup_file(
-        &agent.client,
-        namespace,
-        backup_name,
-        &agent.host.name,
-        &roots,
-        agent.storage.resolves_links(),
-    )
-    .await
-    .map_err(|source| Error::Kube {
-        action: "read the VirtualMachineBackup of restore",
-        pod: backup_name.to_owned(),
-        source,
-    })?;
+    let found =
+        locate_backup(&agent.client, namespace, backup_name, &agent.host.name, &roots, agent.storage.resolves_links())
+            .await
+            .map_err(|source| Error::Kube {
+                action: "read the VirtualMachineBackup of restore",
+                pod: backup_name.to_owned(),
+                source,
+            })?;
     Ok(found.map_err(|why| format!("spec.source.backup: {why}")))
 }
 
-/// The file (absolute path of its qcow2, the newest of an incremental
-/// chain) of VirtualMachineBackup `backup_name` of `namespace` on host
-/// `host`, whose backup roots are `backup_roots` (symbolic links resolved
-/// when `resolves_links`, as [`check_host_file`] does): only a backup that
-/// succeeded, on that host, whose `status.location` is exactly the name
-/// vmlet gives it ([`backup_file_name`]: namespace, name, UID) under those
-/// roots. An edited status cannot point a reader at another namespace's
-/// file or at any other file. `Ok(Err)`: why not, naming the field (for a
-/// status message or an Event). Errors: reading the backup failed.
-pub(crate) async fn locate_backup_file(
+/// The files (absolute paths of the qcow2 files, each the newest of an
+/// incremental chain: the boot disk's and one per data disk) of
+/// VirtualMachineBackup `backup_name` of `namespace` on host `host`, whose
+/// backup roots are `backup_roots` (symbolic links resolved when
+/// `resolves_links`, as [`check_host_file`] does): only a backup that
+/// succeeded, on that host, whose recorded files are exactly the names vmlet
+/// gives them ([`backup_file_name`], [`backup_data_file_name`]: namespace,
+/// name, UID, disk) under those roots ([`super::backup_files`]). An edited
+/// status cannot point a reader at another namespace's file or at any other
+/// file. `Ok(Err)`: why not, naming the field (for a status message or an
+/// Event). Errors: reading the backup failed.
+///
+/// [`backup_file_name`]: crate::v1alpha1::backup_file_name
+/// [`backup_data_file_name`]: crate::v1alpha1::backup_data_file_name
+/// [`check_host_file`]: crate::storage::check_host_file
+pub(crate) async fn locate_backup(
     client: &kube::Client,
     namespace: &str,
     backup_name: &str,
     host: &str,
     backup_roots: &[String],
     resolves_links: bool,
-) -> Result<Result<String, String>, kube::Error> {
+) -> Result<Result<BackupFiles, String>, kube::Error> {
     let backups: Api<VirtualMachineBackup> = Api::namespaced(client.clone(), namespace);
     let Some(backup) = backups.get_opt(backup_name).await? else {
         return Ok(Err(format!("namespace {namespace} has no VirtualMachineBackup {backup_name}")));
@@ -307,17 +315,7 @@ pub(crate) async fn locate_backup_file(
             backup_status.node_name.as_deref().unwrap_or("(none)"),
         )));
     }
-    let expected_file = backup_file_name(namespace, backup_name, &backup.uid().unwrap_or_default());
-    let source = backup_status.location.clone().unwrap_or_default();
-    let named_right = std::path::Path::new(&source).file_name().and_then(|f| f.to_str()) == Some(&expected_file);
-    if !named_right || check_host_file(backup_roots, resolves_links, &source).await.is_err() {
-        return Ok(Err(format!(
-            "VirtualMachineBackup {backup_name}'s status.location {source:?} is not its file ({expected_file} under \
-             host {host}'s backupRoots [{}]); refusing to read it",
-            backup_roots.join(", ")
-        )));
-    }
-    Ok(Ok(source))
+    Ok(checked_files(namespace, &backup, host, backup_roots, resolves_links).await)
 }
 
 /// Fail the pod (and the restore, when given) with `message`.
