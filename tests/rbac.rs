@@ -1,5 +1,6 @@
 //! vmlet under the identity `deploy/rbac.yaml` gives it (ServiceAccount
-//! kube-system/vmlet and its ClusterRole), not the cluster admin's: it
+//! kube-system/vmlet and its ClusterRole), not the cluster admin's, as every
+//! test's vmlet runs (`common::vmlet_identity`): it
 //! registers its node, runs, stops and deletes a VM, and its kubelet API
 //! authenticates bearer tokens (TokenReview) and authorizes callers
 //! (SubjectAccessReview) in Webhook mode. A permission the role lacks shows
@@ -8,7 +9,7 @@
 
 mod common;
 
-use common::{cluster, repo, test_driver_uri, Host, TestEnv};
+use common::{cluster, test_driver_uri, Host, TestEnv};
 use serde_json::json;
 use std::process::Command;
 use std::time::Duration;
@@ -25,17 +26,6 @@ fn admin_kubectl(args: &[&str]) -> String {
     let out = common::deadline::output_within(&mut kubectl, COMMAND);
     assert!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The admin's kubeconfig with its user replaced by `token`, written to `path`.
-fn kubeconfig_with_token(path: &std::path::Path, token: &str) {
-    let admin = std::fs::read_to_string(&cluster().kubeconfig).expect("read the admin kubeconfig");
-    let mut config: serde_yaml::Value = serde_yaml::from_str(&admin).expect("kubeconfig YAML");
-    config["users"] = serde_yaml::to_value(json!([{"name": "vmlet", "user": {"token": token}}])).unwrap();
-    for context in config["contexts"].as_sequence_mut().expect("contexts") {
-        context["context"]["user"] = "vmlet".into();
-    }
-    std::fs::write(path, serde_yaml::to_string(&config).unwrap()).expect("write the kubeconfig");
 }
 
 /// `GET https://127.0.0.1:<port><path>` with `token` as bearer, checked
@@ -56,12 +46,9 @@ fn kubelet_get(port: u16, path: &str, token: &str) -> (u16, String) {
 #[tokio::test]
 async fn vmlet_runs_vms_and_serves_its_kubelet_api_under_the_deployed_role() {
     let mut env = TestEnv::new("rbac").await;
-    let manifest = repo().join("deploy/rbac.yaml");
-    admin_kubectl(&["apply", "-f", manifest.to_str().unwrap()]);
-    let token = admin_kubectl(&["create", "token", "vmlet", "-n", "kube-system", "--duration", "2h"]);
-    let kubeconfig = env.dir.join("vmlet-sa.kubeconfig");
-    kubeconfig_with_token(&kubeconfig, token.trim());
-    env.vmlet_kubeconfig = Some(kubeconfig);
+    // Every test's vmlet runs as kube-system/vmlet (common::vmlet_identity);
+    // this one names it, to be sure.
+    env.vmlet_kubeconfig = Some(common::vmlet_identity().clone());
     env.start_vmlet(&[Host::new("a", test_driver_uri("host-a.xml"))]);
     let node = env.node("a");
     env.wait_node_ready(&node).await;

@@ -183,6 +183,40 @@ pub fn cluster() -> &'static ClusterEnv {
     })
 }
 
+/// The kubeconfig vmlet processes of the tests run with (unless a test sets
+/// [`TestEnv::vmlet_kubeconfig`]): ServiceAccount kube-system/vmlet with the
+/// ClusterRole of `deploy/rbac.yaml` (applied once per test binary), not the
+/// cluster admin, so that a permission the role lacks fails a test.
+pub fn vmlet_identity() -> &'static PathBuf {
+    static KUBECONFIG: OnceLock<PathBuf> = OnceLock::new();
+    KUBECONFIG.get_or_init(|| {
+        let cluster = cluster();
+        let applied = kubectl_raw(cluster, &["apply", "-f"], &[&repo().join("deploy/rbac.yaml")]);
+        assert!(applied.status.success(), "applying deploy/rbac.yaml: {}", String::from_utf8_lossy(&applied.stderr));
+        let token = kubectl_raw(cluster, &["create", "token", "vmlet", "-n", "kube-system", "--duration", "12h"], &[]);
+        assert!(token.status.success(), "a token for kube-system/vmlet: {}", String::from_utf8_lossy(&token.stderr));
+        let dir = repo().join("target/it");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("vmlet-sa-{}.kubeconfig", std::process::id()));
+        kubeconfig_with_token(&path, String::from_utf8_lossy(&token.stdout).trim());
+        path
+    })
+}
+
+/// The admin's kubeconfig with its user replaced by bearer `token`, written
+/// to `path` (mode 0600).
+pub fn kubeconfig_with_token(path: &Path, token: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    let admin = std::fs::read_to_string(&cluster().kubeconfig).expect("read the admin kubeconfig");
+    let mut config: serde_yaml::Value = serde_yaml::from_str(&admin).expect("kubeconfig YAML");
+    config["users"] = serde_yaml::to_value(json!([{"name": "vmlet", "user": {"token": token}}])).unwrap();
+    for context in config["contexts"].as_sequence_mut().expect("contexts") {
+        context["context"]["user"] = "vmlet".into();
+    }
+    std::fs::write(path, serde_yaml::to_string(&config).unwrap()).expect("write the kubeconfig");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
 fn kubectl_raw(cluster: &ClusterEnv, args: &[&str], paths: &[&Path]) -> Output {
     let mut kubectl = Command::new(cluster.bin.join("kubectl"));
     kubectl.env("KUBECONFIG", &cluster.kubeconfig).args(args).args(paths);
@@ -272,7 +306,7 @@ pub struct TestEnv {
     /// no host file and boot only catalogue images. Default: trusted.
     pub untrusted: bool,
     /// The kubeconfig vmlet processes of this test start with (set before
-    /// they start); the cluster admin's when `None`.
+    /// they start); [`vmlet_identity`]'s when `None`.
     pub vmlet_kubeconfig: Option<PathBuf>,
 }
 
@@ -357,7 +391,7 @@ impl TestEnv {
         Command::new(env!("CARGO_BIN_EXE_vmlet"))
             .args(["run", "--config"])
             .arg(self.dir.join(config))
-            .env("KUBECONFIG", self.vmlet_kubeconfig.as_ref().unwrap_or(&cluster().kubeconfig))
+            .env("KUBECONFIG", self.vmlet_kubeconfig.as_ref().unwrap_or_else(|| vmlet_identity()))
             .env("VMLET_LOG", "info,vmlet=debug,kube=warn")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
