@@ -117,15 +117,16 @@ pub fn identity_from_certificate(cert: &[u8]) -> Result<User, &'static str> {
     Ok(User { name, uid: None, groups, extra: Default::default() })
 }
 
-/// A minimal DER reader: enough to walk to a certificate's subject.
-struct Der<'a>(&'a [u8]);
+/// A minimal DER reader: enough to walk to a certificate's subject (and, for
+/// [`crate::bootstrap`], its validity and public key).
+pub(crate) struct Der<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Der<'a> {
-    fn peek(&self) -> Option<u8> {
+    pub(crate) fn peek(&self) -> Option<u8> {
         self.0.first().copied()
     }
 
-    fn element(&mut self) -> Result<(u8, &'a [u8]), &'static str> {
+    pub(crate) fn element(&mut self) -> Result<(u8, &'a [u8]), &'static str> {
         let short = "truncated DER";
         let (&tag, rest) = self.0.split_first().ok_or(short)?;
         let (&first, mut rest) = rest.split_first().ok_or(short)?;
@@ -148,7 +149,7 @@ impl<'a> Der<'a> {
         Ok((tag, content))
     }
 
-    fn sequence(&mut self) -> Result<Der<'a>, &'static str> {
+    pub(crate) fn sequence(&mut self) -> Result<Der<'a>, &'static str> {
         match self.element()? {
             (0x30, content) => Ok(Der(content)),
             _ => Err("expected a DER SEQUENCE"),
