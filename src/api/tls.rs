@@ -1,8 +1,10 @@
-//! TLS of the kubelet API: the serving certificate (from files, or self-signed
+//! TLS of the kubelet API: the serving certificate (from files, reloaded when
+//! they change ([`super::serving_cert`]), or self-signed
 //! as a logged fallback), client-certificate verification against the client
 //! CA, and the user a client certificate names (CN = user, O = groups).
 
 use super::auth::User;
+use super::serving_cert::ServingCertificate;
 use super::{ApiConfig, ApiError};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -39,7 +41,7 @@ pub fn server_config(config: &ApiConfig) -> Result<ServerConfig, ApiError> {
             for cert in read_certificates(path)? {
                 roots.add(cert).map_err(|e| read_error(path, e))?;
             }
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                 .allow_unauthenticated()
                 .build()
                 .map_err(|e| ApiError::Tls(format!("client CA {}: {e}", path.display())))?;
@@ -47,15 +49,14 @@ pub fn server_config(config: &ApiConfig) -> Result<ServerConfig, ApiError> {
         }
         None => builder.with_no_client_auth(),
     };
-    let (chain, key) = match (&config.tls_cert_file, &config.tls_key_file) {
-        (Some(cert), Some(key)) => {
-            let chain = read_certificates(cert)?;
-            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| read_error(key, e))?;
-            (chain, key)
+    let mut tls = match (&config.tls_cert_file, &config.tls_key_file) {
+        // Reloaded when the files change (renewed by `vmlet bootstrap`).
+        (Some(cert), Some(key)) => builder.with_cert_resolver(Arc::new(ServingCertificate::load(cert, key, provider)?)),
+        _ => {
+            let (chain, key) = self_signed(&config.serving_cert_sans)?;
+            builder.with_single_cert(chain, key).map_err(|e| ApiError::Tls(e.to_string()))?
         }
-        _ => self_signed(&config.serving_cert_sans)?,
     };
-    let mut tls = builder.with_single_cert(chain, key).map_err(|e| ApiError::Tls(e.to_string()))?;
     tls.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(tls)
 }
