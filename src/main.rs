@@ -1,5 +1,6 @@
 //! The `vmlet` binary: `vmlet run --config FILE` serves the configured hypervisor
-//! hosts as virtual nodes; `vmlet crd` prints its CRDs.
+//! hosts as virtual nodes; `vmlet bootstrap` gives a host its certificates;
+//! `vmlet crd` prints its CRDs.
 //!
 //! This is the only place that names backends: it turns a host's `provider` field
 //! into a [`Provider`].
@@ -49,6 +50,11 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         shutdown_grace_seconds: u64,
     },
+    /// Give this host its own identity through CertificateSigningRequests:
+    /// a client certificate (CN system:vmlet:<host>) and with --serving the
+    /// kubelet API's serving certificate; renews them with a third of their
+    /// lifetime left. See README "Install on a host".
+    Bootstrap(vmlet::bootstrap::Args),
     /// Print vmlet's CustomResourceDefinitions (VirtualMachine,
     /// VirtualMachineBackup, VirtualMachineRestore, VirtualMachineSnapshot) as
     /// one multi-document YAML.
@@ -81,6 +87,18 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Bootstrap(args) => {
+            init_tracing();
+            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+            match runtime.block_on(vmlet::bootstrap::run(&args)) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    error!("vmlet bootstrap: {e}");
+                    eprintln!("vmlet bootstrap: {e}");
+                    ExitCode::from(e.exit_code())
+                }
+            }
+        }
         Command::Run { config, shutdown_grace_seconds } => {
             init_tracing();
             let config = match Config::from_file(&config, PROVIDERS) {

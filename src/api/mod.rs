@@ -16,6 +16,7 @@ pub mod auth;
 pub mod exec;
 pub mod logs;
 pub mod routes;
+pub mod serving_cert;
 pub mod slots;
 pub mod stats;
 pub mod tls;

@@ -1,8 +1,10 @@
-//! TLS of the kubelet API: the serving certificate (from files, or self-signed
+//! TLS of the kubelet API: the serving certificate (from files, reloaded when
+//! they change ([`super::serving_cert`]), or self-signed
 //! as a logged fallback), client-certificate verification against the client
 //! CA, and the user a client certificate names (CN = user, O = groups).
 
 use super::auth::User;
+use super::serving_cert::ServingCertificate;
 use super::{ApiConfig, ApiError};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -39,7 +41,7 @@ pub fn server_config(config: &ApiConfig) -> Result<ServerConfig, ApiError> {
             for cert in read_certificates(path)? {
                 roots.add(cert).map_err(|e| read_error(path, e))?;
             }
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                 .allow_unauthenticated()
                 .build()
                 .map_err(|e| ApiError::Tls(format!("client CA {}: {e}", path.display())))?;
@@ -47,15 +49,14 @@ pub fn server_config(config: &ApiConfig) -> Result<ServerConfig, ApiError> {
         }
         None => builder.with_no_client_auth(),
     };
-    let (chain, key) = match (&config.tls_cert_file, &config.tls_key_file) {
-        (Some(cert), Some(key)) => {
-            let chain = read_certificates(cert)?;
-            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| read_error(key, e))?;
-            (chain, key)
+    let mut tls = match (&config.tls_cert_file, &config.tls_key_file) {
+        // Reloaded when the files change (renewed by `vmlet bootstrap`).
+        (Some(cert), Some(key)) => builder.with_cert_resolver(Arc::new(ServingCertificate::load(cert, key, provider)?)),
+        _ => {
+            let (chain, key) = self_signed(&config.serving_cert_sans)?;
+            builder.with_single_cert(chain, key).map_err(|e| ApiError::Tls(e.to_string()))?
         }
-        _ => self_signed(&config.serving_cert_sans)?,
     };
-    let mut tls = builder.with_single_cert(chain, key).map_err(|e| ApiError::Tls(e.to_string()))?;
     tls.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(tls)
 }
@@ -117,15 +118,16 @@ pub fn identity_from_certificate(cert: &[u8]) -> Result<User, &'static str> {
     Ok(User { name, uid: None, groups, extra: Default::default() })
 }
 
-/// A minimal DER reader: enough to walk to a certificate's subject.
-struct Der<'a>(&'a [u8]);
+/// A minimal DER reader: enough to walk to a certificate's subject (and, for
+/// [`crate::bootstrap`], its validity and public key).
+pub(crate) struct Der<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Der<'a> {
-    fn peek(&self) -> Option<u8> {
+    pub(crate) fn peek(&self) -> Option<u8> {
         self.0.first().copied()
     }
 
-    fn element(&mut self) -> Result<(u8, &'a [u8]), &'static str> {
+    pub(crate) fn element(&mut self) -> Result<(u8, &'a [u8]), &'static str> {
         let short = "truncated DER";
         let (&tag, rest) = self.0.split_first().ok_or(short)?;
         let (&first, mut rest) = rest.split_first().ok_or(short)?;
@@ -148,7 +150,7 @@ impl<'a> Der<'a> {
         Ok((tag, content))
     }
 
-    fn sequence(&mut self) -> Result<Der<'a>, &'static str> {
+    pub(crate) fn sequence(&mut self) -> Result<Der<'a>, &'static str> {
         match self.element()? {
             (0x30, content) => Ok(Der(content)),
             _ => Err("expected a DER SEQUENCE"),
