@@ -13,7 +13,7 @@ use common::disk::{domstate, fill_random, read_marker, wait_backup_ended, wait_j
 use common::pool::Pool;
 use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use std::process::Command;
@@ -513,14 +513,7 @@ async fn a_vm_with_a_data_claim_is_put_back_in_place_with_it() {
     let (env, guest) = vmlet_with_backups("datainplace").await;
     let pool = Pool::new(&env);
     pool.class(&env, json!({"format": "raw"}), false);
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
-    let data: PersistentVolumeClaim = serde_json::from_value(json!({
-        "metadata": {"name": "data"},
-        "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": "1Gi"}}},
-    }))
-    .unwrap();
-    claims.create(&PostParams::default(), &data).await.unwrap();
+    pool.claim(&env, "data", "1Gi").await;
     let mut spec = guest_vm_spec(&guest);
     spec["disks"] = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
     env.apply_vm("web", spec);

@@ -17,7 +17,7 @@
 mod common;
 
 use common::deadline::output_within;
-use common::disk::{read_marker, wait_backup_ended, write_marker};
+use common::disk::{read_marker, wait_backup_ended, wait_restore_ended, write_marker};
 use common::pool::Pool;
 use common::{device_named, guest_accelerator, guest_for, guest_vm_spec, qemu_uri, storage_root, Host, TestEnv};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -25,7 +25,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use serde_json::json;
 use std::process::Command;
-use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestore};
+use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup};
 
 /// `virsh -c qemu:///system <args>`: (success, trimmed stdout, or stderr).
 fn virsh(args: &[&str]) -> (bool, String) {
@@ -511,16 +511,7 @@ async fn a_tenants_vm_is_restored_from_its_backup_onto_a_root_disk_claim_of_its_
         "metadata": {"name": "back", "namespace": env.ns},
         "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web-restored"}}});
     assert!(env.apply(&restore.to_string()).status.success());
-    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
-    let ended = env
-        .wait_for("VirtualMachineRestore back to end", || {
-            let restores = restores.clone();
-            async move {
-                let status = restores.get_opt("back").await.ok()??.status?;
-                matches!(status.phase?, OperationPhase::Succeeded | OperationPhase::Failed).then_some(status)
-            }
-        })
-        .await;
+    let ended = wait_restore_ended(&env, "back").await;
     assert_eq!(ended.phase, Some(OperationPhase::Succeeded), "{:?}", ended.message);
     assert!(ended.message.unwrap().contains("claim web-restored-root filled from VirtualMachineBackup nightly"));
     let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(env.client.clone(), &env.ns);
@@ -599,14 +590,8 @@ async fn a_vm_with_a_data_claim_is_backed_up_with_it_and_restored_onto_claims_of
     let node = env.node("q");
     let pool = pool_and_class(&env, "raw", false);
     let (tiny, by_path) = tiny_image(&env, &guest);
+    pool.claim(&env, "data", "1Gi").await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), &env.ns);
-    let data: PersistentVolumeClaim = serde_json::from_value(json!({
-        "metadata": {"name": "data"},
-        "spec": {"storageClassName": pool.name, "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": "1Gi"}}},
-    }))
-    .unwrap();
-    claims.create(&PostParams::default(), &data).await.unwrap();
     let disks = json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]);
     env.apply_vm("web", tiny_vm(&env, &pool, &tiny.0, &by_path, disks));
     env.wait_vm_phase("web", "Running").await;
@@ -652,16 +637,7 @@ async fn a_vm_with_a_data_claim_is_backed_up_with_it_and_restored_onto_claims_of
         "metadata": {"name": "back", "namespace": env.ns},
         "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web-restored"}}});
     assert!(env.apply(&restore.to_string()).status.success());
-    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
-    let ended = env
-        .wait_for("VirtualMachineRestore back to end", || {
-            let restores = restores.clone();
-            async move {
-                let status = restores.get_opt("back").await.ok()??.status?;
-                matches!(status.phase?, OperationPhase::Succeeded | OperationPhase::Failed).then_some(status)
-            }
-        })
-        .await;
+    let ended = wait_restore_ended(&env, "back").await;
     assert_eq!(ended.phase, Some(OperationPhase::Succeeded), "{:?}", ended.message);
     let message = ended.message.unwrap_or_default();
     assert!(message.contains("data disk claim web-restored-disk-data"), "{message}");

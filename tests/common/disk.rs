@@ -7,7 +7,7 @@ use super::{qemu_uri, TestEnv};
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::Api;
 use std::process::Command;
-use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup};
+use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineRestoreStatus};
 
 /// Write `marker` to the first sector of the guest's disk of `pod`, flushed.
 pub async fn write_marker(env: &TestEnv, pod: &str, marker: &str) {
@@ -55,6 +55,20 @@ pub async fn wait_backup_ended(env: &TestEnv, name: &str) -> VirtualMachineBacku
             let backup = backups.get_opt(name).await.ok()??;
             let phase = backup.status.as_ref()?.phase?;
             matches!(phase, OperationPhase::Succeeded | OperationPhase::Failed).then_some(backup)
+        }
+    })
+    .await
+}
+
+/// Wait until restore `name` has ended (Succeeded or Failed); returns its
+/// status.
+pub async fn wait_restore_ended(env: &TestEnv, name: &str) -> VirtualMachineRestoreStatus {
+    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
+    env.wait_for(&format!("VirtualMachineRestore {name} to end"), || {
+        let restores = restores.clone();
+        async move {
+            let status = restores.get_opt(name).await.ok()??.status?;
+            matches!(status.phase?, OperationPhase::Succeeded | OperationPhase::Failed).then_some(status)
         }
     })
     .await

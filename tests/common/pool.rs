@@ -80,6 +80,20 @@ impl Pool {
         self.class_named(env, &self.name, parameters, expansion)
     }
 
+    /// Create claim `name` of `size` (a quantity, `1Gi`) in the test's
+    /// namespace, of this pool's class, `ReadWriteOnce`.
+    pub async fn claim(&self, env: &TestEnv, name: &str, size: &str) {
+        use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+        let claims: kube::Api<PersistentVolumeClaim> = kube::Api::namespaced(env.client.clone(), &env.ns);
+        let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"storageClassName": self.name, "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": size}}},
+        }))
+        .unwrap();
+        claims.create(&Default::default(), &claim).await.unwrap_or_else(|e| panic!("create claim {name}: {e}"));
+    }
+
     /// As [`Pool::class`], named `name`.
     pub fn class_named(&self, env: &TestEnv, name: &str, parameters: serde_json::Value, expansion: bool) {
         let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();

@@ -12,7 +12,7 @@
 mod common;
 use common::deadline::output_within;
 use common::disk::disk_head;
-use common::guest::{exec_when_ready, guest_accelerator, guest_dir, remove_leftovers, wait_for, RunDir, BOOT_DEADLINE};
+use common::guest::{exec_when_ready, guest_accelerator, guest_dir, remove_leftovers, RunDir, BOOT_DEADLINE};
 use common::qemu_uri;
 
 use std::process::Command;
@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use vmlet_libvirt::LibvirtProvider;
 use vmlet_provider::{
-    BackupRequest, Consistency, DataDisk, DataDiskCopy, DataDiskFile, DiskFormat, ErrorKind, IncrementalBase,
-    PowerState, Provider, VmId,
+    BackupRequest, Consistency, DataDisk, DataDiskCopy, DataDiskFile, DiskFormat, ErrorKind, IncrementalBase, Provider,
+    VmId,
 };
 
 const NAMESPACE: &str = "vmlet-data-disks-it";
@@ -100,15 +100,9 @@ fn checkpoints(uri: &str, domain: &str) -> Vec<String> {
     String::from_utf8_lossy(&out.stdout).lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_owned).collect()
 }
 
+/// Power the VM off and wait until libvirt says it is.
 async fn stop(provider: &LibvirtProvider, id: &VmId) {
-    provider.destroy(id).await.expect("power off");
-    wait_for("the VM to be off", PROMPT, || async {
-        match provider.get(id).await {
-            Ok(Some(status)) if status.power == PowerState::Off => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    common::guest::power_off(provider, id, PROMPT).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@
 mod common;
 use common::deadline::output_within;
 use common::disk::{disk_head, image_info, snapshot_names};
-use common::guest::{exec_when_ready, guest_accelerator, guest_dir, remove_leftovers, wait_for, RunDir, BOOT_DEADLINE};
+use common::guest::{exec_when_ready, guest_accelerator, guest_dir, remove_leftovers, RunDir, BOOT_DEADLINE};
 use common::qemu_uri;
 
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
@@ -86,14 +86,7 @@ async fn power(provider: &LibvirtProvider, id: &VmId) -> PowerState {
 
 /// Power the VM off and wait until libvirt says it is.
 async fn stop(provider: &LibvirtProvider, id: &VmId) {
-    provider.destroy(id).await.expect("destroy");
-    wait_for("the VM to be off", PROMPT, || async {
-        match provider.get(id).await {
-            Ok(Some(status)) if status.power == PowerState::Off => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    common::guest::power_off(provider, id, PROMPT).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

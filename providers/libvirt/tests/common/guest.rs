@@ -175,3 +175,15 @@ where
         }
     }
 }
+
+/// Power VM `id` off (`destroy`) and wait until libvirt says it is off.
+pub async fn power_off(provider: &LibvirtProvider, id: &VmId, deadline: Duration) {
+    provider.destroy(id).await.expect("power off");
+    wait_for("the VM to be off", deadline, || async {
+        match provider.get(id).await {
+            Ok(Some(status)) if status.power == vmlet_provider::PowerState::Off => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+}
