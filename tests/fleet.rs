@@ -9,11 +9,7 @@ mod common;
 use common::{test_driver_uri, Host, TestEnv};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use serde_json::json;
-use std::path::PathBuf;
-use std::sync::Arc;
 
 /// The election Lease's name (the default `leaderElection.leaseName`); the
 /// harness's config names the test's namespace, so the Lease lives there.
@@ -54,43 +50,13 @@ async fn holder(env: &TestEnv) -> Option<String> {
     lease.spec?.holder_identity.filter(|h| !h.is_empty())
 }
 
-fn pki() -> PathBuf {
-    common::cluster().kubeconfig.parent().unwrap().join("pki")
-}
-
 /// `vmlet_controller_leader` as member `port`'s `GET /metrics` says it
 /// (as the API server's kubelet client, system:masters), if it answers.
 async fn leader_gauge(port: u16) -> Option<i64> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(CertificateDer::from_pem_file(pki().join("ca.crt")).ok()?).ok()?;
-    let chain: Vec<_> =
-        CertificateDer::pem_file_iter(pki().join("kubelet-client.crt")).ok()?.collect::<Result<_, _>>().ok()?;
-    let key = PrivateKeyDer::from_pem_file(pki().join("kubelet-client.key")).ok()?;
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .ok()?
-        .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)
-        .ok()?;
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
-        .await
-        .ok()?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.ok()?;
-    tokio::spawn(conn);
-    let request = hyper::Request::get("/metrics")
-        .header("host", "127.0.0.1")
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-        .unwrap();
-    let response = sender.send_request(request).await.ok()?;
-    if response.status() != 200 {
+    let (status, text) = common::kubelet::get(port, "/metrics", common::kubelet::Caller::ApiServer).await?;
+    if status != 200 {
         return None;
     }
-    use http_body_util::BodyExt;
-    let body = response.into_body().collect().await.ok()?.to_bytes();
-    let text = String::from_utf8_lossy(&body);
     text.lines().find_map(|l| l.strip_prefix("vmlet_controller_leader ")).and_then(|v| v.trim().parse().ok())
 }
 

@@ -14,7 +14,7 @@ use serde_json::json;
 use std::process::Command;
 use std::time::Duration;
 
-/// Bound on one kubectl or curl call.
+/// Bound on one kubectl call.
 const COMMAND: Duration = Duration::from_secs(60);
 
 /// kubectl as the cluster admin, without a namespace (the manifests name
@@ -30,17 +30,8 @@ fn admin_kubectl(args: &[&str]) -> String {
 
 /// `GET https://127.0.0.1:<port><path>` with `token` as bearer, checked
 /// against the cluster CA: HTTP status and body.
-fn kubelet_get(port: u16, path: &str, token: &str) -> (u16, String) {
-    let ca = cluster().kubeconfig.parent().unwrap().join("pki/ca.crt");
-    let url = format!("https://127.0.0.1:{port}{path}");
-    let mut curl = Command::new("curl");
-    curl.args(["-sS", "--max-time", "30", "--cacert"]).arg(&ca);
-    curl.args(["-H", &format!("Authorization: Bearer {token}"), "-w", "\n%{http_code}", &url]);
-    let out = common::deadline::output_within(&mut curl, COMMAND);
-    assert!(out.status.success(), "curl {url}: {}", String::from_utf8_lossy(&out.stderr));
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').expect("curl wrote the status last");
-    (code.trim().parse().expect("an HTTP status"), body.to_owned())
+async fn kubelet_get(port: u16, path: &str, token: &str) -> (u16, String) {
+    common::kubelet::get(port, path, common::kubelet::Caller::Bearer(token)).await.expect("an answer")
 }
 
 #[tokio::test]
@@ -71,14 +62,14 @@ async fn vmlet_runs_vms_and_serves_its_kubelet_api_under_the_deployed_role() {
     let port = env.kubelet_port;
     let (status, body) = env
         .wait_for("the reader's binding to reach the authorizer", || async {
-            let (status, body) = kubelet_get(port, "/pods", reader_token.trim());
+            let (status, body) = kubelet_get(port, "/pods", reader_token.trim()).await;
             (status == 200).then_some((status, body))
         })
         .await;
     assert!(status == 200 && body.contains(&pod), "{status}: {body}");
-    let (status, body) = kubelet_get(port, "/pods", nobody_token.trim());
+    let (status, body) = kubelet_get(port, "/pods", nobody_token.trim()).await;
     assert_eq!(status, 403, "a token without nodes/proxy is refused: {body}");
-    let (status, body) = kubelet_get(port, "/pods", "not-a-token");
+    let (status, body) = kubelet_get(port, "/pods", "not-a-token").await;
     assert_eq!(status, 401, "an unknown token is not authenticated: {body}");
     admin_kubectl(&["delete", "clusterrolebinding", &reader]);
     admin_kubectl(&["delete", "clusterrole", &reader]);

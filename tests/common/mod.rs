@@ -8,6 +8,7 @@
 #[path = "../support/deadline.rs"]
 pub mod deadline;
 pub mod disk;
+pub mod kubelet;
 pub mod pool;
 pub mod tenant;
 
