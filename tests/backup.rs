@@ -489,19 +489,6 @@ async fn a_vmlet_restarted_mid_backup_follows_the_copy_to_its_end() {
     std::fs::remove_file(&file).unwrap();
 }
 
-/// The status of restore `name` once it ended (Succeeded or Failed).
-async fn restore_ended(env: &TestEnv, name: &str) -> vmlet::v1alpha1::VirtualMachineRestoreStatus {
-    let restores: Api<VirtualMachineRestore> = Api::namespaced(env.client.clone(), &env.ns);
-    env.wait_for(&format!("VirtualMachineRestore {name} to end"), || {
-        let restores = restores.clone();
-        async move {
-            let status = restores.get_opt(name).await.ok()??.status?;
-            matches!(status.phase?, OperationPhase::Succeeded | OperationPhase::Failed).then_some(status)
-        }
-    })
-    .await
-}
-
 /// A VM booting a host path (a trusted namespace) with a provisioned 1 GiB
 /// data claim: its backup holds both disks; put back in place, the stopped
 /// VM's boot and data disks hold again what they held at the backup (each
@@ -544,7 +531,7 @@ async fn a_vm_with_a_data_claim_is_put_back_in_place_with_it() {
         "metadata": {"name": "copy", "namespace": env.ns},
         "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web-copy"}}});
     assert!(env.apply(&copy.to_string()).status.success());
-    let refused = restore_ended(&env, "copy").await;
+    let refused = common::disk::wait_restore_ended(&env, "copy").await;
     assert_eq!(refused.phase, Some(OperationPhase::Failed));
     let message = refused.message.unwrap_or_default();
     assert!(message.contains("holds data disks [data]") && message.contains("spec.target.inPlace"), "{message}");
@@ -558,7 +545,7 @@ async fn a_vm_with_a_data_claim_is_put_back_in_place_with_it() {
         "metadata": {"name": "back", "namespace": env.ns},
         "spec": {"source": {"backup": "nightly"}, "target": {"virtualMachine": "web", "inPlace": true}}});
     assert!(env.apply(&in_place.to_string()).status.success());
-    let put_back = restore_ended(&env, "back").await;
+    let put_back = common::disk::wait_restore_ended(&env, "back").await;
     assert_eq!(put_back.phase, Some(OperationPhase::Succeeded), "{:?}", put_back.message);
     assert_eq!(put_back.data_disks.len(), 1, "{put_back:?}");
     assert_eq!(put_back.data_disks[0].name, "data");

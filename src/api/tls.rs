@@ -81,15 +81,7 @@ pub fn self_signed(sans: &[String]) -> Result<(Vec<CertificateDer<'static>>, Pri
 /// The user a verified client certificate names: CN is the user name, each O a
 /// group (as the API server's x509 authenticator).
 pub fn identity_from_certificate(cert: &[u8]) -> Result<User, &'static str> {
-    let mut der = Der(cert);
-    let mut certificate = der.sequence()?;
-    let mut tbs = certificate.sequence()?;
-    if tbs.peek() == Some(0xa0) {
-        tbs.element()?; // [0] version
-    }
-    tbs.element()?; // serialNumber
-    tbs.element()?; // signature algorithm
-    tbs.element()?; // issuer
+    let mut tbs = tbs_at_validity(cert)?;
     tbs.element()?; // validity
     let mut subject = tbs.sequence()?;
     let (mut name, mut groups) = (None, Vec::new());
@@ -120,6 +112,21 @@ pub fn identity_from_certificate(cert: &[u8]) -> Result<User, &'static str> {
 
 /// A minimal DER reader: enough to walk to a certificate's subject (and, for
 /// [`crate::bootstrap`], its validity and public key).
+/// The TBSCertificate of DER certificate `cert` (RFC 5280 §4.1), read up to
+/// its `validity` (version, serialNumber, signature and issuer skipped).
+pub(crate) fn tbs_at_validity(cert: &[u8]) -> Result<Der<'_>, &'static str> {
+    let mut der = Der(cert);
+    let mut certificate = der.sequence()?;
+    let mut tbs = certificate.sequence()?;
+    if tbs.peek() == Some(0xa0) {
+        tbs.element()?; // [0] version
+    }
+    tbs.element()?; // serialNumber
+    tbs.element()?; // signature algorithm
+    tbs.element()?; // issuer
+    Ok(tbs)
+}
+
 pub(crate) struct Der<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Der<'a> {

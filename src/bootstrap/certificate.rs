@@ -1,7 +1,7 @@
 //! What `vmlet bootstrap` reads from an issued certificate: its validity
 //! period, whether it belongs to a key, and when to renew it.
 
-use crate::api::tls::Der;
+use crate::api::tls::{tbs_at_validity, Der};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -52,15 +52,7 @@ pub fn facts_from_pem(pem: &[u8]) -> Result<Facts, &'static str> {
 
 /// [`facts_from_pem`] for one DER certificate (RFC 5280 §4.1).
 pub fn facts_from_der(der: &[u8]) -> Result<Facts, &'static str> {
-    let mut der = Der(der);
-    let mut certificate = der.sequence()?;
-    let mut tbs = certificate.sequence()?;
-    if tbs.peek() == Some(0xa0) {
-        tbs.element()?; // [0] version
-    }
-    tbs.element()?; // serialNumber
-    tbs.element()?; // signature algorithm
-    tbs.element()?; // issuer
+    let mut tbs = tbs_at_validity(der)?;
     let mut validity = tbs.sequence()?;
     let not_before = time(validity.element()?)?;
     let not_after = time(validity.element()?)?;
