@@ -73,8 +73,18 @@ pub async fn run_task<K: VmTaskObject>(object: &K, client: &Client, scope: &str)
             return end(&objects, object, false, &message).await;
         }
         if let (Some(message), None) = (job_failure(&job), object.pod_uid()) {
-            // The pod never reached an agent (the agent reports its own failures).
-            return end(&objects, object, false, &message).await;
+            // The pod never reached an agent (the agent reports its own
+            // failures): unless the object says otherwise now. The cached
+            // copy may predate the agent's final write, whose message (e.g.
+            // why it refused) must not be replaced by the Job's.
+            let fresh = objects.get_status(&name).await?;
+            let ended = matches!(fresh.phase(), Some(OperationPhase::Succeeded | OperationPhase::Failed));
+            if ended {
+                return Ok(Action::await_change());
+            }
+            if fresh.pod_uid().is_none() {
+                return end(&objects, &fresh, false, &message).await;
+            }
         }
         if let Some((succeeded, message)) = job_outcome(client, &job).await? {
             // The agent ends the pod after it wrote the outcome; an object
