@@ -2,8 +2,9 @@
 # A real OpenStack Nova API behind a real Keystone, on 127.0.0.1 only, for
 # vmlet's integration tests. See hack/nova/README.md.
 #
-#   hack/nova.sh up       (re)start Keystone, Placement and Nova; wait until a
-#                         token can be had and all fake hypervisors are up
+#   hack/nova.sh up       (re)start Keystone, Placement, Nova and Cinder; wait
+#                         until a token can be had, all fake hypervisors are
+#                         up and Cinder's volume service is up
 #   hack/nova.sh down     stop what `up` started (process groups in pids/)
 #   hack/nova.sh status   what runs
 #   hack/nova.sh env      sourceable exports (OS_* and VMLET_NOVA_*)
@@ -13,7 +14,8 @@
 # Settings: VMLET_CACHE (venv parent, default ~/.cache/vmlet), VMLET_NOVA_DIR
 # (state and logs, default /tmp/vmlet-nova, wiped on `up`),
 # VMLET_KEYSTONE_PORT (35357), VMLET_NOVA_PORT (18774),
-# VMLET_PLACEMENT_PORT (18778), VMLET_NOVA_UP_TIMEOUT (240 s),
+# VMLET_PLACEMENT_PORT (18778), VMLET_CINDER_PORT (18776),
+# VMLET_NOVA_UP_TIMEOUT (240 s),
 # VMLET_NOVA_DEBUG=1 for debug logs.
 set -euo pipefail
 
@@ -23,12 +25,14 @@ STATE=${VMLET_NOVA_DIR:-/tmp/vmlet-nova}
 KEYSTONE_PORT=${VMLET_KEYSTONE_PORT:-35357}
 NOVA_PORT=${VMLET_NOVA_PORT:-18774}
 PLACEMENT_PORT=${VMLET_PLACEMENT_PORT:-18778}
+CINDER_PORT=${VMLET_CINDER_PORT:-18776}
 UP_TIMEOUT=${VMLET_NOVA_UP_TIMEOUT:-240}
 DEBUG=$([[ ${VMLET_NOVA_DEBUG:-} == 1 ]] && echo true || echo false)
 
 KEYSTONE_URL=http://127.0.0.1:$KEYSTONE_PORT/v3
 NOVA_URL=http://127.0.0.1:$NOVA_PORT/v2.1
 PLACEMENT_URL=http://127.0.0.1:$PLACEMENT_PORT
+CINDER_URL="http://127.0.0.1:$CINDER_PORT/v3/%(project_id)s"
 REGION=RegionOne
 ADMIN_PASSWORD=vmlet-admin
 SERVICE_PASSWORD=vmlet-service
@@ -44,7 +48,7 @@ NETWORK_2=c2f1b6a4-6d0e-4d54-9a3e-7b1f0e5d2a42
 LOGS=$STATE/logs
 PIDS=$STATE/pids
 ETC=$STATE/etc
-SERVICES=(nova placement keystone)
+SERVICES=(nova cinder placement keystone)
 
 log() { echo "nova.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -140,8 +144,8 @@ port_free() {
 }
 
 write_configs() {
-  mkdir -p "$ETC/keystone" "$ETC/nova" "$ETC/placement" "$STATE/keystone" \
-    "$STATE/nova/instances" "$STATE/nova/locks"
+  mkdir -p "$ETC/keystone" "$ETC/nova" "$ETC/placement" "$ETC/cinder" "$STATE/keystone" \
+    "$STATE/nova/instances" "$STATE/nova/locks" "$STATE/cinder/locks"
   # Password hashing is cheap and token validation is cached in-process:
   # tokens are checked on every Nova and Placement request.
   cat >"$ETC/keystone/keystone.conf" <<EOF
@@ -228,9 +232,67 @@ user_domain_name = Default
 project_domain_name = Default
 region_name = $REGION
 valid_interfaces = public
+[cinder]
+os_region_name = $REGION
+catalog_info = volumev3::publicURL
+# Nova's service token with the user's: Cinder lets only Nova delete the
+# attachments of a server (OSSA-2023-003), which it does when the server goes.
+[service_user]
+send_service_user_token = true
+auth_type = password
+auth_url = $KEYSTONE_URL
+username = nova
+password = $SERVICE_PASSWORD
+project_name = service
+user_domain_name = Default
+project_domain_name = Default
 EOF
     authtoken nova
   } >"$ETC/nova/nova.conf"
+  cp "$VENV/etc/cinder/api-paste.ini" "$ETC/cinder/api-paste.ini"
+  # One cinder-volume backend, `fake`: Cinder's own FakeLoggingVolumeDriver
+  # (shipped in its wheel), which needs no block devices. [nova] is how
+  # cinder-volume tells Nova that an attached volume grew.
+  {
+    cat <<EOF
+[DEFAULT]
+debug = $DEBUG
+use_stderr = true
+host = cinder
+my_ip = 127.0.0.1
+state_path = $STATE/cinder
+transport_url = fake:/
+auth_strategy = keystone
+api_paste_config = $ETC/cinder/api-paste.ini
+osapi_volume_listen = 127.0.0.1
+osapi_volume_listen_port = $CINDER_PORT
+osapi_volume_workers = 1
+enabled_backends = fake
+scheduler_driver_init_wait_time = 10
+[database]
+connection = sqlite:///$STATE/cinder.sqlite
+[oslo_concurrency]
+lock_path = $STATE/cinder/locks
+[coordination]
+backend_url = file://$STATE/cinder/locks
+[oslo_messaging_notifications]
+driver = noop
+[fake]
+volume_driver = cinder.tests.fake_driver.FakeLoggingVolumeDriver
+volume_backend_name = fake
+[nova]
+auth_type = password
+auth_url = $KEYSTONE_URL
+username = cinder
+password = $SERVICE_PASSWORD
+project_name = service
+user_domain_name = Default
+project_domain_name = Default
+region_name = $REGION
+interface = public
+EOF
+    authtoken cinder
+  } >"$ETC/cinder/cinder.conf"
 }
 
 # Keystone, the critical path of `up`: keystone-manage fernet_setup,
@@ -257,7 +319,7 @@ keystone_chain() {
     sleep 0.25
   done
   KEYSTONE_URL=$KEYSTONE_URL OS_PASSWORD=$ADMIN_PASSWORD OS_REGION_NAME=$REGION \
-    NOVA_URL=$NOVA_URL PLACEMENT_URL=$PLACEMENT_URL \
+    NOVA_URL=$NOVA_URL PLACEMENT_URL=$PLACEMENT_URL CINDER_URL=$CINDER_URL \
     SERVICE_PASSWORD=$SERVICE_PASSWORD VMLET_PASSWORD=$VMLET_PASSWORD \
     timeout 60 "$PY" "$HACK/keystone_setup.py"
 }
@@ -275,6 +337,7 @@ export OS_REGION_NAME=$REGION
 export OS_INTERFACE=public
 export OS_IDENTITY_API_VERSION=3
 export VMLET_NOVA_URL=$NOVA_URL
+export VMLET_CINDER_URL=http://127.0.0.1:$CINDER_PORT/v3
 export VMLET_NOVA_IMAGE=$IMAGE
 export VMLET_NOVA_NETWORK=$NETWORK
 export VMLET_NOVA_NETWORK_2=$NETWORK_2
@@ -300,7 +363,7 @@ up() {
   local t0=$SECONDS deadline name left
   ensure_venv
   down >/dev/null 2>&1 || true
-  for port in "$KEYSTONE_PORT" "$PLACEMENT_PORT" "$NOVA_PORT"; do
+  for port in "$KEYSTONE_PORT" "$PLACEMENT_PORT" "$NOVA_PORT" "$CINDER_PORT"; do
     port_free "$port" || die "127.0.0.1:$port is taken by something hack/nova.sh did not start"
   done
   rm -rf "$STATE"
@@ -317,6 +380,7 @@ up() {
     VMLET_NOVA_SERVICE_PASSWORD="$SERVICE_PASSWORD" VMLET_NOVA_HOSTS="$HOSTS" \
     VMLET_NOVA_ZONES="$ZONES" VMLET_NOVA_START_TIMEOUT="$((UP_TIMEOUT - 10))" \
     "$PY" "$HACK/serve.py"
+  NICE=10 start cinder "$PY" "$HACK/cinder_serve.py"
   NICE=10 start placement OS_PLACEMENT_CONFIG_DIR="$ETC/placement" \
     "$PY" "$HACK/wsgi_serve.py" placement placement.wsgi.api:application "$PLACEMENT_PORT" 8
   start keystone OS_KEYSTONE_CONFIG_FILES="$ETC/keystone/keystone.conf" \
@@ -337,7 +401,7 @@ up() {
       pid_ours "$PIDS/$name.pid" || { tail_logs 40; down; die "$name exited (log $LOGS/$name.log)"; }
     done
     left=$((deadline - SECONDS))
-    if [[ -n $chain_done && -f $STATE/nova-ready ]] && ((left > 0)) &&
+    if [[ -n $chain_done && -f $STATE/nova-ready && -f $STATE/cinder-ready ]] && ((left > 0)) &&
       timeout "$((left < 30 ? left : 30))" "$PY" "$HACK/smoke.py" --ready \
         >"$LOGS/ready-check.log" 2>&1; then
       break
@@ -352,11 +416,11 @@ up() {
     sleep 1
   done
   cat "$LOGS/ready-check.log" >&2
-  for name in nova placement; do
+  for name in nova cinder placement; do
     renice -n 0 -g "$(<"$PIDS/$name.pid")" >/dev/null
   done
-  log "ready in $((SECONDS - t0)) s: Keystone $KEYSTONE_URL, Nova $NOVA_URL, Placement $PLACEMENT_URL"
-  log "logs: $LOGS/{nova,keystone,placement,keystone-setup}.log; env: hack/nova.sh env"
+  log "ready in $((SECONDS - t0)) s: Keystone $KEYSTONE_URL, Nova $NOVA_URL, Placement $PLACEMENT_URL, Cinder http://127.0.0.1:$CINDER_PORT/v3"
+  log "logs: $LOGS/{nova,cinder,keystone,placement,keystone-setup}.log; env: hack/nova.sh env"
 }
 
 status() {

@@ -320,3 +320,88 @@ async fn a_tenant_cannot_boot_an_image_or_join_a_network_the_administrator_did_n
         assert_eq!(servers_with(&h, &uid).await, 0, "{vm}: no server was created");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_on_a_nova_node_is_a_cinder_volume_attached_to_the_server_grown_and_deleted_with_the_claim() {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use reqwest::Method;
+    let Some(h) = harness("a_claim_on_a_nova_node_is_a_cinder_volume") else { return };
+    let mut env = TestEnv::new("novacinder").await;
+    env.start_vmlet_on_cloud(&h.clouds_yaml, &h.cloud_name, &h.hosts, allowed(&h));
+    // A class of Cinder's default volume type: its volumes attach on any
+    // compute host, so its PersistentVolumes are tied to no node.
+    let class = format!("{}-cinder", env.ns);
+    let applied = env.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": class},
+            "provisioner": "openstack.vmlet.io", "volumeBindingMode": "WaitForFirstConsumer",
+            "reclaimPolicy": "Delete", "allowVolumeExpansion": true,
+            "parameters": {"pool": "__DEFAULT__", "shared": "true"}})
+        .to_string(),
+    );
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    env.apply(
+        &json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data", "namespace": env.ns},
+            "spec": {"storageClassName": class, "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "1Gi"}}}})
+        .to_string(),
+    );
+    env.apply_vm(
+        "db",
+        json!({"image": h.image, "networks": [{"name": "lan"}],
+            "disks": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}),
+    );
+    let vm = env.wait_vm_phase("db", "Running").await;
+    let uid = vm.metadata.uid.clone().unwrap();
+    let (_, server) = wait_nova(&env, &h, &uid, PowerState::Running).await;
+
+    // The claim is bound to vmlet's PersistentVolume for a Cinder volume of
+    // vmlet's name, attached to the VM's server.
+    let claims: kube::Api<PersistentVolumeClaim> = kube::Api::namespaced(env.client.clone(), &env.ns);
+    let claim = claims.get("data").await.unwrap();
+    let claim_uid = claim.metadata.uid.clone().unwrap();
+    let pv_name = format!("pvc-{claim_uid}");
+    assert_eq!(claim.spec.as_ref().unwrap().volume_name.as_deref(), Some(pv_name.as_str()));
+    let pvs: kube::Api<PersistentVolume> = kube::Api::all(env.client.clone());
+    let pv = pvs.get(&pv_name).await.unwrap();
+    let csi = pv.spec.as_ref().unwrap().csi.clone().unwrap();
+    let volume_name = format!("{}_data_{claim_uid}", env.ns);
+    assert_eq!(csi.driver, "openstack.vmlet.io");
+    assert!(csi.volume_handle.ends_with(&format!("/__DEFAULT__/{volume_name}")), "{}", csi.volume_handle);
+    assert!(pv.spec.as_ref().unwrap().node_affinity.is_none(), "a Cinder volume is tied to no host: {pv:?}");
+    let cinder = |path: String| async move { nova_harness::cinder_behind_vmlet(Method::GET, &path, None).await };
+    let (status, listed) = cinder(format!("/volumes/detail?name={volume_name}")).await;
+    assert_eq!(status, 200, "{listed}");
+    let volume = listed["volumes"][0].clone();
+    let volume_id = volume["id"].as_str().expect("a Cinder volume of the claim's name").to_owned();
+    assert_eq!((volume["size"].as_u64(), volume["status"].as_str()), (Some(1), Some("in-use")), "{volume}");
+    assert_eq!(volume["attachments"][0]["server_id"].as_str(), Some(server.backend_id.as_str()), "{volume}");
+
+    // The tenant grows the claim: Cinder extends the attached volume.
+    env.kubectl(&[
+        "patch",
+        "pvc/data",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}"#,
+    ]);
+    env.wait_for("Cinder to report 2 GiB and the claim to show it", || async {
+        let (_, v) = cinder(format!("/volumes/{volume_id}")).await;
+        let capacity = claims.get("data").await.ok()?.status?.capacity?.get("storage")?.0.clone();
+        (v["volume"]["size"] == 2 && capacity == (2u64 << 30).to_string()).then_some(())
+    })
+    .await;
+
+    // The VM goes: Nova detaches the volume and keeps it; the claim goes:
+    // vmlet deletes the volume and the PersistentVolume.
+    env.kubectl(&["delete", "vm/db", "--wait=true", "--timeout=180s"]);
+    env.wait_for("the server to be gone", || async { (servers_with(&h, &uid).await == 0).then_some(()) }).await;
+    let (_, v) = cinder(format!("/volumes/{volume_id}")).await;
+    assert!(matches!(v["volume"]["status"].as_str(), Some("available" | "detaching")), "kept: {v}");
+    env.kubectl(&["delete", "pvc/data", "--wait=true", "--timeout=180s"]);
+    env.wait_for("the PersistentVolume and the Cinder volume to be gone", || async {
+        let (status, _) = cinder(format!("/volumes/{volume_id}")).await;
+        (pvs.get_opt(&pv_name).await.ok()?.is_none() && status == 404).then_some(())
+    })
+    .await;
+    env.kubectl(&["delete", "storageclass", &class]);
+}

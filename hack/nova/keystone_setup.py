@@ -5,18 +5,20 @@
 `keystone-manage bootstrap` made the admin user, project `admin`, region and
 the identity endpoints. This adds, through Keystone's own v3 REST API:
 
-- role `service`, project `service`, and the service users `nova` and
-  `placement` (roles admin + service on project `service`): nova-api's and
-  placement's authtoken middleware validate tokens with them, and Nova talks
-  to Placement as `nova`;
+- role `service`, project `service`, and the service users `nova`,
+  `placement` and `cinder` (roles admin + service on project `service`):
+  nova-api's, placement's and cinder-api's authtoken middleware validate
+  tokens with them, and Nova talks to Placement as `nova`;
 - project `vmlet` with user `vmlet` (role member), for tests that need a
   non-admin user;
-- services `compute` and `placement` with public, internal and admin
-  endpoints in the region.
+- services `compute`, `placement` and Cinder's `volumev3` and
+  `block-storage` (one API, under both types as devstack registers it) with
+  public, internal and admin endpoints in the region.
 
 Stdlib only. Every request has a timeout; any failure exits non-zero with the
 HTTP status and body. Environment: KEYSTONE_URL (…/v3), OS_PASSWORD (admin),
-OS_REGION_NAME, NOVA_URL (…/v2.1), PLACEMENT_URL, SERVICE_PASSWORD,
+OS_REGION_NAME, NOVA_URL (…/v2.1), PLACEMENT_URL, CINDER_URL
+(…/v3/%(project_id)s), SERVICE_PASSWORD,
 VMLET_PASSWORD.
 """
 
@@ -101,7 +103,7 @@ def main():
              for name in ('admin', 'member', 'reader', 'service')}
     service_project = ensure(token, 'projects', 'service',
                              dict(dom, description='OpenStack services'))
-    for user in ('nova', 'placement'):
+    for user in ('nova', 'placement', 'cinder'):
         user_id = ensure(token, 'users', user,
                          dict(dom, password=ENV['SERVICE_PASSWORD']))
         grant(token, service_project, user_id, roles['admin'])
@@ -115,8 +117,11 @@ def main():
     grant(token, vmlet_project, vmlet_user, roles['reader'])
     ensure_service(token, 'compute', 'nova', ENV['NOVA_URL'])
     ensure_service(token, 'placement', 'placement', ENV['PLACEMENT_URL'])
+    ensure_service(token, 'volumev3', 'cinderv3', ENV['CINDER_URL'])
+    ensure_service(token, 'block-storage', 'cinder', ENV['CINDER_URL'])
     print('keystone_setup: projects service + vmlet, users nova, placement, '
-          'vmlet; compute and placement endpoints registered')
+          'cinder, vmlet; compute, placement, volumev3 and block-storage '
+          'endpoints registered')
 
 
 if __name__ == '__main__':

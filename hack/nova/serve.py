@@ -23,9 +23,11 @@ lists placement and compute) before starting the services, whose Placement
 clients authenticate at once; the computes report to Placement over HTTP.
 
 Test doubles from Nova's functional tests (nova.tests.fixtures) stand in for
-the services Nova only talks to: GlanceFixture (images), NeutronFixture
+the services Nova only talks to: GlanceFixture (images) and NeutronFixture
 (networks and ports; vmlet_neutron.py adds a second network and gives each
-port its own address), CinderFixture (volumes). Two more helpers from there
+port its own address). Volumes are real: Nova calls the Cinder API that
+cinder_serve.py runs (hack/nova.sh starts it), over HTTP, with the
+caller's token and Keystone's catalog. Two more helpers from there
 make one process behave as several hosts: DatabaseWriteLock (one sqlite
 writer at a time) and ComputeNodeIdFixture (no shared compute_id file).
 
@@ -256,8 +258,7 @@ def main():
     create_databases(ctxt)
     glance = cloud.useFixture(nova_fixtures.GlanceFixture(cloud))
     neutron = cloud.useFixture(vmlet_neutron.VmletNeutronFixture(cloud))
-    cloud.useFixture(nova_fixtures.CinderFixture(cloud))
-    step('glance/neutron/cinder test doubles installed')
+    step('glance/neutron test doubles installed')
     create_flavors(ctxt)
     # Conductor, scheduler and the API set up Placement clients as they
     # start, which authenticate as `nova` right away.

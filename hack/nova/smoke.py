@@ -105,8 +105,8 @@ def hypervisors(nova, token):
 
 
 def ready():
-    """Exit 0 when a token can be had and every host in VMLET_NOVA_HOSTS
-    is a hypervisor that is up and enabled."""
+    """Exit 0 when a token can be had, every host in VMLET_NOVA_HOSTS is a
+    hypervisor that is up and enabled, and a cinder-volume service is up."""
     token, body = password_auth()
     nova = endpoint(body, 'compute')
     found = {h['hypervisor_hostname']: h for h in hypervisors(nova, token)}
@@ -117,7 +117,16 @@ def ready():
             missing.append('%s (%s)' % (host, h and h['state'] or 'absent'))
     if missing:
         raise Failure('hypervisors not up: ' + ', '.join(missing))
-    print('ready: token ok, hypervisors up: ' + ', '.join(sorted(found)))
+    cinder = endpoint(body, 'volumev3')
+    _, _, services = http('GET', cinder + '/os-services?binary=cinder-volume',
+                          token)
+    volume_up = [s['host'] for s in services['services']
+                 if s['state'] == 'up' and s['status'] == 'enabled']
+    if not volume_up:
+        raise Failure('no cinder-volume service is up: %s'
+                      % services['services'])
+    print('ready: token ok, hypervisors up: ' + ', '.join(sorted(found)) +
+          '; cinder-volume up: ' + ', '.join(volume_up))
 
 
 class Walk:

@@ -318,9 +318,9 @@ fn directory_of(bound: BoundVolume) -> Result<ClaimDirectory, ClaimError> {
         (None, Some(host_path)) => host_path.path,
         _ => {
             return Err(ClaimError::Unusable(format!(
-                "PersistentVolume {name} is neither local nor hostPath nor made by vmlet's provisioner; on libvirt \
-                 vmlet needs a volume on the VM's host: use a StorageClass of provisioner libvirt.vmlet.io, or a \
-                 local PersistentVolume"
+                "PersistentVolume {name} is neither local nor hostPath nor made by vmlet's provisioner for this \
+                 host's back end: use a StorageClass of provisioner <back end>.vmlet.io (libvirt.vmlet.io, \
+                 openstack.vmlet.io), or on libvirt a local PersistentVolume"
             )))
         }
     };

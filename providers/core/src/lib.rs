@@ -129,7 +129,8 @@ pub struct DataDisk {
     /// Its name in the VirtualMachine (`spec.disks[].name`); the guest sees
     /// it as the disk's serial (`/dev/disk/by-id/virtio-<name>`).
     pub name: String,
-    /// Absolute path of the image on the host.
+    /// Absolute path of the image on the host; on a back end whose disks
+    /// are block-storage volumes, the volume's id ([`Volume::path`]).
     pub path: String,
     /// How the hypervisor reads the image: `Raw` for a claim's image (vmlet
     /// makes it raw); for a host image, what [`HostImages::inspect`] read

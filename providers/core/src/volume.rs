@@ -1,6 +1,6 @@
-//! Volumes: disk image files that a back end makes, sizes and removes in
-//! its own storage (a libvirt storage pool), for a dynamic volume
-//! provisioner to hand to VMs as data disks.
+//! Volumes: disks that a back end makes, sizes and removes in its own
+//! storage (files in a libvirt storage pool, Cinder volumes of a volume
+//! type), for a dynamic volume provisioner to hand to VMs as data disks.
 //!
 //! A volume lives in a pool of the host, named by the host's administrator
 //! (a StorageClass parameter, never a tenant's free text), under a name the
@@ -73,8 +73,9 @@ pub struct Volume {
     pub pool: String,
     /// Its name in the pool.
     pub name: String,
-    /// The absolute path of the file the hypervisor opens for it
-    /// ([`crate::DataDisk::path`]).
+    /// What the hypervisor opens for it ([`crate::DataDisk::path`]): the
+    /// absolute path of its file (libvirt), or the block-storage volume's id
+    /// (Nova: a Cinder volume's UUID).
     pub path: String,
     /// The disk's size as the guest sees it, in bytes.
     pub capacity_bytes: u64,
@@ -181,6 +182,16 @@ pub trait Volumes: Send + Sync {
     /// `Unsupported` when the back end cannot grow volumes; and those every
     /// operation may return.
     async fn resize_volume(&self, pool: &str, name: &str, format: DiskFormat, capacity_bytes: u64) -> Result<Volume>;
+
+    /// Whether [`Volumes::resize_volume`] grows a volume of a pool that
+    /// several hosts share through any of them, the disk of a running VM on
+    /// another host included, because the back end itself tells the
+    /// hypervisor that runs the VM (Cinder tells Nova). `false`, the default:
+    /// only the host that runs a VM grows its disk live, so vmlet does not
+    /// grow volumes of shared pools.
+    fn grows_shared_volumes(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -22,8 +22,8 @@
 //! - [`Cloud`]: the session shared by all hosts (token renewal, catalog,
 //!   microversion, the shared server listing, [`Cloud::hypervisors`]).
 //! - [`OpenStackProvider`]: one per compute host, implementing
-//!   [`vmlet_provider::Provider`] with the resize, migration and console
-//!   capabilities.
+//!   [`vmlet_provider::Provider`] with the resize, migration, console and
+//!   volume (Cinder) capabilities.
 //!
 //! vmlet needs the admin role in the cloud (see [`Cloud`]).
 
@@ -43,6 +43,7 @@ pub mod options;
 mod provider;
 mod resize;
 mod session;
+mod volumes;
 
 pub use config::{CloudConfig, ConfigError, Credentials, Interface, NameOrId, Scope, Secret, Tls, User};
 pub use hosts::{HostState, HostStatus, Hypervisor, Inventory};

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 use tracing::instrument;
 use vmlet_provider::{
-    Console, Error, ErrorKind, HostInfo, ImageReference, Location, Migration, Provider, Resize, Result, VmId, VmSpec,
-    VmStatus,
+    Console, DiskFormat, Error, ErrorKind, HostInfo, ImageReference, Location, Migration, Provider, Resize, Result,
+    VmId, VmSpec, VmStatus,
 };
 
 use crate::compute::Server;
@@ -20,6 +20,7 @@ use crate::mapping::{
 use crate::microversion::CREATE_WITH_HOST;
 use crate::options;
 use crate::session::{Call, Cloud};
+use crate::volumes::{CinderVolume, VOLUME_KEY};
 
 /// The servers vmlet manages on one nova-compute host (`OS-EXT-SRV-ATTR:host`
 /// = the compute service's host name), through a [`Cloud`] session shared
@@ -54,6 +55,79 @@ fn qualified(cloud: &Cloud, host: &str) -> String {
 }
 
 impl OpenStackProvider {
+    /// The Cinder volumes of `spec.disks`, in order: each disk's path must
+    /// be the id of a volume vmlet made (its [`VOLUME_KEY`] mark), which a
+    /// PersistentVolume of `openstack.vmlet.io` names, attached raw. A host
+    /// file (a `hostImage` or a local PersistentVolume's image) is no
+    /// volume Nova can attach.
+    ///
+    /// Errors: `InvalidInput` naming `spec.disks[<name>]` and the fix.
+    async fn data_volumes(&self, spec: &VmSpec) -> Result<Vec<CinderVolume>> {
+        const OP: &str = "define server";
+        let mut volumes = Vec::with_capacity(spec.disks.len());
+        for disk in &spec.disks {
+            let refuse = |why: String| {
+                Error::new(
+                    OP,
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "spec.disks[{}]: {why}; on a Nova node a data disk is a PersistentVolumeClaim of a \
+                         StorageClass with provisioner openstack.vmlet.io (a Cinder volume)",
+                        disk.name
+                    ),
+                )
+            };
+            if disk.path.starts_with('/') || disk.format != DiskFormat::Raw {
+                return Err(refuse(format!(
+                    "{:?} is a file on a hypervisor host, which Nova cannot attach",
+                    disk.path
+                )));
+            }
+            let volume = self.cloud.cinder_volume(OP, &disk.path).await?;
+            match volume {
+                Some(v) if v.metadata.contains_key(VOLUME_KEY) => volumes.push(v),
+                Some(_) => return Err(refuse(format!("Cinder volume {} was not made by vmlet", disk.path))),
+                None => return Err(refuse(format!("Cinder has no volume {}", disk.path))),
+            }
+        }
+        Ok(volumes)
+    }
+
+    /// Attach to `server` (which existed before this define) each of
+    /// `volumes` that it lacks (`POST /servers/{id}/os-volume_attachments`),
+    /// waiting until Cinder reports the volume `in-use` by it. Errors:
+    /// `Conflict` when a volume is attached to another server.
+    async fn attach_missing(&self, server: &Server, volumes: &[CinderVolume]) -> Result<()> {
+        const OP: &str = "attach volume";
+        for volume in volumes {
+            let attached_to = |v: &CinderVolume| v.attachments.iter().any(|a| a.server_id == server.id);
+            if attached_to(volume) {
+                continue;
+            }
+            if let Some(other) = volume.attachments.first() {
+                return Err(Error::new(
+                    OP,
+                    ErrorKind::Conflict,
+                    format!(
+                        "Cinder volume {} ({}) is attached to server {}, not {}",
+                        volume.name.as_deref().unwrap_or_default(),
+                        volume.id,
+                        other.server_id,
+                        server.id
+                    ),
+                ));
+            }
+            let call = Call::post(
+                format!("/servers/{}/os-volume_attachments", server.id),
+                json!({"volumeAttachment": {"volumeId": volume.id}}),
+            );
+            self.cloud.send(OP, &call).await?;
+            tracing::info!(server.id = %server.id, volume.id = %volume.id, "volume attached");
+            self.cloud.wait_attached(OP, &volume.id, &server.id).await?;
+        }
+        Ok(())
+    }
+
     /// The provider of compute host `host` (a hypervisor's `service.host`,
     /// as [`Cloud::hypervisors`] lists it as [`crate::Hypervisor::host`]).
     /// Its node name (for [`Migration::target`]) defaults to `host`.
@@ -283,7 +357,12 @@ impl OpenStackProvider {
     }
 
     /// The create request for `spec` on this host.
-    async fn create_body(&self, spec: &VmSpec, options: &options::ServerOptions) -> Result<Value> {
+    async fn create_body(
+        &self,
+        spec: &VmSpec,
+        options: &options::ServerOptions,
+        volumes: &[CinderVolume],
+    ) -> Result<Value> {
         const OP: &str = "define server";
         let image = spec.image.as_deref().filter(|i| !i.is_empty()).ok_or_else(|| {
             Error::new(
@@ -375,6 +454,18 @@ impl OpenStackProvider {
             "networks": networks.to_json(),
             "metadata": metadata,
         });
+        if !volumes.is_empty() {
+            // The image as the boot disk (what imageRef alone gives), then
+            // each data disk in spec.disks order; Nova detaches them, never
+            // deletes them, when the server goes.
+            let boot = json!({"boot_index": 0, "uuid": image_id, "source_type": "image",
+                "destination_type": "local", "delete_on_termination": true});
+            let data = volumes.iter().map(|v| {
+                json!({"boot_index": -1, "uuid": v.id, "source_type": "volume",
+                    "destination_type": "volume", "delete_on_termination": false})
+            });
+            server["block_device_mapping_v2"] = Value::Array(std::iter::once(boot).chain(data).collect());
+        }
         if let Some(cloud_init) = &spec.cloud_init {
             // Nova hands it to the guest through its metadata service and
             // config drive, where cloud-init's OpenStack source reads it.
@@ -541,18 +632,7 @@ impl Provider for OpenStackProvider {
         if let Some(cloud_init) = &spec.cloud_init {
             check_cloud_init(cloud_init)?;
         }
-        if let Some(disk) = spec.disks.first() {
-            return Err(Error::new(
-                OP,
-                ErrorKind::Unsupported,
-                format!(
-                    "spec.disks[{}]: data disks (PersistentVolumeClaims and hostImage files) are files on a \
-                     hypervisor host, which Nova servers cannot use; remove spec.disks (Cinder volumes are not \
-                     supported yet)",
-                    disk.name
-                ),
-            ));
-        }
+        let volumes = self.data_volumes(spec).await?;
         let server_options = options::parse(&spec.options)?;
         self.cloud.invalidate_listing();
         let existing = match self.find_anywhere(&spec.id).await? {
@@ -580,7 +660,7 @@ impl Provider for OpenStackProvider {
                 server
             }
             None => {
-                let body = self.create_body(spec, &server_options).await?;
+                let body = self.create_body(spec, &server_options, &volumes).await?;
                 let id = self.cloud.create_server(body).await?;
                 created_now = true;
                 tracing::info!(server.id = %id, "server created");
@@ -590,6 +670,9 @@ impl Provider for OpenStackProvider {
             }
         };
         let mut server = self.built(OP, server).await?;
+        if !created_now {
+            self.attach_missing(&server, &volumes).await?;
+        }
         if created_now && server.status == "ACTIVE" {
             // Nova starts what it creates; a defined VM is off until `start`.
             self.power_action(OP, &server, "os-stop", "SHUTOFF", "powering-off").await?;
@@ -655,6 +738,13 @@ impl Provider for OpenStackProvider {
     }
 
     fn resize(&self) -> Option<&dyn Resize> {
+        Some(self)
+    }
+
+    /// Cinder volumes (see `volumes.rs`). A cloud whose catalog has no
+    /// block-storage service answers every call with `Unsupported`, naming
+    /// it, so a claim of its class gets that reason.
+    fn volumes(&self) -> Option<&dyn vmlet_provider::Volumes> {
         Some(self)
     }
 

@@ -5,7 +5,8 @@
 //!   more when a service answers 401; one renewal at a time however many
 //!   callers need it (the others wait for its result).
 //! - Endpoints from the token's catalog for the configured region and
-//!   interface: compute (required), placement and image (optional).
+//!   interface: compute (required), placement, image and block storage
+//!   (Cinder v3, catalog type `block-storage` or `volumev3`; optional).
 //! - The compute microversion, negotiated once from Nova's version document
 //!   (see `microversion.rs`) and sent as `OpenStack-API-Version: compute X.Y`
 //!   on every compute call.
@@ -90,6 +91,10 @@ impl Default for CloudOptions {
     }
 }
 
+/// The block-storage microversion vmlet speaks (Cinder v3): 3.42 extends
+/// attached volumes (Queens and later).
+pub(crate) const VOLUME_API_VERSION: &str = "3.42";
+
 /// The OpenStack services vmlet calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Service {
@@ -99,6 +104,8 @@ pub(crate) enum Service {
     Placement,
     /// Glance.
     Image,
+    /// Cinder (block storage, API v3).
+    BlockStorage,
 }
 
 impl Service {
@@ -107,6 +114,7 @@ impl Service {
             Service::Compute => "Nova",
             Service::Placement => "Placement",
             Service::Image => "Glance",
+            Service::BlockStorage => "Cinder",
         }
     }
 }
@@ -177,6 +185,7 @@ struct Session {
     compute: String,
     placement: Option<String>,
     image: Option<String>,
+    block_storage: Option<String>,
 }
 
 /// The cloud-wide listing of vmlet's servers (see [`Cloud::servers`]).
@@ -305,6 +314,7 @@ impl Cloud {
             Service::Compute => true,
             Service::Placement => session.placement.is_some(),
             Service::Image => session.image.is_some(),
+            Service::BlockStorage => session.block_storage.is_some(),
         })
     }
 
@@ -376,9 +386,13 @@ impl Cloud {
         })?;
         let placement = find("placement")?;
         let image = find("image")?;
+        let block_storage = match find("block-storage")? {
+            Some(url) => Some(url),
+            None => find("volumev3")?,
+        };
         tracing::debug!(cloud = %self.config.name, lifetime_s = lifetime.as_secs(), compute = %compute, "Keystone token");
         let project = body.token.project.map(|p| p.id);
-        Ok(Session { token, project, renew_at, compute, placement, image })
+        Ok(Session { token, project, renew_at, compute, placement, image, block_storage })
     }
 
     /// GET Nova's version document and choose the microversion.
@@ -435,6 +449,7 @@ impl Cloud {
                 Service::Compute => Some(session.compute.as_str()),
                 Service::Placement => session.placement.as_deref(),
                 Service::Image => session.image.as_deref(),
+                Service::BlockStorage => session.block_storage.as_deref(),
             }
             .ok_or_else(|| {
                 Error::new(
@@ -452,6 +467,10 @@ impl Cloud {
             }
             if call.service == Service::Placement {
                 request = request.header("OpenStack-API-Version", "placement 1.10");
+            }
+            if call.service == Service::BlockStorage {
+                // 3.42: extending an attached (in-use) volume.
+                request = request.header("OpenStack-API-Version", format!("volume {VOLUME_API_VERSION}"));
             }
             if !call.query.is_empty() {
                 request = request.query(&call.query);

@@ -56,10 +56,13 @@ pub(super) struct Growth {
 /// grow (the request fits, or the PersistentVolume is not one this
 /// provisioner made for this very claim). `Err`: a volume of ours that
 /// cannot grow, and why (for a Warning Event).
+/// `shared_growable`: the back end grows a volume of a shared pool through
+/// any host ([`vmlet_provider::Volumes::grows_shared_volumes`]).
 pub(super) fn growth(
     claim: &PersistentVolumeClaim,
     pv: &PersistentVolume,
     provisioner: &str,
+    shared_growable: bool,
 ) -> Result<Option<Growth>, String> {
     let Some(spec) = pv.spec.as_ref() else { return Ok(None) };
     let Some(csi) = spec.csi.as_ref() else { return Ok(None) };
@@ -77,7 +80,8 @@ pub(super) fn growth(
     if requested_bytes <= current_bytes {
         return Ok(None);
     }
-    if csi.volume_attributes.as_ref().and_then(|a| a.get(super::SHARED_ATTRIBUTE)).map(String::as_str) == Some("true") {
+    let shared = csi.volume_attributes.as_ref().and_then(|a| a.get(super::SHARED_ATTRIBUTE));
+    if shared.map(String::as_str) == Some("true") && !shared_growable {
         return Err(format!(
             "PersistentVolume {}'s volume lies in a pool that several hosts share, and vmlet grows those volumes not \
              yet (a running VM's disk grows only through the host that runs it); lower the request again",
@@ -132,7 +136,8 @@ pub(super) async fn expand(
         return Ok(Action::await_change());
     };
     let provisioner = provisioner_name(host.provider.kind());
-    let growth = match growth(claim, &pv, &provisioner) {
+    let shared_growable = host.provider.volumes().is_some_and(|v| v.grows_shared_volumes());
+    let growth = match growth(claim, &pv, &provisioner, shared_growable) {
         Ok(Some(growth)) => growth,
         Ok(None) => return Ok(Action::await_change()),
         Err(refusal) => return refuse(claim, ctx, &refusal).await,

@@ -825,6 +825,19 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_volume_grows_only_where_the_back_end_grows_it_through_any_host() {
+        let rwo = claim(serde_json::json!({}));
+        let shared = class(serde_json::json!({"parameters": {"shared": "true"}}));
+        let wanted_shared = wanted(&rwo, &shared).unwrap().unwrap();
+        let pv = persistent_volume(&rwo, &shared, "openstack.vmlet.io", &wanted_shared, "v1", 1 << 30, None);
+        let grown = claim(serde_json::json!({"spec": {"resources": {"requests": {"storage": "2Gi"}}}}));
+        let refusal = expansion::growth(&grown, &pv, "openstack.vmlet.io", false).unwrap_err();
+        assert!(refusal.contains("a pool that several hosts share"), "{refusal}");
+        let growth = expansion::growth(&grown, &pv, "openstack.vmlet.io", true).unwrap().unwrap();
+        assert_eq!((growth.volume.as_str(), growth.requested_bytes, growth.current_bytes), ("v1", 2 << 30, 1 << 30));
+    }
+
+    #[test]
     fn volume_names_are_the_claims_and_handles_parse_back() {
         assert_eq!(volume_name("team-a", "data", "u-1", DiskFormat::Raw), "team-a_data_u-1");
         assert_eq!(volume_name("team-a", "data", "u-1", DiskFormat::Qcow2), "team-a_data_u-1.qcow2");
@@ -851,7 +864,7 @@ mod tests {
             persistent_volume(&small, &class(serde_json::json!({})), "libvirt.vmlet.io", &wanted, "v1", 1 << 30, None);
         let grown = claim(serde_json::json!({"spec": {"resources": {"requests": {"storage": "2Gi"}}}}));
         assert_eq!(
-            expansion::growth(&grown, &pv, "libvirt.vmlet.io"),
+            expansion::growth(&grown, &pv, "libvirt.vmlet.io", false),
             Ok(Some(expansion::Growth {
                 node: "host-a".into(),
                 pool: "vms".into(),
@@ -861,15 +874,15 @@ mod tests {
                 current_bytes: 1 << 30,
             }))
         );
-        assert_eq!(expansion::growth(&small, &pv, "libvirt.vmlet.io"), Ok(None), "the request fits");
-        assert_eq!(expansion::growth(&grown, &pv, "nova.vmlet.io"), Ok(None), "another provisioner's volume");
+        assert_eq!(expansion::growth(&small, &pv, "libvirt.vmlet.io", false), Ok(None), "the request fits");
+        assert_eq!(expansion::growth(&grown, &pv, "nova.vmlet.io", false), Ok(None), "another provisioner's volume");
         let other = claim(serde_json::json!({"metadata": {"uid": "11111111-2222-3333-4444-555555555555"},
                                               "spec": {"resources": {"requests": {"storage": "2Gi"}}}}));
-        assert_eq!(expansion::growth(&other, &pv, "libvirt.vmlet.io"), Ok(None), "bound to another claim");
+        assert_eq!(expansion::growth(&other, &pv, "libvirt.vmlet.io", false), Ok(None), "bound to another claim");
         let mut unstated = pv.clone();
         unstated.spec.as_mut().unwrap().csi.as_mut().unwrap().volume_attributes = None;
         assert_eq!(
-            expansion::growth(&grown, &unstated, "libvirt.vmlet.io").unwrap_err(),
+            expansion::growth(&grown, &unstated, "libvirt.vmlet.io", false).unwrap_err(),
             format!(
                 "PersistentVolume {} states no format (csi.volumeAttributes.format) to grow its volume in",
                 pv.name_any()

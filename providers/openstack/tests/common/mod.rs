@@ -225,8 +225,9 @@ pub async fn count_everywhere(providers: &[OpenStackProvider], id: &VmId) -> usi
     n
 }
 
-/// A Keystone token of the harness's admin (`OS_*`), and the admin's user id.
-async fn admin_token(http: &reqwest::Client) -> (String, String) {
+/// A Keystone token of the harness's admin (`OS_*`), the admin's user id
+/// and the token's project id.
+async fn admin_token(http: &reqwest::Client) -> (String, String, String) {
     let os = |name: &str| required(name);
     let auth = serde_json::json!({"auth": {
         "identity": {"methods": ["password"], "password": {"user": {
@@ -240,7 +241,8 @@ async fn admin_token(http: &reqwest::Client) -> (String, String) {
     let token = response.headers()["X-Subject-Token"].to_str().expect("token header").to_owned();
     let body: serde_json::Value = response.json().await.expect("token body");
     let user = body["token"]["user"]["id"].as_str().expect("the token's user id").to_owned();
-    (token, user)
+    let project = body["token"]["project"]["id"].as_str().expect("the token's project id").to_owned();
+    (token, user, project)
 }
 
 /// Create an application credential `name` for the harness's admin, in its
@@ -248,7 +250,7 @@ async fn admin_token(http: &reqwest::Client) -> (String, String) {
 /// its id and secret.
 pub async fn create_application_credential(name: &str) -> (String, String) {
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
-    let (token, user) = admin_token(&http).await;
+    let (token, user, _) = admin_token(&http).await;
     let response = http
         .post(format!("{}/users/{user}/application_credentials", required("OS_AUTH_URL")))
         .header("X-Auth-Token", token)
@@ -267,7 +269,7 @@ pub async fn create_application_credential(name: &str) -> (String, String) {
 /// Uses the `OS_*` variables of `hack/nova.sh env` and `VMLET_NOVA_URL`.
 pub async fn nova_action_behind_vmlet(server_id: &str, body: serde_json::Value) {
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
-    let (token, _) = admin_token(&http).await;
+    let (token, _, _) = admin_token(&http).await;
     let response = http
         .post(format!("{}/servers/{server_id}/action", required("VMLET_NOVA_URL")))
         .header("X-Auth-Token", token)
@@ -295,4 +297,27 @@ pub async fn define(provider: &OpenStackProvider, spec: &VmSpec) -> VmStatus {
             Err(e) => panic!("define {} on {}: {e}", spec.backend_name(), provider.host()),
         }
     }
+}
+
+/// One call to Cinder as the harness's admin, behind the provider's back
+/// (`VMLET_CINDER_URL`, e.g. `http://127.0.0.1:18776/v3`): `path` below the
+/// project's root (`/volumes/<id>`), microversion 3.42. The HTTP status and
+/// the JSON body (`Null` when empty).
+pub async fn cinder_behind_vmlet(
+    method: reqwest::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
+    let (token, _, project) = admin_token(&http).await;
+    let url = format!("{}/{project}{path}", required("VMLET_CINDER_URL"));
+    let mut request =
+        http.request(method, &url).header("X-Auth-Token", token).header("OpenStack-API-Version", "volume 3.42");
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.unwrap_or_else(|e| panic!("{url}: {e}"));
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("Cinder's answer");
+    (status, serde_json::from_str(&text).unwrap_or(serde_json::Value::Null))
 }
