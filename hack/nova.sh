@@ -168,21 +168,25 @@ password_hash_rounds = 4
 enabled = true
 backend = dogpile.cache.memory
 EOF
-  local authtoken
-  authtoken() {
+  # password_auth USER: keystoneauth's password plugin for service user
+  # USER in project `service` (the lines every [section] below shares).
+  password_auth() {
     cat <<EOF
-[keystone_authtoken]
-www_authenticate_uri = $KEYSTONE_URL
-auth_url = $KEYSTONE_URL
 auth_type = password
+auth_url = $KEYSTONE_URL
 username = $1
 password = $SERVICE_PASSWORD
 project_name = service
 user_domain_name = Default
 project_domain_name = Default
-region_name = $REGION
-interface = public
 EOF
+  }
+  authtoken() {
+    echo "[keystone_authtoken]"
+    echo "www_authenticate_uri = $KEYSTONE_URL"
+    password_auth "$1"
+    echo "region_name = $REGION"
+    echo "interface = public"
   }
   {
     cat <<EOF
@@ -223,15 +227,9 @@ lock_path = $STATE/nova/locks
 [oslo_messaging_notifications]
 driver = noop
 [placement]
-auth_type = password
-auth_url = $KEYSTONE_URL
-username = nova
-password = $SERVICE_PASSWORD
-project_name = service
-user_domain_name = Default
-project_domain_name = Default
 region_name = $REGION
 valid_interfaces = public
+$(password_auth nova)
 [cinder]
 os_region_name = $REGION
 catalog_info = volumev3::publicURL
@@ -239,13 +237,7 @@ catalog_info = volumev3::publicURL
 # attachments of a server (OSSA-2023-003), which it does when the server goes.
 [service_user]
 send_service_user_token = true
-auth_type = password
-auth_url = $KEYSTONE_URL
-username = nova
-password = $SERVICE_PASSWORD
-project_name = service
-user_domain_name = Default
-project_domain_name = Default
+$(password_auth nova)
 EOF
     authtoken nova
   } >"$ETC/nova/nova.conf"
@@ -281,15 +273,9 @@ driver = noop
 volume_driver = cinder.tests.fake_driver.FakeLoggingVolumeDriver
 volume_backend_name = fake
 [nova]
-auth_type = password
-auth_url = $KEYSTONE_URL
-username = cinder
-password = $SERVICE_PASSWORD
-project_name = service
-user_domain_name = Default
-project_domain_name = Default
 region_name = $REGION
 interface = public
+$(password_auth cinder)
 EOF
     authtoken cinder
   } >"$ETC/cinder/cinder.conf"
