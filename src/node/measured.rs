@@ -247,63 +247,13 @@ impl Console for MeasuredConsole {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vmlet_provider::{Error, ErrorKind};
-
-    /// A host with one running VM `up` (stats answer) and nothing else
-    /// (every other id: `NotFound`; stats of `down`: `Transient`).
-    struct OneVm;
-
-    #[async_trait]
-    impl Provider for OneVm {
-        fn kind(&self) -> &'static str {
-            "onevm"
-        }
-        async fn ping(&self) -> Result<()> {
-            Ok(())
-        }
-        async fn host_info(&self) -> Result<HostInfo> {
-            Err(Error::new("host info", ErrorKind::Transient, "not in this test"))
-        }
-        async fn list(&self) -> Result<Vec<VmStatus>> {
-            Ok(vec![])
-        }
-        async fn get(&self, _: &VmId) -> Result<Option<VmStatus>> {
-            Ok(None)
-        }
-        async fn ensure_defined(&self, _: &VmSpec) -> Result<VmStatus> {
-            Err(Error::new("define", ErrorKind::InvalidInput, "not in this test"))
-        }
-        async fn start(&self, _: &VmId) -> Result<()> {
-            Err(Error::new("start", ErrorKind::NotFound, "no such VM"))
-        }
-        async fn shutdown(&self, _: &VmId) -> Result<()> {
-            Ok(())
-        }
-        async fn destroy(&self, _: &VmId) -> Result<()> {
-            Ok(())
-        }
-        fn stats(&self) -> Option<&dyn Stats> {
-            Some(self)
-        }
-        async fn undefine(&self, _: &VmId) -> Result<()> {
-            Ok(())
-        }
-    }
-
-    #[async_trait]
-    impl Stats for OneVm {
-        async fn stats(&self, id: &VmId) -> Result<VmStats> {
-            match id.0.as_str() {
-                "up" => Ok(VmStats { cpu_usage_ns: 7, memory_working_set_bytes: 1 << 20 }),
-                _ => Err(Error::new("stats", ErrorKind::Transient, "not running")),
-            }
-        }
-    }
+    use crate::testing::StatsHost;
+    use vmlet_provider::ErrorKind;
 
     #[tokio::test]
     async fn calls_are_counted_by_node_backend_operation_and_result_and_answer_unchanged() {
-        let provider = Measured::wrap(Arc::new(OneVm), "measured-host");
-        assert_eq!(provider.kind(), "onevm");
+        let provider = Measured::wrap(Arc::new(StatsHost::new(&[("up", 7)])), "measured-host");
+        assert_eq!(provider.kind(), "statshost");
         provider.ping().await.unwrap();
         provider.ping().await.unwrap();
         assert_eq!(provider.start(&VmId("x".into())).await.unwrap_err().kind, ErrorKind::NotFound);
@@ -317,7 +267,7 @@ mod tests {
         let text = crate::metrics::global().encode();
         let count = |operation: &str, result: &str| {
             format!(
-                "vmlet_provider_call_duration_seconds_count{{node=\"measured-host\",backend=\"onevm\",\
+                "vmlet_provider_call_duration_seconds_count{{node=\"measured-host\",backend=\"statshost\",\
                  operation=\"{operation}\",result=\"{result}\"}} "
             )
         };
@@ -330,7 +280,7 @@ mod tests {
         // and in the 149 s one.
         assert!(
             text.contains(
-                "vmlet_provider_call_duration_seconds_bucket{le=\"+Inf\",node=\"measured-host\",backend=\"onevm\",\
+                "vmlet_provider_call_duration_seconds_bucket{le=\"+Inf\",node=\"measured-host\",backend=\"statshost\",\
                  operation=\"ping\",result=\"ok\"} 2"
             ),
             "{text}"
