@@ -14,6 +14,11 @@
 //! a session's or a copy's length and no latency: console `attach`, guest
 //! `exec`, and the backup, snapshot, host-image and volume capabilities
 //! (their tasks report their own progress and outcome).
+//!
+//! Keep it whole: a method added to [`Provider`] with a default body must be
+//! forwarded here too, or the wrapped provider's answer is hidden behind the
+//! default (the compiler does not ask for it). Every method is forwarded
+//! today.
 
 use async_trait::async_trait;
 use std::future::Future;
