@@ -87,7 +87,8 @@ pub struct Config {
     /// kubelet API. Default 127.0.0.1.
     #[serde(default = "default_node_ip", rename = "nodeIP", alias = "nodeIp")]
     pub node_ip: IpAddr,
-    /// Port of the kubelet API (`daemonEndpoints.kubeletEndpoint.Port`). Default 10250.
+    /// Port of the first node's kubelet API (`daemonEndpoints.kubeletEndpoint.Port`);
+    /// node `i` of `hosts` listens on this + `i` ([`Config::kubelet_port_of`]). Default 10250.
     #[serde(default = "default_kubelet_port")]
     pub kubelet_port: u16,
     /// Whether this process takes part in the election of the controllers'
@@ -489,6 +490,17 @@ impl Config {
         self.namespace.as_deref().unwrap_or(ALL_NAMESPACES_SCOPE)
     }
 
+    /// The port node `node`'s kubelet API listens on, as its Node's
+    /// `daemonEndpoints.kubeletEndpoint.port` says: `kubeletPort` + the
+    /// node's index in `hosts` (the clouds' compute hosts join `hosts` when
+    /// found), so each node has a listener of its own
+    /// ([`crate::api::ApiConfig::node_listeners`]). `None` for a node not in
+    /// `hosts` or a port past 65535 (the process refuses to start then).
+    pub fn kubelet_port_of(&self, node: &str) -> Option<u16> {
+        let index = self.hosts.iter().position(|h| h.name == node)?;
+        self.kubelet_port.checked_add(u16::try_from(index).ok()?)
+    }
+
     /// How long a Lease lives without renewal.
     pub fn lease_duration(&self) -> Duration {
         Duration::from_secs(self.lease_duration_seconds.into())
@@ -565,6 +577,16 @@ impl Config {
         }
         if self.kubelet_port == 0 {
             return invalid("kubeletPort".into(), "is 0; give the port the kubelet API listens on, e.g. 10250".into());
+        }
+        if usize::from(self.kubelet_port) + self.hosts.len().saturating_sub(1) > usize::from(u16::MAX) {
+            return invalid(
+                "kubeletPort".into(),
+                format!(
+                    "{} leaves no port for some of the {} hosts (host i listens on kubeletPort + i); lower it",
+                    self.kubelet_port,
+                    self.hosts.len()
+                ),
+            );
         }
         let mut names = BTreeSet::new();
         for (i, host) in self.hosts.iter().enumerate() {

@@ -257,9 +257,15 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
     );
     let directory =
         Arc::new(vmlet::node::directory::Directory::new(hosts.clone(), watches.clone(), config.state_dir.clone()));
-    let server = vmlet::api::Server::bind(api, directory, client.clone()).await.context("starting the kubelet API")?;
-    info!(listen = %server.local_addr(), "kubelet API listening");
-    tasks.spawn(server.run(shutdown.child_token()));
+    // One listener per node (node i on kubeletPort + i, as its Node says),
+    // so that each answers for its own host: /stats/summary per node.
+    let servers = vmlet::api::Server::bind_per_node(api, &nodes, directory, client.clone())
+        .await
+        .context("starting the kubelet API")?;
+    for (node, server) in servers {
+        info!(node.name = node.as_deref().unwrap_or("-"), listen = %server.local_addr(), "kubelet API listening");
+        tasks.spawn(server.run(shutdown.child_token()));
+    }
     if config.controller {
         // Every process may run the controllers; the elected one does.
         let settings = vmlet::election::Settings::from_config(&config);

@@ -200,3 +200,65 @@ pub fn vm_and_pod(namespace: &str, name: &str) -> (VirtualMachine, Pod) {
     let pod = crate::vmpod::pod_for_vm(&vm, &pod_name, namespace, None).expect("a valid VM makes a pod");
     (vm, pod)
 }
+
+/// A host whose VMs run and report stats: `(VM id, CPU nanoseconds)`, each
+/// with 1 MiB working set; any other id's stats fail `Transient` ("not
+/// running"). Its `kind` is `statshost`; `start` fails `NotFound`, the rest
+/// of the lifecycle does nothing.
+pub struct StatsHost {
+    cpu: std::collections::BTreeMap<String, u64>,
+}
+
+impl StatsHost {
+    /// A host with the VMs `vms` running.
+    pub fn new(vms: &[(&str, u64)]) -> Self {
+        StatsHost { cpu: vms.iter().map(|(id, ns)| ((*id).to_owned(), *ns)).collect() }
+    }
+}
+
+#[async_trait::async_trait]
+impl vmlet_provider::Provider for StatsHost {
+    fn kind(&self) -> &'static str {
+        "statshost"
+    }
+    async fn ping(&self) -> vmlet_provider::Result<()> {
+        Ok(())
+    }
+    async fn host_info(&self) -> vmlet_provider::Result<vmlet_provider::HostInfo> {
+        Err(vmlet_provider::Error::new("host info", vmlet_provider::ErrorKind::Transient, "not in these tests"))
+    }
+    async fn list(&self) -> vmlet_provider::Result<Vec<vmlet_provider::VmStatus>> {
+        Ok(vec![])
+    }
+    async fn get(&self, _: &vmlet_provider::VmId) -> vmlet_provider::Result<Option<vmlet_provider::VmStatus>> {
+        Ok(None)
+    }
+    async fn ensure_defined(&self, _: &vmlet_provider::VmSpec) -> vmlet_provider::Result<vmlet_provider::VmStatus> {
+        Err(vmlet_provider::Error::new("define", vmlet_provider::ErrorKind::InvalidInput, "not in these tests"))
+    }
+    async fn start(&self, _: &vmlet_provider::VmId) -> vmlet_provider::Result<()> {
+        Err(vmlet_provider::Error::new("start", vmlet_provider::ErrorKind::NotFound, "no such VM"))
+    }
+    async fn shutdown(&self, _: &vmlet_provider::VmId) -> vmlet_provider::Result<()> {
+        Ok(())
+    }
+    async fn destroy(&self, _: &vmlet_provider::VmId) -> vmlet_provider::Result<()> {
+        Ok(())
+    }
+    fn stats(&self) -> Option<&dyn vmlet_provider::Stats> {
+        Some(self)
+    }
+    async fn undefine(&self, _: &vmlet_provider::VmId) -> vmlet_provider::Result<()> {
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl vmlet_provider::Stats for StatsHost {
+    async fn stats(&self, id: &vmlet_provider::VmId) -> vmlet_provider::Result<vmlet_provider::VmStats> {
+        match self.cpu.get(&id.0) {
+            Some(&cpu_usage_ns) => Ok(vmlet_provider::VmStats { cpu_usage_ns, memory_working_set_bytes: 1 << 20 }),
+            None => Err(vmlet_provider::Error::new("stats", vmlet_provider::ErrorKind::Transient, "not running")),
+        }
+    }
+}

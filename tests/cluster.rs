@@ -3,6 +3,7 @@
 
 mod common;
 
+use common::kubelet::Caller;
 use common::{pod_condition, test_driver_uri, Host, TestEnv};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
@@ -19,7 +20,7 @@ async fn two_hosts_register_ready_with_probed_capacity_and_renewing_leases() {
     let mut env = TestEnv::new("nodes").await;
     env.start_vmlet(&two_hosts());
     // host-a.xml: 8 cpus, 16 GiB; host-b.xml: 4 cpus, 8 GiB.
-    for (suffix, cpu, memory) in [("a", "8", "16Gi"), ("b", "4", "8Gi")] {
+    for (i, (suffix, cpu, memory)) in [("a", "8", "16Gi"), ("b", "4", "8Gi")].into_iter().enumerate() {
         let name = env.node(suffix);
         let node = env.wait_node_ready(&name).await;
         let status = node.status.clone().unwrap();
@@ -40,7 +41,8 @@ async fn two_hosts_register_ready_with_probed_capacity_and_renewing_leases() {
         );
         let info = status.node_info.unwrap();
         assert_eq!(info.kubelet_version, format!("vmlet/{}", env!("CARGO_PKG_VERSION")));
-        assert_eq!(status.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port, i32::from(env.kubelet_port));
+        let port = status.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port;
+        assert_eq!(port, i32::from(env.kubelet_port_of(i)), "{name}: a listener of its own");
         let types: Vec<_> = status.conditions.unwrap().into_iter().map(|c| c.type_).collect();
         for t in ["Ready", "MemoryPressure", "DiskPressure", "PIDPressure"] {
             assert!(types.contains(&t.to_owned()), "{t} missing from {types:?}");
@@ -615,4 +617,75 @@ async fn a_deleted_node_is_registered_again_and_its_vm_keeps_running_there() {
     assert_eq!(container.restart_count, 0, "the VM was not power-cycled");
     let table = env.kubectl(&["get", "vm", "web"]);
     assert!(table.lines().any(|l| l.starts_with("web ") && l.contains("Running") && l.contains(&a)), "{table}");
+}
+
+/// The pods named in a `/stats/summary` document, sorted, and its node name.
+fn summary_of(body: &str) -> Option<(String, Vec<String>)> {
+    let summary: serde_json::Value = serde_json::from_str(body).ok()?;
+    let node = summary["node"]["nodeName"].as_str()?.to_owned();
+    let mut pods: Vec<String> =
+        summary["pods"].as_array()?.iter().filter_map(|p| p["podRef"]["name"].as_str().map(str::to_owned)).collect();
+    pods.sort();
+    Some((node, pods))
+}
+
+/// The value of the sample `series` (name and labels, as encoded) in `text`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.split(' ').next()?.parse().ok())
+}
+
+#[tokio::test]
+async fn each_node_of_one_process_answers_stats_summary_for_its_own_vms_only() {
+    let mut env = TestEnv::new("pernode").await;
+    env.start_vmlet(&two_hosts());
+    let (a, b) = (env.node("a"), env.node("b"));
+    env.wait_node_ready(&a).await;
+    env.wait_node_ready(&b).await;
+    let pinned = |node: &str| json!({"resources": {"cpu": 1, "memory": "256Mi"}, "nodeSelector": {"kubernetes.io/hostname": node}});
+    env.apply_vm("on-a", pinned(&a));
+    env.apply_vm("on-b", pinned(&b));
+    let pod_a = env.wait_vm_phase("on-a", "Running").await.status.unwrap().pod_name.unwrap();
+    let pod_b = env.wait_vm_phase("on-b", "Running").await.status.unwrap().pod_name.unwrap();
+
+    // Straight at each node's listener, as metrics-server reads it.
+    for (i, node, pod) in [(0, &a, &pod_a), (1, &b, &pod_b)] {
+        let port = env.kubelet_port_of(i);
+        let (name, pods) = env
+            .wait_for(&format!("{node}'s /stats/summary on port {port} to list its VM"), || async {
+                let (status, body) = common::kubelet::get(port, "/stats/summary", Caller::ApiServer).await?;
+                let summary = summary_of(&body).filter(|_| status == 200)?;
+                (!summary.1.is_empty()).then_some(summary)
+            })
+            .await;
+        assert_eq!((&name, &pods), (node, &vec![pod.clone()]), "port {port} answers for {node} alone");
+        let (status, text) = common::kubelet::get(port, "/metrics/resource", Caller::ApiServer).await.unwrap();
+        assert_eq!(status, 200, "{text}");
+        assert!(text.contains(&format!("pod=\"{pod}\"")), "{text}");
+        let other = if i == 0 { &pod_b } else { &pod_a };
+        assert!(!text.contains(&format!("pod=\"{other}\"")), "{node} must not report {other}: {text}");
+    }
+
+    // Through the API server, which dials each Node's InternalIP and
+    // daemonEndpoints port (its nodes/proxy refuses a loopback address, so
+    // ask for logs): the test driver has no console, and the answer comes
+    // from node b's listener, which found the pod (node a's would not).
+    for (node, pod) in [(&a, &pod_a), (&b, &pod_b)] {
+        let out = env.kubectl_output(&["logs", pod]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "a test-driver VM has no console log: {stderr}");
+        assert!(stderr.contains(&format!("provider of host {node} has no serial console")), "{stderr}");
+    }
+
+    // The provider calls that started the VMs are counted per node and back
+    // end, and each agent's queue depth is published.
+    let (status, text) = common::kubelet::get(env.kubelet_port_of(1), "/metrics", Caller::ApiServer).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    for node in [&a, &b] {
+        let defined = format!(
+            "vmlet_provider_call_duration_seconds_count{{node=\"{node}\",backend=\"libvirt\",operation=\"ensure_defined\",result=\"ok\"}}"
+        );
+        assert!(sample(&text, &defined).is_some_and(|n| n >= 1.0), "{defined} missing or 0:\n{text}");
+        let depth = format!("vmlet_workqueue_depth{{controller=\"pod\",node=\"{node}\"}}");
+        assert!(sample(&text, &depth).is_some(), "{depth} missing:\n{text}");
+    }
 }

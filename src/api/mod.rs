@@ -1,5 +1,14 @@
-//! The kubelet HTTPS API: one listener for all of this process's nodes (each
-//! Node's `daemonEndpoints.kubeletEndpoint.port` points at it).
+//! The kubelet HTTPS API: one listener per node of this process, node `i`
+//! of the config (hosts first, then the clouds' compute hosts) on
+//! `kubeletApi.listen`'s port + `i`, as each Node's
+//! `daemonEndpoints.kubeletEndpoint.port` says ([`ApiConfig::node_listeners`],
+//! [`crate::config::Config::kubelet_port_of`]). A listener answers for its own
+//! node only ([`ForNode`]): `/stats/summary` and `/metrics/resource` are that
+//! host's figures, `/pods` its pods, a pod of another node is not found, and
+//! authorization asks about that node. A process without nodes (controller
+//! only) has one listener for `/metrics` and `/healthz`. The listeners share
+//! one serving certificate (valid for the node IP, every node's address),
+//! the connection and stream caps, and the authorization cache.
 //!
 //! - TLS ([`tls`]): a serving certificate from files, else a self-signed one
 //!   (logged at WARN as such); client certificates verified against a client CA.
@@ -35,6 +44,39 @@ pub trait PodDirectory: Send + Sync + 'static {
     fn lookup(&self, namespace: &str, name: &str) -> Option<PodEntry>;
     /// All pods bound to this process's nodes (for /pods and /stats/summary).
     fn pods(&self) -> Vec<PodEntry>;
+    /// The one node this directory answers for ([`ForNode`]); `None` when it
+    /// spans every node of the process.
+    fn node(&self) -> Option<&str> {
+        None
+    }
+}
+
+/// The part of a [`PodDirectory`] on one node: what that node's listener
+/// serves. A pod bound to another node of the process is not found here.
+pub struct ForNode {
+    inner: Arc<dyn PodDirectory>,
+    node: String,
+}
+
+impl ForNode {
+    /// The pods of `inner` bound to node `node`.
+    pub fn new(inner: Arc<dyn PodDirectory>, node: &str) -> ForNode {
+        ForNode { inner, node: node.to_owned() }
+    }
+}
+
+impl PodDirectory for ForNode {
+    fn lookup(&self, namespace: &str, name: &str) -> Option<PodEntry> {
+        self.inner.lookup(namespace, name).filter(|entry| entry.node == self.node)
+    }
+
+    fn pods(&self) -> Vec<PodEntry> {
+        self.inner.pods().into_iter().filter(|entry| entry.node == self.node).collect()
+    }
+
+    fn node(&self) -> Option<&str> {
+        Some(&self.node)
+    }
 }
 
 /// How long the listener pauses after an accept failed (file descriptors or
@@ -151,6 +193,26 @@ impl ApiConfig {
         self
     }
 
+    /// Where each of `nodes` (in config order) listens: node `i` on the
+    /// [`ApiConfig::listen`] address with its port + `i` (port 0 stays 0: the
+    /// system picks one per node, for tests that read [`Server::local_addr`]).
+    /// Errors: [`ApiError::PortRange`] when a port would pass 65535.
+    pub fn node_listeners(&self, nodes: &[String]) -> Result<Vec<(String, SocketAddr)>, ApiError> {
+        let base = self.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 10250)));
+        nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let port = match base.port() {
+                    0 => Some(0),
+                    port => u16::try_from(i).ok().and_then(|i| port.checked_add(i)),
+                };
+                let port = port.ok_or_else(|| ApiError::PortRange { node: node.clone(), base: base.port() })?;
+                Ok((node.clone(), SocketAddr::new(base.ip(), port)))
+            })
+            .collect()
+    }
+
     /// Check the fields; the error names the field (`kubeletApi.` prefix is the caller's).
     pub fn validate(&self) -> Result<(), (String, String)> {
         match (&self.tls_cert_file, &self.tls_key_file) {
@@ -189,6 +251,18 @@ pub enum ApiError {
     /// The certificates or key are unusable.
     #[error("TLS configuration: {0}")]
     Tls(String),
+    /// A node's listener would need a port past 65535 (node `i` listens on
+    /// the first node's port + `i`).
+    #[error(
+        "node {node}: no port left for its kubelet API past {base} (node i listens on port {base} + i); \
+         lower kubeletPort or serve fewer nodes in this process"
+    )]
+    PortRange {
+        /// The node without a port.
+        node: String,
+        /// The first node's port.
+        base: u16,
+    },
     /// Binding the listener.
     #[error("listening on {addr}: {source}")]
     Bind {
@@ -211,6 +285,49 @@ pub async fn serve(
     Ok(())
 }
 
+/// What the listeners of one process share: the serving certificate, the
+/// authorizer (and its cache), the stream caps and the connection cap.
+struct Shared {
+    tls: tokio_rustls::TlsAcceptor,
+    auth: Arc<auth::Auth>,
+    slots: Arc<slots::StreamSlots>,
+    connections: Arc<tokio::sync::Semaphore>,
+    header_timeout: std::time::Duration,
+}
+
+impl Shared {
+    fn new(config: &ApiConfig, client: kube::Client) -> Result<Shared, ApiError> {
+        let tls = tls::server_config(config)?;
+        let auth = auth::Auth::new(client, config.anonymous_auth, config.authorization_mode);
+        let slots = slots::StreamSlots::new(
+            config.max_streams.unwrap_or(slots::DEFAULT_MAX_STREAMS),
+            config.max_streams_per_pod.unwrap_or(slots::DEFAULT_MAX_STREAMS_PER_POD),
+        );
+        let max_connections = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+        Ok(Shared {
+            tls: tokio_rustls::TlsAcceptor::from(Arc::new(tls)),
+            auth: Arc::new(auth),
+            slots: Arc::new(slots),
+            connections: Arc::new(tokio::sync::Semaphore::new(max_connections)),
+            header_timeout: config
+                .request_header_timeout_seconds
+                .map_or(DEFAULT_HEADER_TIMEOUT, std::time::Duration::from_secs),
+        })
+    }
+
+    async fn bind(&self, addr: SocketAddr, directory: Arc<dyn PodDirectory>) -> Result<Server, ApiError> {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ApiError::Bind { addr, source })?;
+        let router = routes::router(routes::ApiState::new(directory, Arc::clone(&self.auth), Arc::clone(&self.slots)));
+        Ok(Server {
+            listener,
+            tls: self.tls.clone(),
+            router,
+            connections: Arc::clone(&self.connections),
+            header_timeout: self.header_timeout,
+        })
+    }
+}
+
 /// A bound kubelet API server.
 pub struct Server {
     listener: tokio::net::TcpListener,
@@ -223,30 +340,40 @@ pub struct Server {
 
 impl Server {
     /// Build the TLS configuration and bind the listener (port 0 picks a free one).
+    /// One listener on [`ApiConfig::listen`] that answers for every node of
+    /// `directory` (a process without nodes; tests).
     pub async fn bind(
         config: ApiConfig,
         directory: Arc<dyn PodDirectory>,
         client: kube::Client,
     ) -> Result<Server, ApiError> {
-        let tls = tls::server_config(&config)?;
         let addr = config.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 10250)));
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ApiError::Bind { addr, source })?;
-        let auth = auth::Auth::new(client, config.anonymous_auth, config.authorization_mode);
-        let slots = slots::StreamSlots::new(
-            config.max_streams.unwrap_or(slots::DEFAULT_MAX_STREAMS),
-            config.max_streams_per_pod.unwrap_or(slots::DEFAULT_MAX_STREAMS_PER_POD),
-        );
-        let router = routes::router(routes::ApiState::new(directory, Arc::new(auth), Arc::new(slots)));
-        let max_connections = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
-        let header_timeout =
-            config.request_header_timeout_seconds.map_or(DEFAULT_HEADER_TIMEOUT, std::time::Duration::from_secs);
-        Ok(Server {
-            listener,
-            tls: tokio_rustls::TlsAcceptor::from(Arc::new(tls)),
-            router,
-            connections: Arc::new(tokio::sync::Semaphore::new(max_connections)),
-            header_timeout,
-        })
+        Shared::new(&config, client)?.bind(addr, directory).await
+    }
+
+    /// One listener per node of `nodes` (names in config order), each
+    /// answering for its node only ([`ForNode`]), at the addresses of
+    /// [`ApiConfig::node_listeners`]; with no nodes, one listener as
+    /// [`Server::bind`]. The servers share one certificate, authorizer,
+    /// stream caps and connection cap. Errors: as [`Server::bind`], and
+    /// [`ApiError::PortRange`].
+    pub async fn bind_per_node(
+        config: ApiConfig,
+        nodes: &[String],
+        directory: Arc<dyn PodDirectory>,
+        client: kube::Client,
+    ) -> Result<Vec<(Option<String>, Server)>, ApiError> {
+        let shared = Shared::new(&config, client)?;
+        if nodes.is_empty() {
+            let addr = config.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 10250)));
+            return Ok(vec![(None, shared.bind(addr, directory).await?)]);
+        }
+        let mut servers = Vec::with_capacity(nodes.len());
+        for (node, addr) in config.node_listeners(nodes)? {
+            let scoped = Arc::new(ForNode::new(Arc::clone(&directory), &node));
+            servers.push((Some(node), shared.bind(addr, scoped).await?));
+        }
+        Ok(servers)
     }
 
     /// The bound address.
@@ -389,6 +516,23 @@ mod tests {
         let config: ApiConfig = serde_yaml::from_str("maxConnections: 64\nrequestHeaderTimeoutSeconds: 5").unwrap();
         assert_eq!((config.max_connections, config.request_header_timeout_seconds), (Some(64), Some(5)));
         assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn node_i_listens_on_the_first_port_plus_i() {
+        let config = ApiConfig::default().resolve("10.0.0.5".parse().unwrap(), 10250, &[]);
+        let nodes = ["a".to_owned(), "b".to_owned(), "c".to_owned()];
+        let listeners = config.node_listeners(&nodes).unwrap();
+        let ports: Vec<_> = listeners.iter().map(|(node, addr)| (node.as_str(), addr.to_string())).collect();
+        assert_eq!(
+            ports,
+            [("a", "10.0.0.5:10250".into()), ("b", "10.0.0.5:10251".into()), ("c", "10.0.0.5:10252".into())]
+        );
+        let any = ApiConfig { listen: Some("127.0.0.1:0".parse().unwrap()), ..ApiConfig::default() };
+        assert!(any.node_listeners(&nodes).unwrap().iter().all(|(_, addr)| addr.port() == 0), "the system picks each");
+        let top = ApiConfig { listen: Some("127.0.0.1:65535".parse().unwrap()), ..ApiConfig::default() };
+        let error = top.node_listeners(&nodes).unwrap_err();
+        assert!(matches!(&error, ApiError::PortRange { node, base: 65535 } if node == "b"), "{error}");
     }
 
     #[test]

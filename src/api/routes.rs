@@ -123,7 +123,13 @@ async fn authenticate_and_authorize(State(state): State<ApiState>, req: Request,
         Err(refusal) => return text(refusal.status, refusal.message),
     };
     let path = req.uri().path();
-    let node = auth::pod_of_path(path).and_then(|(ns, pod)| state.directory.lookup(ns, pod)).map(|e| e.node);
+    // The pod's node; else the node this listener serves (a kubelet asks
+    // about its own node for every path); `None` (any node) only on a
+    // listener of a process without nodes.
+    let node = auth::pod_of_path(path)
+        .and_then(|(ns, pod)| state.directory.lookup(ns, pod))
+        .map(|e| e.node)
+        .or_else(|| state.directory.node().map(str::to_owned));
     let attributes = Attributes {
         verb: auth::verb_for_method(req.method()).to_owned(),
         subresources: auth::subresources_for_path(path),

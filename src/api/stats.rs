@@ -2,8 +2,10 @@
 //! `GET /metrics/resource` (the Prometheus text metrics-server scrapes), from
 //! the providers' per-VM [`vmlet_provider::Stats`].
 //!
-//! One listener serves every node of this process, so the node section of the
-//! summary adds up the VMs of all of them (named after the first pod's node).
+//! Each node has its own listener ([`super::ForNode`]), so the figures are
+//! that node's: its VMs, and the node section adds up theirs (a hypervisor
+//! host's own usage outside its VMs is not known to vmlet). A listener that
+//! spans all nodes (a process without nodes, tests) adds up all it sees.
 
 use super::routes::ApiState;
 use super::PodEntry;
@@ -72,8 +74,10 @@ fn start_time(entry: &PodEntry) -> Option<String> {
     entry.pod.status.as_ref()?.start_time.as_ref().map(|t| t.0.to_string())
 }
 
-/// The Summary API document.
-pub fn summary(samples: &[Sample], now: Timestamp) -> serde_json::Value {
+/// The Summary API document of node `node` (`None`: named after the first
+/// sample's node, for a listener that spans all nodes) from its VMs'
+/// `samples`.
+pub fn summary(node: Option<&str>, samples: &[Sample], now: Timestamp) -> serde_json::Value {
     let time = now.to_string();
     let usage = |s: &Sample| {
         let mut cpu = json!({"time": time, "usageCoreNanoSeconds": s.stats.cpu_usage_ns});
@@ -115,7 +119,7 @@ pub fn summary(samples: &[Sample], now: Timestamp) -> serde_json::Value {
     }
     json!({
         "node": {
-            "nodeName": samples.first().map(|s| s.entry.node.clone()).unwrap_or_default(),
+            "nodeName": node.map(str::to_owned).or_else(|| samples.first().map(|s| s.entry.node.clone())).unwrap_or_default(),
             "cpu": node_cpu,
             "memory": {"time": time, "workingSetBytes": memory_total},
         },
@@ -186,7 +190,7 @@ pub fn resource_metrics(samples: &[Sample], now: Timestamp) -> String {
 /// `GET /stats/summary`.
 pub async fn get_summary(State(state): State<ApiState>) -> Response {
     let samples = collect(&state).await;
-    axum::Json(summary(&samples, Timestamp::now())).into_response()
+    axum::Json(summary(state.directory.node(), &samples, Timestamp::now())).into_response()
 }
 
 /// `GET /metrics/resource`.
@@ -198,4 +202,141 @@ pub async fn get_resource_metrics(State(state): State<ApiState>) -> Response {
         resource_metrics(&samples, Timestamp::now()),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{AuthorizationMode, ForNode, PodDirectory};
+    use crate::testing::StatsHost;
+    use axum::body::Body;
+    use axum::http::Request;
+    use std::sync::Arc;
+    use tower::ServiceExt;
+
+    /// VM pods `(name, node)` of namespace `ns`, VM id `uid-<name>`, each
+    /// node's provider running its own VMs.
+    struct TwoHosts(Vec<PodEntry>);
+
+    impl TwoHosts {
+        fn new(pods: &[(&str, &str, u64)]) -> Self {
+            let providers: HashMap<&str, Arc<StatsHost>> = ["host-a", "host-b"]
+                .into_iter()
+                .map(|node| {
+                    let vms: Vec<(String, u64)> = pods
+                        .iter()
+                        .filter(|(_, n, _)| *n == node)
+                        .map(|(name, _, cpu)| (format!("uid-{name}"), *cpu))
+                        .collect();
+                    let vms: Vec<(&str, u64)> = vms.iter().map(|(id, cpu)| (id.as_str(), *cpu)).collect();
+                    (node, Arc::new(StatsHost::new(&vms)))
+                })
+                .collect();
+            TwoHosts(
+                pods.iter()
+                    .map(|(name, node, _)| {
+                        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+                            "metadata": {"name": name, "namespace": "ns", "uid": format!("pod-{name}")},
+                            "spec": {"nodeName": node, "containers": [{"name": "vm", "image": "vm"}]},
+                        }))
+                        .unwrap();
+                        PodEntry {
+                            pod: Arc::new(pod),
+                            node: (*node).to_owned(),
+                            provider: providers[node].clone(),
+                            vm: Some(VmId(format!("uid-{name}"))),
+                            task: false,
+                            log_dir: "/nonexistent".into(),
+                        }
+                    })
+                    .collect(),
+            )
+        }
+    }
+
+    impl PodDirectory for TwoHosts {
+        fn lookup(&self, namespace: &str, name: &str) -> Option<PodEntry> {
+            self.0
+                .iter()
+                .find(|e| {
+                    e.pod.metadata.namespace.as_deref() == Some(namespace)
+                        && e.pod.metadata.name.as_deref() == Some(name)
+                })
+                .cloned()
+        }
+        fn pods(&self) -> Vec<PodEntry> {
+            self.0.clone()
+        }
+    }
+
+    /// `GET path` on the listener of `node` over `directory`, anonymous and
+    /// always allowed (no API server in unit tests): status and body.
+    async fn get(directory: Arc<dyn PodDirectory>, node: &str, path: &str) -> (u16, String) {
+        let client = kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
+        let auth = crate::api::auth::Auth::new(client, true, AuthorizationMode::AlwaysAllow);
+        let slots = crate::api::slots::StreamSlots::new(1, 1);
+        let scoped = Arc::new(ForNode::new(directory, node));
+        let router = crate::api::routes::router(ApiState::new(scoped, Arc::new(auth), Arc::new(slots)));
+        let response = router.oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
+        let status = response.status().as_u16();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn each_nodes_listener_sums_only_its_own_vms() {
+        let directory: Arc<dyn PodDirectory> = Arc::new(TwoHosts::new(&[
+            ("a1", "host-a", 1_000_000_000),
+            ("a2", "host-a", 500_000_000),
+            ("b1", "host-b", 4_000_000_000),
+        ]));
+        let (status, body) = get(directory.clone(), "host-a", "/stats/summary").await;
+        assert_eq!(status, 200, "{body}");
+        let summary: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(summary["node"]["nodeName"], "host-a");
+        assert_eq!(summary["node"]["cpu"]["usageCoreNanoSeconds"], 1_500_000_000u64);
+        assert_eq!(summary["node"]["memory"]["workingSetBytes"], 2u64 << 20);
+        let mut pods: Vec<&str> =
+            summary["pods"].as_array().unwrap().iter().map(|p| p["podRef"]["name"].as_str().unwrap()).collect();
+        pods.sort();
+        assert_eq!(pods, ["a1", "a2"]);
+
+        let (_, body) = get(directory.clone(), "host-b", "/stats/summary").await;
+        let summary: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(summary["node"]["nodeName"], "host-b");
+        assert_eq!(summary["node"]["cpu"]["usageCoreNanoSeconds"], 4_000_000_000u64);
+        assert_eq!(summary["pods"].as_array().unwrap().len(), 1);
+        assert_eq!(summary["pods"][0]["podRef"]["name"], "b1");
+
+        let (status, text) = get(directory.clone(), "host-b", "/metrics/resource").await;
+        assert_eq!(status, 200);
+        assert!(text.contains("\nnode_cpu_usage_seconds_total 4 "), "{text}");
+        assert!(text.contains("pod_cpu_usage_seconds_total{namespace=\"ns\",pod=\"b1\"} 4 "), "{text}");
+        assert!(!text.contains("pod=\"a1\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_node_without_vms_names_itself_with_zero_usage() {
+        let directory: Arc<dyn PodDirectory> = Arc::new(TwoHosts::new(&[("a1", "host-a", 1)]));
+        let (_, body) = get(directory, "host-b", "/stats/summary").await;
+        let summary: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(summary["node"]["nodeName"], "host-b", "metrics-server files it under the node it asked");
+        assert_eq!(summary["node"]["cpu"]["usageCoreNanoSeconds"], 0);
+        assert_eq!(summary["pods"], json!([]));
+    }
+
+    #[tokio::test]
+    async fn a_pod_of_another_node_is_not_found_on_this_nodes_listener() {
+        let directory: Arc<dyn PodDirectory> = Arc::new(TwoHosts::new(&[("a1", "host-a", 1), ("b1", "host-b", 1)]));
+        let (status, body) = get(directory.clone(), "host-b", "/containerLogs/ns/a1/vm").await;
+        assert_eq!(status, 404, "{body}");
+        let (status, body) = get(directory.clone(), "host-b", "/pods").await;
+        assert_eq!(status, 200);
+        let list: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let names: Vec<&str> =
+            list["items"].as_array().unwrap().iter().map(|p| p["metadata"]["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["b1"]);
+        let (status, _) = get(directory, "host-b", "/healthz").await;
+        assert_eq!(status, 200);
+    }
 }

@@ -104,10 +104,14 @@ pub async fn run(
     });
     info!("VirtualMachine controller starting");
     let Some(controller) = watches.vm_controller(&shutdown).await else { return };
+    let queue = crate::metrics::QueueDepth::new(
+        crate::metrics::QueueLabels { controller: "virtualmachine", node: None },
+        watches.vms.clone(),
+    );
     controller
-        .reconcile_on(triggers)
+        .reconcile_on(queue.track(triggers))
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
-        .run(crate::metrics::counted("virtualmachine", reconcile), error_policy, ctx)
+        .run(queue.counted(reconcile), error_policy, ctx)
         .for_each(|result| async move {
             match result {
                 // A VM deleted meanwhile: nothing to do.

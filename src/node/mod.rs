@@ -16,6 +16,7 @@ pub mod disks;
 pub mod host_images;
 pub mod images;
 pub mod lease;
+pub mod measured;
 mod migration;
 pub mod placement;
 pub mod pod_status;
@@ -186,6 +187,9 @@ pub async fn run(
     watches: Watches,
     shutdown: CancellationToken,
 ) {
+    // From here on every call of the host's provider is timed
+    // (`vmlet_provider_call_duration_seconds`), whoever makes it.
+    let provider = measured::Measured::wrap(provider, &host.name);
     let Some(info) = probe(&*provider, &Api::all(client.clone()), &host.name, &shutdown).await else { return };
     match provider.list().await {
         Ok(vms) => info!(count = vms.len(), "found vmlet VMs on the host; they are adopted, not changed"),
@@ -231,10 +235,14 @@ pub async fn run(
         let triggers = watches.node_triggers(&host.name);
         async move {
             let Some(controller) = watches.pod_controller(&shutdown).await else { return };
+            let queue = crate::metrics::QueueDepth::new(
+                crate::metrics::QueueLabels { controller: "pod", node: Some(agent.host.name.clone()) },
+                watches.pods.clone(),
+            );
             controller
-                .reconcile_on(triggers)
+                .reconcile_on(queue.track(triggers))
                 .graceful_shutdown_on(cancelled(shutdown.clone()))
-                .run(crate::metrics::counted("pod", pods::reconcile), pods::error_policy, agent)
+                .run(queue.counted(pods::reconcile), pods::error_policy, agent)
                 .for_each(|_| async {})
                 .await
         }

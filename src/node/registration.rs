@@ -128,7 +128,9 @@ pub fn node_status(config: &Config, host: &HostConfig, info: &HostInfo, readines
         // and the API server tries a Hostname address first by default.
         addresses: Some(vec![NodeAddress { type_: "InternalIP".into(), address: config.node_ip.to_string() }]),
         daemon_endpoints: Some(NodeDaemonEndpoints {
-            kubelet_endpoint: Some(DaemonEndpoint { port: config.kubelet_port.into() }),
+            kubelet_endpoint: Some(DaemonEndpoint {
+                port: config.kubelet_port_of(&host.name).unwrap_or(config.kubelet_port).into(),
+            }),
         }),
         node_info: Some(NodeSystemInfo {
             architecture: info.architecture.clone(),
@@ -241,6 +243,31 @@ mod tests {
             storage_roots: vec!["/var/lib/libvirt/images".into()],
         };
         (config, info)
+    }
+
+    #[test]
+    fn each_node_publishes_its_own_kubelet_port_in_config_order() {
+        let (_, info) = host();
+        let config = Config::from_yaml(
+            "kubeletPort: 10251\nhosts: [{name: host-a, provider: libvirt, uri: 'test:///x'}, \
+             {name: host-b, provider: libvirt, uri: 'test:///y'}]",
+            &["libvirt"],
+        )
+        .unwrap();
+        let port = |i: usize| {
+            let status = node_status(&config, &config.hosts[i], &info, Readiness::Ready);
+            status.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port
+        };
+        assert_eq!((port(0), port(1)), (10251, 10252));
+        assert_eq!(config.kubelet_port_of("host-b"), Some(10252));
+        assert_eq!(config.kubelet_port_of("elsewhere"), None);
+        let error = Config::from_yaml(
+            "kubeletPort: 65535\nhosts: [{name: host-a, provider: libvirt, uri: 'test:///x'}, \
+             {name: host-b, provider: libvirt, uri: 'test:///y'}]",
+            &["libvirt"],
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("kubeletPort"), "{error}");
     }
 
     #[test]

@@ -289,6 +289,23 @@ fn kill_vmlet_process(child: Option<Child>) {
     }
 }
 
+/// The most nodes one vmlet process of a test serves: each has a kubelet
+/// API port of its own, the first's + its index.
+pub const MAX_NODES_PER_PROCESS: u16 = 8;
+
+/// The first of `count` consecutive ports free on 127.0.0.1 now (each
+/// bound and released once to find out).
+pub fn free_port_range(count: u16) -> u16 {
+    for _ in 0..100 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let Some(last) = first.checked_add(count - 1) else { continue };
+        if (first + 1..=last).all(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()) {
+            return first;
+        }
+    }
+    panic!("no {count} consecutive free ports on 127.0.0.1 in 100 tries");
+}
+
 /// One test's namespace, hosts and vmlet.
 pub struct TestEnv {
     pub ns: String,
@@ -300,7 +317,8 @@ pub struct TestEnv {
     /// More vmlet processes of the test by name ([`TestEnv::start_member`]).
     members: Vec<(String, Child)>,
     nodes: Vec<String>,
-    /// Port of this vmlet's kubelet API on 127.0.0.1.
+    /// Port of this vmlet's first node's kubelet API on 127.0.0.1; node `i`
+    /// of its config listens on this + `i` ([`TestEnv::kubelet_port_of`]).
     pub kubelet_port: u16,
     /// Whether the test's namespace is left out of vmlet's
     /// `trustedNamespaces` (set before `start_vmlet`): its VMs may then name
@@ -341,6 +359,16 @@ impl TestEnv {
     /// process takes its own node and election Leases back at once.
     pub fn identity(&self, name: &str) -> String {
         format!("{}-{name}", self.ns)
+    }
+
+    /// The kubelet API port of the `index`th host (0 first) of the config
+    /// [`TestEnv::start_vmlet`] started: each node has a listener of its own.
+    pub fn kubelet_port_of(&self, index: usize) -> u16 {
+        assert!(
+            index < usize::from(MAX_NODES_PER_PROCESS),
+            "a test process serves at most {MAX_NODES_PER_PROCESS} nodes"
+        );
+        self.kubelet_port + index as u16
     }
 
     /// The node name of a host suffix.
@@ -423,7 +451,7 @@ impl TestEnv {
             })
             .collect();
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = free_port_range(MAX_NODES_PER_PROCESS);
         self.kubelet_port = port;
         let pki = cluster().kubeconfig.parent().unwrap().join("pki");
         json!({
