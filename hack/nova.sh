@@ -143,6 +143,22 @@ port_free() {
   ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
+# free_port PORT: stop the listener on 127.0.0.1:PORT if this script started
+# it for this state directory but lost its pid file (the directory was wiped
+# by an `up` of another checkout); any other listener is left alone.
+free_port() {
+  local pid i
+  port_free "$1" && return 0
+  pid=$(ss -ltnpH "sport = :$1" 2>/dev/null | grep -o 'pid=[0-9]*' | head -n1 | cut -d= -f2)
+  [[ -n $pid ]] && { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qxF "VMLET_NOVA_DIR=$STATE" || return 1
+  log "127.0.0.1:$1: stopping pid $pid, left running by an earlier up of $STATE"
+  kill -TERM -- "-$(ps -o pgid= "$pid" | tr -d ' ')" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  for i in $(seq 50); do port_free "$1" && return 0; sleep 0.2; done
+  kill -KILL "$pid" 2>/dev/null || true
+  sleep 0.5
+  port_free "$1"
+}
+
 write_configs() {
   mkdir -p "$ETC/keystone" "$ETC/nova" "$ETC/placement" "$ETC/cinder" "$STATE/keystone" \
     "$STATE/nova/instances" "$STATE/nova/locks" "$STATE/cinder/locks"
@@ -350,7 +366,7 @@ up() {
   ensure_venv
   down >/dev/null 2>&1 || true
   for port in "$KEYSTONE_PORT" "$PLACEMENT_PORT" "$NOVA_PORT" "$CINDER_PORT"; do
-    port_free "$port" || die "127.0.0.1:$port is taken by something hack/nova.sh did not start"
+    free_port "$port" || die "127.0.0.1:$port is taken by something hack/nova.sh did not start"
   done
   rm -rf "$STATE"
   mkdir -p "$LOGS" "$PIDS"
