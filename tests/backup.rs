@@ -445,6 +445,10 @@ async fn deleting_a_backups_job_stops_its_copy_and_the_vm_runs_on() {
     let ended = wait_backup_ended(&env, "nightly").await.status.unwrap();
     assert_eq!(ended.phase, Some(OperationPhase::Failed));
     assert!(ended.message.clone().unwrap_or_default().contains("cancel"), "{:?}", ended.message);
+    // The deleted Job is not made again (its pod would be refused: the
+    // backup is written once, by the pod that claimed it).
+    let jobs: Api<Job> = Api::namespaced(env.client.clone(), &env.ns);
+    assert!(jobs.get_opt("nightly-backup").await.unwrap().is_none(), "the deleted Job was created again");
     env.wait_for("QEMU's backup job to be gone", || {
         let jobs = qmp(&env, "web", json!({"execute": "query-jobs"}));
         let gone = jobs["return"].as_array().is_some_and(|jobs| jobs.iter().all(|j| j["type"] != "backup"));

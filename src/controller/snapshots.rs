@@ -109,6 +109,10 @@ impl VmTaskObject for VirtualMachineSnapshot {
         self.status.as_ref()?.pod_uid.as_deref()
     }
 
+    fn job_name(&self) -> Option<&str> {
+        self.status.as_ref()?.job_name.as_deref()
+    }
+
     fn deadline_seconds(&self) -> i64 {
         self.spec.active_deadline_seconds
     }

@@ -10,9 +10,9 @@ use super::task_jobs::{job_failure, job_outcome, task_job, vm_task_placement, Ta
 use crate::conditions::new_condition;
 use crate::v1alpha1::{OperationPhase, VirtualMachine};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::NamespaceResourceScope;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
@@ -44,6 +44,8 @@ pub trait VmTaskObject:
     fn phase(&self) -> Option<OperationPhase>;
     /// The pod that claimed it, if one did.
     fn pod_uid(&self) -> Option<&str>;
+    /// The Job the controller made for it (`status.jobName`), once made.
+    fn job_name(&self) -> Option<&str>;
     /// Seconds the task may take (the Job gets [`JOB_SLACK_SECONDS`] more).
     fn deadline_seconds(&self) -> i64;
     /// A claim the Job's pod uses, if any.
@@ -98,6 +100,12 @@ pub async fn run_task<K: VmTaskObject>(object: &K, client: &Client, scope: &str)
         }
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
+    if object.job_name().is_some() {
+        // Its Job was made and is gone: someone deleted it, which cancels
+        // the work. A new Job would only be refused by the agent (the object
+        // is written once, by one pod) and would race the cancellation.
+        return job_deleted(object, &objects, client, &job_name).await;
+    }
 
     let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), &namespace);
     let vm_name = object.vm_name();
@@ -141,6 +149,38 @@ pub async fn run_task<K: VmTaskObject>(object: &K, client: &Client, scope: &str)
     let patch = serde_json::json!({"status": {"phase": OperationPhase::Pending, "jobName": job_name}});
     objects.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// `object`'s Job `job_name` was deleted. A claimed object is ended by the
+/// agent that stops the work when the Job's pod goes; this ends it only once
+/// that pod is gone too (the agent may be down), or at once when no pod ever
+/// claimed it. Requeues while the claiming pod is still there.
+async fn job_deleted<K: VmTaskObject>(
+    object: &K,
+    objects: &Api<K>,
+    client: &Client,
+    job_name: &str,
+) -> Result<Action, kube::Error> {
+    let word = K::WORD;
+    let Some(pod_uid) = object.pod_uid() else {
+        let message = format!(
+            "Job {job_name} was deleted before a host ran the {word}: cancelled; create a new {} to try again",
+            K::kind(&())
+        );
+        return end(objects, object, false, &message).await;
+    };
+    let namespace = object.namespace().unwrap_or_default();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    let selector = ListParams::default().labels(&format!("job-name={job_name}"));
+    if pods.list(&selector).await?.items.iter().any(|p| p.uid().as_deref() == Some(pod_uid)) {
+        return Ok(Action::requeue(Duration::from_secs(30)));
+    }
+    let fresh = objects.get_status(&object.name_any()).await?;
+    if matches!(fresh.phase(), Some(OperationPhase::Succeeded | OperationPhase::Failed)) {
+        return Ok(Action::await_change());
+    }
+    let message = format!("Job {job_name} was deleted, and its pod {pod_uid} with it: the {word} was cancelled");
+    end(objects, &fresh, false, &message).await
 }
 
 /// The Job `job_name` that does `object`'s work for `vm` at `placement`
