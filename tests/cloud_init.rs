@@ -33,10 +33,32 @@ async fn user_data_from_a_secret_configures_the_guest_and_a_missing_secret_defin
     let script = format!("#!/bin/sh\necho \"ran {token}\" > /run/cloud-init-ran\n");
     secrets.create(&PostParams::default(), &secret("web-init", &script)).await.expect("create the Secret");
 
+    // vmlet reads no namespace's Secrets until an administrator binds the
+    // cloud-init reader role there: the pod waits naming the command,
+    // nothing is defined.
+    let vmlet = "system:serviceaccount:kube-system:vmlet";
+    let may_read = |ns: &str| env.kubectl_output(&["auth", "can-i", "get", "secrets", "-n", ns, "--as", vmlet]);
+    assert_eq!(String::from_utf8_lossy(&may_read(&env.ns).stdout).trim(), "no", "before the binding");
     let mut spec = guest_vm_spec(&guest);
     spec["cloudInit"] = json!({"userData": {"secretKeyRef": {"name": "web-init", "key": "user-data"}},
         "hostname": "seeded-web"});
     env.apply_vm("web", spec.clone());
+    let message = wait_cloud_init_waiting(&env, "web", "CloudInitDataForbidden").await;
+    assert!(
+        message.contains("spec.cloudInit.userData")
+            && message.contains(&format!("kubectl create rolebinding vmlet-cloud-init -n {}", env.ns)),
+        "{message}"
+    );
+    assert!(!domain_defined(&env, "web"), "a VM whose cloud-init data vmlet may not read must not be defined");
+    env.kubectl(&[
+        "create",
+        "rolebinding",
+        "vmlet-cloud-init",
+        "--clusterrole=vmlet-cloud-init",
+        "--serviceaccount=kube-system:vmlet",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&may_read(&env.ns).stdout).trim(), "yes", "after the binding");
+    assert_eq!(String::from_utf8_lossy(&may_read("default").stdout).trim(), "no", "in a namespace not bound");
     env.wait_vm_phase("web", "Running").await;
     let pod = env.pod_of("web").await;
     let hostname = env
@@ -61,24 +83,9 @@ async fn user_data_from_a_secret_configures_the_guest_and_a_missing_secret_defin
     missing.as_object_mut().unwrap().remove("image");
     missing["cloudInit"] = json!({"userData": {"secretKeyRef": {"name": "later-init", "key": "user-data"}}});
     env.apply_vm("later", missing);
-    let later_pod = env.pod_of("later").await;
-    let pods = env.pods();
-    let message = env
-        .wait_for("the pod to wait for its cloud-init data", || {
-            let pods = pods.clone();
-            let later_pod = later_pod.clone();
-            async move {
-                let status = pods.get(&later_pod).await.ok()?.status?;
-                let waiting = status.container_statuses?.first()?.state.clone()?.waiting?;
-                (waiting.reason.as_deref() == Some("CloudInitDataNotFound"))
-                    .then(|| waiting.message.unwrap_or_default())
-            }
-        })
-        .await;
+    let message = wait_cloud_init_waiting(&env, "later", "CloudInitDataNotFound").await;
     assert!(message.contains("spec.cloudInit.userData") && message.contains("later-init"), "{message}");
-    let domain = format!("{}_later", env.ns);
-    let defined = output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(["domstate", &domain]), VIRSH);
-    assert!(!defined.status.success(), "a VM whose cloud-init data is missing must not be defined");
+    assert!(!domain_defined(&env, "later"), "a VM whose cloud-init data is missing must not be defined");
     secrets.create(&PostParams::default(), &secret("later-init", "#!/bin/sh\ntrue\n")).await.unwrap();
     env.wait_vm_phase("later", "Running").await;
 
@@ -87,4 +94,25 @@ async fn user_data_from_a_secret_configures_the_guest_and_a_missing_secret_defin
     assert!(!log.contains(&token), "user data reached vmlet's log");
     let events = env.kubectl(&["get", "events", "-o", "yaml"]);
     assert!(!events.contains(&token), "user data reached an Event");
+}
+
+/// The waiting message of VM `vm`'s pod once its reason is `reason`.
+async fn wait_cloud_init_waiting(env: &TestEnv, vm: &str, reason: &str) -> String {
+    let pod = env.pod_of(vm).await;
+    let pods = env.pods();
+    env.wait_for(&format!("pod {pod} to wait with reason {reason}"), || {
+        let (pods, pod) = (pods.clone(), pod.clone());
+        async move {
+            let status = pods.get(&pod).await.ok()?.status?;
+            let waiting = status.container_statuses?.first()?.state.clone()?.waiting?;
+            (waiting.reason.as_deref() == Some(reason)).then(|| waiting.message.unwrap_or_default())
+        }
+    })
+    .await
+}
+
+/// Whether libvirt knows VM `vm`'s domain.
+fn domain_defined(env: &TestEnv, vm: &str) -> bool {
+    let domain = format!("{}_{vm}", env.ns);
+    output_within(Command::new("virsh").arg("-c").arg(qemu_uri()).args(["domstate", &domain]), VIRSH).status.success()
 }

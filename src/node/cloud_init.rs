@@ -24,8 +24,24 @@ pub enum Missing {
         /// The VM's namespace.
         namespace: String,
     },
-    /// Reading it failed (vmlet may lack `get` on it, or the API server did
-    /// not answer).
+    /// vmlet may not read it: its identity has no `get` on Secrets or
+    /// ConfigMaps of this namespace until an administrator binds
+    /// [`READER_ROLE`] there (`deploy/rbac.yaml`).
+    #[error(
+        "{field}: vmlet may not read {what} in namespace {namespace}; an administrator allows it for this namespace \
+         with `kubectl create rolebinding vmlet-cloud-init -n {namespace} --clusterrole={READER_ROLE} \
+         --serviceaccount=kube-system:vmlet` (or `--group=system:vmlets` for vmlets installed with `vmlet bootstrap`)"
+    )]
+    Forbidden {
+        /// The field.
+        field: &'static str,
+        /// The object.
+        what: String,
+        /// The VM's namespace.
+        namespace: String,
+    },
+    /// Reading it failed (the API server did not answer, or answered an
+    /// error other than 403 and 404).
     #[error("{field}: reading {what} (namespace {namespace}) failed: {source}")]
     Kube {
         /// The field.
@@ -38,6 +54,23 @@ pub enum Missing {
         #[source]
         source: kube::Error,
     },
+}
+
+/// The ClusterRole (`get` on secrets and configmaps) that an administrator
+/// binds in each namespace whose VMs may take cloud-init data from its
+/// Secrets and ConfigMaps; vmlet's own ClusterRole does not grant it.
+pub const READER_ROLE: &str = "vmlet-cloud-init";
+
+impl Missing {
+    /// The waiting reason of the VM's pod: `CloudInitDataNotFound`,
+    /// `CloudInitDataForbidden` or `CloudInitDataUnreadable`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Missing::NotFound { .. } => "CloudInitDataNotFound",
+            Missing::Forbidden { .. } => "CloudInitDataForbidden",
+            Missing::Kube { .. } => "CloudInitDataUnreadable",
+        }
+    }
 }
 
 /// `vm`'s provider spec with its cloud-init data read in; unchanged when it
@@ -66,7 +99,14 @@ async fn read(client: &Client, spec: &VmSpec, source: &CloudInitSpec) -> Result<
 /// The bytes of the key `source` names in `namespace`.
 async fn key(client: &Client, namespace: &str, field: &'static str, source: &DataSource) -> Result<Vec<u8>, Missing> {
     let not_found = |what: String| Missing::NotFound { field, what, namespace: namespace.to_owned() };
-    let failed = |what: String| move |source| Missing::Kube { field, what, namespace: namespace.to_owned(), source };
+    let failed = |what: String| {
+        move |source| match source {
+            kube::Error::Api(ref status) if status.code == 403 => {
+                Missing::Forbidden { field, what, namespace: namespace.to_owned() }
+            }
+            source => Missing::Kube { field, what, namespace: namespace.to_owned(), source },
+        }
+    };
     match (&source.secret_key_ref, &source.config_map_key_ref) {
         (Some(r), _) => {
             let what = format!("Secret {}", r.name);

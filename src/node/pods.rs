@@ -311,12 +311,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
             warn!(vm.uid = %vm.spec.id, %message, "cloud-init data missing; not defining the VM");
             agent.events.publish(pod, Reason::ProviderFailed, &message);
             write_status(pod, agent, |p| {
-                pod_status(
-                    p,
-                    &agent.host_ip,
-                    &Observed::Waiting { reason: CLOUD_INIT_MISSING, message: &message },
-                    false,
-                )
+                pod_status(p, &agent.host_ip, &Observed::Waiting { reason: missing.reason(), message: &message }, false)
             })
             .await?;
             Ok(Action::requeue(Duration::from_secs(15)))
@@ -349,9 +344,6 @@ async fn provider_failed(pod: &Pod, agent: &Agent, e: vmlet_provider::Error) -> 
 
 /// Waiting reason of a pod whose VM a restore in place writes under.
 pub const RESTORING: &str = "Restoring";
-
-/// Waiting reason of a pod whose VM's cloud-init data cannot be read.
-pub const CLOUD_INIT_MISSING: &str = "CloudInitDataNotFound";
 
 /// Waiting reason of a pod whose VM lives on another host; the controller
 /// replaces such a pod ([`crate::controller::decide`]).
