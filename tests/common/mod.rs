@@ -186,22 +186,37 @@ pub fn cluster() -> &'static ClusterEnv {
 
 /// The kubeconfig vmlet processes of the tests run with (unless a test sets
 /// [`TestEnv::vmlet_kubeconfig`]): ServiceAccount kube-system/vmlet with the
-/// ClusterRole of `deploy/rbac.yaml` (applied once per test binary), not the
-/// cluster admin, so that a permission the role lacks fails a test.
+/// agent's and the controller's ClusterRoles of `deploy/rbac.yaml`, not the
+/// cluster admin, so that a permission the roles lack fails a test.
 pub fn vmlet_identity() -> &'static PathBuf {
     static KUBECONFIG: OnceLock<PathBuf> = OnceLock::new();
-    KUBECONFIG.get_or_init(|| {
-        let cluster = cluster();
+    KUBECONFIG.get_or_init(|| service_account_kubeconfig("vmlet"))
+}
+
+/// The kubeconfig of a vmlet that runs no controller
+/// ([`TestEnv::start_split`]'s agent): ServiceAccount kube-system/vmlet-agent,
+/// with the agent's ClusterRole of `deploy/rbac.yaml` only.
+pub fn agent_identity() -> &'static PathBuf {
+    static KUBECONFIG: OnceLock<PathBuf> = OnceLock::new();
+    KUBECONFIG.get_or_init(|| service_account_kubeconfig("vmlet-agent"))
+}
+
+/// A kubeconfig with a 12 h token of ServiceAccount kube-system/`account`,
+/// after applying `deploy/rbac.yaml` (once per test binary).
+fn service_account_kubeconfig(account: &str) -> PathBuf {
+    static APPLIED: OnceLock<()> = OnceLock::new();
+    let cluster = cluster();
+    APPLIED.get_or_init(|| {
         let applied = kubectl_raw(cluster, &["apply", "-f"], &[&repo().join("deploy/rbac.yaml")]);
         assert!(applied.status.success(), "applying deploy/rbac.yaml: {}", String::from_utf8_lossy(&applied.stderr));
-        let token = kubectl_raw(cluster, &["create", "token", "vmlet", "-n", "kube-system", "--duration", "12h"], &[]);
-        assert!(token.status.success(), "a token for kube-system/vmlet: {}", String::from_utf8_lossy(&token.stderr));
-        let dir = repo().join("target/it");
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("vmlet-sa-{}.kubeconfig", std::process::id()));
-        kubeconfig_with_token(&path, String::from_utf8_lossy(&token.stdout).trim());
-        path
-    })
+    });
+    let token = kubectl_raw(cluster, &["create", "token", account, "-n", "kube-system", "--duration", "12h"], &[]);
+    assert!(token.status.success(), "a token for kube-system/{account}: {}", String::from_utf8_lossy(&token.stderr));
+    let dir = repo().join("target/it");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{account}-sa-{}.kubeconfig", std::process::id()));
+    kubeconfig_with_token(&path, String::from_utf8_lossy(&token.stdout).trim());
+    path
 }
 
 /// The admin's kubeconfig with its user replaced by bearer `token`, written
@@ -390,9 +405,14 @@ impl TestEnv {
     /// `<dir>/controller.log`), so that a test can stop the controller alone.
     /// That process needs a host of its own: node `<ns>-ctl`, tainted so that
     /// no VM is scheduled there.
+    /// The agent runs as ServiceAccount kube-system/vmlet-agent
+    /// ([`agent_identity`]): the agent's role alone must do.
     pub fn start_split(&mut self, hosts: &[Host<'_>]) {
         let config = self.vmlet_config(hosts, false, "vmlet");
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
+        if self.vmlet_kubeconfig.is_none() {
+            self.vmlet_kubeconfig = Some(agent_identity().clone());
+        }
         self.restart_vmlet();
         let port = self.kubelet_port;
         let mut controller = self.vmlet_config(&[Host::new("ctl", test_driver_uri("host-a.xml"))], true, "controller");
@@ -406,7 +426,7 @@ impl TestEnv {
 
     /// Start the controller process of [`TestEnv::start_split`] (again).
     pub fn start_controller(&mut self) {
-        self.controller = Some(self.spawn_vmlet("controller.yaml", "controller.log"));
+        self.controller = Some(self.spawn_vmlet("controller.yaml", "controller.log", vmlet_identity()));
     }
 
     /// kill -9 the controller process of [`TestEnv::start_split`] and reap it.
@@ -414,13 +434,14 @@ impl TestEnv {
         kill_vmlet_process(self.controller.take());
     }
 
-    /// `vmlet run --config <dir>/<config>`, its log appended to `<dir>/<log>`.
-    fn spawn_vmlet(&self, config: &str, log: &str) -> Child {
+    /// `vmlet run --config <dir>/<config>` as `kubeconfig`'s identity, its
+    /// log appended to `<dir>/<log>`.
+    fn spawn_vmlet(&self, config: &str, log: &str, kubeconfig: &Path) -> Child {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join(log)).unwrap();
         Command::new(env!("CARGO_BIN_EXE_vmlet"))
             .args(["run", "--config"])
             .arg(self.dir.join(config))
-            .env("KUBECONFIG", self.vmlet_kubeconfig.as_ref().unwrap_or_else(|| vmlet_identity()))
+            .env("KUBECONFIG", kubeconfig)
             .env("VMLET_LOG", "info,vmlet=debug,kube=warn")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -501,7 +522,8 @@ impl TestEnv {
 
     /// Start vmlet again with the same config (after [`TestEnv::kill_vmlet`]).
     pub fn restart_vmlet(&mut self) {
-        self.vmlet = Some(self.spawn_vmlet("vmlet.yaml", "vmlet.log"));
+        let kubeconfig = self.vmlet_kubeconfig.clone().unwrap_or_else(|| vmlet_identity().clone());
+        self.vmlet = Some(self.spawn_vmlet("vmlet.yaml", "vmlet.log", &kubeconfig));
     }
 
     /// The running vmlet's process id.
@@ -535,7 +557,7 @@ impl TestEnv {
     /// [`TestEnv::identity`]`(name)`). Returns its kubelet API port.
     pub fn start_member(&mut self, name: &str, hosts: &[Host<'_>]) -> u16 {
         let port = self.write_member_config(name, hosts);
-        let child = self.spawn_vmlet(&format!("{name}.yaml"), &format!("{name}.log"));
+        let child = self.spawn_vmlet(&format!("{name}.yaml"), &format!("{name}.log"), vmlet_identity());
         self.members.push((name.to_owned(), child));
         port
     }
@@ -546,7 +568,7 @@ impl TestEnv {
     pub fn run_member_to_exit(&mut self, name: &str, hosts: &[Host<'_>]) -> (ExitStatus, String) {
         self.write_member_config(name, hosts);
         let log = format!("{name}.log");
-        let mut child = self.spawn_vmlet(&format!("{name}.yaml"), &log);
+        let mut child = self.spawn_vmlet(&format!("{name}.yaml"), &log, vmlet_identity());
         let status = wait_within(&mut child, VMLET_EXIT);
         if status.is_none() {
             let _ = kill_and_reap(&mut child, VMLET_EXIT);
