@@ -8,8 +8,17 @@ mod common;
 
 use common::{test_driver_uri, Host, TestEnv};
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::Api;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use kube::{Api, ResourceExt};
 use serde_json::json;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+/// The election Lease's duration in the harness's config (the default).
+const LEASE: Duration = Duration::from_secs(15);
 
 /// The election Lease's name (the default `leaderElection.leaseName`); the
 /// harness's config names the test's namespace, so the Lease lives there.
@@ -161,4 +170,163 @@ async fn a_process_configured_with_a_node_a_live_process_serves_refuses_to_start
     assert_eq!(holder(&env).await, election_before);
     assert_ne!(election_before, Some(env.identity("intruder")));
     env.wait_node_ready(&node).await;
+}
+
+/// Each VM's pod (by the `vmlet.io/vm` label): name, UID, restart count and
+/// the start time vmlet reported, as `name uid restarts startedAt`; every VM
+/// must have exactly one.
+async fn pods_by_vm(env: &TestEnv) -> BTreeMap<String, String> {
+    let pods: Api<Pod> = env.pods();
+    let mut by_vm: BTreeMap<String, String> = BTreeMap::new();
+    for pod in pods.list(&ListParams::default().labels("vmlet.io/vm")).await.expect("list the VM pods").items {
+        let vm = pod.labels()["vmlet.io/vm"].clone();
+        let status = pod.status.clone().unwrap_or_default();
+        let container = status.container_statuses.unwrap_or_default().into_iter().next();
+        let restarts = container.as_ref().map_or(0, |c| c.restart_count);
+        let started = container.and_then(|c| c.state?.running?.started_at).map(|t| t.0.to_string());
+        let line =
+            format!("{} {} {restarts} {}", pod.name_any(), pod.uid().unwrap_or_default(), started.unwrap_or_default());
+        assert!(by_vm.insert(vm.clone(), line).is_none(), "VirtualMachine {vm} has two pods");
+    }
+    by_vm
+}
+
+/// What a sampler saw while it ran: the holders of the election Lease in the
+/// order they came, and every sample at which two members' gauges said 1.
+#[derive(Default)]
+struct Observed {
+    holders: Vec<String>,
+    two_leaders: Vec<String>,
+}
+
+/// Sample, until `stop` is set, the election Lease's holder and every
+/// member's `vmlet_controller_leader` (a member that does not answer within
+/// a second, e.g. a stopped one, counts as not leading for that sample).
+fn sample(
+    env: &TestEnv,
+    ports: Vec<(&'static str, u16)>,
+    stop: Arc<AtomicBool>,
+) -> (Arc<Mutex<Observed>>, tokio::task::JoinHandle<()>) {
+    let observed = Arc::new(Mutex::new(Observed::default()));
+    let leases: Api<Lease> = Api::namespaced(env.client.clone(), &env.ns);
+    let seen = observed.clone();
+    let task = tokio::spawn(async move {
+        while !stop.load(Ordering::SeqCst) {
+            let holder = leases.get_opt(ELECTION_LEASE).await.ok().flatten().and_then(|l| l.spec?.holder_identity);
+            let mut leading = vec![];
+            for (name, port) in &ports {
+                let gauge = tokio::time::timeout(Duration::from_secs(1), leader_gauge(*port)).await.ok().flatten();
+                if gauge == Some(1) {
+                    leading.push(*name);
+                }
+            }
+            {
+                let mut seen = seen.lock().unwrap();
+                if let Some(holder) = holder.filter(|h| !h.is_empty()) {
+                    if seen.holders.last() != Some(&holder) {
+                        seen.holders.push(holder);
+                    }
+                }
+                if leading.len() > 1 {
+                    seen.two_leaders.push(leading.join(" and "));
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    (observed, task)
+}
+
+#[tokio::test]
+async fn three_processes_keep_thirty_vms_through_a_stopped_and_a_killed_leader() {
+    let mut env = TestEnv::new("fleet-three").await;
+    let names = [("one", "a", "host-a.xml"), ("two", "b", "host-b.xml"), ("three", "c", "host-c.xml")];
+    let mut ports = vec![];
+    for (name, suffix, file) in names {
+        // Twelve 1-vCPU VMs fit on the smallest host (4 CPUs).
+        let host = Host { cpu_allocation_ratio: 4.0, ..Host::new(suffix, test_driver_uri(file)) };
+        ports.push((name, env.start_member(name, &[host])));
+    }
+    for (_, suffix, _) in names {
+        env.wait_node_ready(&env.node(suffix)).await;
+    }
+    for i in 0..30 {
+        env.apply_vm(&format!("vm-{i:02}"), vm_on(&env.node(names[i % 3].1)));
+    }
+    for i in 0..30 {
+        env.wait_vm_phase(&format!("vm-{i:02}"), "Running").await;
+    }
+    let before = pods_by_vm(&env).await;
+    assert_eq!(before.len(), 30);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (observed, sampler) = sample(&env, ports.clone(), stop.clone());
+    let identities: Vec<(&'static str, String)> = names.iter().map(|n| (n.0, env.identity(n.0))).collect();
+    let name_of = |identity: &str| identities.iter().find(|(_, i)| i == identity).map(|(n, _)| *n);
+
+    // SIGSTOP of the leader for two lease durations: another takes over;
+    // after SIGCONT the old one steps down and never acts beside it.
+    let first = wait_leader(&env).await;
+    let stopped = name_of(&first).unwrap_or_else(|| panic!("{first} is no member"));
+    env.signal_member(stopped, "STOP");
+    let paused_at = SystemTime::now();
+    let leases: Api<Lease> = Api::namespaced(env.client.clone(), &env.ns);
+    let second = env
+        .wait_for("another member to hold the Lease for two lease durations after the SIGSTOP", || async {
+            let spec = leases.get_opt(ELECTION_LEASE).await.ok()??.spec?;
+            let holder = spec.holder_identity.filter(|h| *h != first)?;
+            let renewed: SystemTime = spec.renew_time?.0.into();
+            (renewed.duration_since(paused_at).ok()? >= 2 * LEASE).then_some(holder)
+        })
+        .await;
+    env.signal_member(stopped, "CONT");
+    let leader_port = ports.iter().find(|(n, _)| Some(*n) == name_of(&second)).unwrap().1;
+    let stopped_port = ports.iter().find(|(n, _)| *n == stopped).unwrap().1;
+    env.wait_for("the resumed member to report that it does not lead", || async {
+        (leader_gauge(stopped_port).await == Some(0) && leader_gauge(leader_port).await == Some(1)).then_some(())
+    })
+    .await;
+
+    // New VMs are placed and started by the new leader's controllers.
+    for (i, (_, suffix, _)) in names.iter().enumerate() {
+        env.apply_vm(&format!("new-{i}"), vm_on(&env.node(suffix)));
+    }
+    for i in 0..3 {
+        env.wait_vm_phase(&format!("new-{i}"), "Running").await;
+    }
+
+    // kill -9 of the leader: a survivor leads, the VMs stay as they were.
+    let killed = name_of(&second).unwrap();
+    let leaders_before_kill = observed.lock().unwrap().holders.len();
+    env.kill_member(killed);
+    let killed_at = std::time::Instant::now();
+    let third = env
+        .wait_for("a survivor to hold the Lease after the kill", || async {
+            holder(&env).await.filter(|h| *h != second && name_of(h).is_some())
+        })
+        .await;
+    let takeover = killed_at.elapsed();
+    println!("takeover after kill -9 of the leader: {:.1} s (lease {} s)", takeover.as_secs_f64(), LEASE.as_secs());
+    assert!(takeover <= 3 * LEASE, "no survivor led within three lease durations: {takeover:?}");
+    env.apply_vm("after-kill", vm_on(&env.node(names.iter().find(|n| Some(n.0) == name_of(&third)).unwrap().1)));
+    env.wait_vm_phase("after-kill", "Running").await;
+
+    stop.store(true, Ordering::SeqCst);
+    sampler.await.unwrap();
+    let observed = std::mem::take(&mut *observed.lock().unwrap());
+    assert!(observed.two_leaders.is_empty(), "two members acted as leaders at once: {:?}", observed.two_leaders);
+    assert!(
+        observed.holders.len() > leaders_before_kill,
+        "the sampler saw no holder after the kill: {:?}",
+        observed.holders
+    );
+    assert_eq!(observed.holders.first(), Some(&first), "{:?}", observed.holders);
+    assert!(observed.holders.contains(&second) && observed.holders.contains(&third), "{:?}", observed.holders);
+
+    // No VM was stopped, restarted or given a second pod: the 30 pods are
+    // the ones from before (name, UID, restarts, start time).
+    let after = pods_by_vm(&env).await;
+    for (vm, pod) in &before {
+        assert_eq!(after.get(vm), Some(pod), "VirtualMachine {vm}'s pod changed");
+    }
 }

@@ -582,6 +582,16 @@ impl TestEnv {
         self.members.remove(at).1
     }
 
+    /// Send `signal` (`STOP`, `CONT`, ...) to member `name`, which keeps
+    /// running as far as the harness is concerned.
+    pub fn signal_member(&self, name: &str, signal: &str) {
+        let (_, child) = self.members.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no member {name}"));
+        let mut kill = Command::new("kill");
+        kill.args([format!("-{signal}"), child.id().to_string()]);
+        let sent = output_within(&mut kill, Duration::from_secs(10));
+        assert!(sent.status.success(), "kill -{signal} {}: {}", child.id(), String::from_utf8_lossy(&sent.stderr));
+    }
+
     /// kill -9 member `name`, as a crash would, and reap it.
     pub fn kill_member(&mut self, name: &str) {
         kill_vmlet_process(Some(self.take_member(name)));
