@@ -508,10 +508,12 @@ impl Config {
 
     fn validate(&self, known_providers: &[&str]) -> Result<(), ConfigError> {
         let invalid = |field: String, message: String| Err(ConfigError::Invalid { field, message });
-        if self.hosts.is_empty() && self.clouds.is_empty() {
+        if self.hosts.is_empty() && self.clouds.is_empty() && !self.controller {
             return invalid(
                 "hosts".into(),
-                "lists no host and there are no clouds; add at least one {name, provider, uri}".into(),
+                "lists no host, there are no clouds and `controller` is false: this process would do nothing; add \
+                 at least one {name, provider, uri}, or set controller: true to run only the controllers"
+                    .into(),
             );
         }
         for (i, cloud) in self.clouds.iter().enumerate() {
@@ -799,7 +801,11 @@ mod tests {
             "hosts: [{name: a, provider: libvirt, uri: 'qemu:///system', taints: [{key: k, effect: Sometimes}]}]",
         );
         assert!(e.starts_with("hosts[0].taints[0].effect:"), "{e}");
-        assert!(error_of("hosts: []").starts_with("hosts:"));
+        let e = error_of("controller: false\nhosts: []");
+        assert!(e.starts_with("hosts:") && e.contains("controller: true"), "{e}");
+        // The controllers alone (e.g. a Deployment): no host needed.
+        let alone = Config::from_yaml("hosts: []", PROVIDERS).expect("a controller-only config");
+        assert!(alone.controller && alone.hosts.is_empty());
     }
 
     #[test]

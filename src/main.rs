@@ -236,20 +236,24 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
             shutdown.child_token(),
         ));
     }
-    tasks.spawn(vmlet::node::provisioner::run(
-        client.clone(),
-        config.namespace.clone(),
-        hosts.clone(),
-        shutdown.child_token(),
-    ));
-    tasks.spawn(vmlet::node::release::run(
-        client.clone(),
-        hosts.clone(),
-        watches.clone(),
-        release_triggers,
-        config.state_dir.clone(),
-        shutdown.child_token(),
-    ));
+    if !config.hosts.is_empty() {
+        // Volumes and deleted VMs are handled by the processes that serve
+        // hosts; one that runs only the controllers has neither.
+        tasks.spawn(vmlet::node::provisioner::run(
+            client.clone(),
+            config.namespace.clone(),
+            hosts.clone(),
+            shutdown.child_token(),
+        ));
+        tasks.spawn(vmlet::node::release::run(
+            client.clone(),
+            hosts.clone(),
+            watches.clone(),
+            release_triggers,
+            config.state_dir.clone(),
+            shutdown.child_token(),
+        ));
+    }
     let api = config.kubelet_api.clone().resolve(
         config.node_ip,
         config.kubelet_port,

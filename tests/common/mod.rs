@@ -201,6 +201,15 @@ pub fn agent_identity() -> &'static PathBuf {
     KUBECONFIG.get_or_init(|| service_account_kubeconfig("vmlet-agent"))
 }
 
+/// The kubeconfig of a vmlet that serves no host and runs only the
+/// controllers ([`TestEnv::start_split`]'s controller): ServiceAccount
+/// kube-system/vmlet-controller, with the controller's ClusterRole of
+/// `deploy/rbac.yaml` only.
+pub fn controller_identity() -> &'static PathBuf {
+    static KUBECONFIG: OnceLock<PathBuf> = OnceLock::new();
+    KUBECONFIG.get_or_init(|| service_account_kubeconfig("vmlet-controller"))
+}
+
 /// A kubeconfig with a 12 h token of ServiceAccount kube-system/`account`,
 /// after applying `deploy/rbac.yaml` (once per test binary).
 fn service_account_kubeconfig(account: &str) -> PathBuf {
@@ -402,11 +411,11 @@ impl TestEnv {
 
     /// Like [`TestEnv::start_vmlet`], but the controller runs in a second
     /// vmlet process ([`TestEnv::start_controller`], log
-    /// `<dir>/controller.log`), so that a test can stop the controller alone.
-    /// That process needs a host of its own: node `<ns>-ctl`, tainted so that
-    /// no VM is scheduled there.
-    /// The agent runs as ServiceAccount kube-system/vmlet-agent
-    /// ([`agent_identity`]): the agent's role alone must do.
+    /// `<dir>/controller.log`, no hosts), so that a test can stop the
+    /// controller alone. Each runs with its role of `deploy/rbac.yaml` only:
+    /// the agent as ServiceAccount kube-system/vmlet-agent
+    /// ([`agent_identity`]), the controller as kube-system/vmlet-controller
+    /// ([`controller_identity`]).
     pub fn start_split(&mut self, hosts: &[Host<'_>]) {
         let config = self.vmlet_config(hosts, false, "vmlet");
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
@@ -415,18 +424,17 @@ impl TestEnv {
         }
         self.restart_vmlet();
         let port = self.kubelet_port;
-        let mut controller = self.vmlet_config(&[Host::new("ctl", test_driver_uri("host-a.xml"))], true, "controller");
-        controller["hosts"][0]["taints"] = json!([{"key": "vmlet.io/controller-only", "effect": "NoSchedule"}]);
+        let mut controller = self.vmlet_config(&[], true, "controller");
         controller["stateDir"] = json!(self.dir.join("controller-state"));
         self.kubelet_port = port;
-        self.nodes = hosts.iter().map(|h| self.node(h.suffix)).chain([self.node("ctl")]).collect();
+        self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
         std::fs::write(self.dir.join("controller.yaml"), serde_yaml::to_string(&controller).unwrap()).unwrap();
         self.start_controller();
     }
 
     /// Start the controller process of [`TestEnv::start_split`] (again).
     pub fn start_controller(&mut self) {
-        self.controller = Some(self.spawn_vmlet("controller.yaml", "controller.log", vmlet_identity()));
+        self.controller = Some(self.spawn_vmlet("controller.yaml", "controller.log", controller_identity()));
     }
 
     /// kill -9 the controller process of [`TestEnv::start_split`] and reap it.
