@@ -422,12 +422,12 @@ async fn exec_and_attach_past_the_pod_and_process_caps_get_429_until_a_stream_en
     // The pod's cap: refused before any upgrade, with why.
     let (status, message) = kubelet.get(Credentials::ApiServerCert, &cat("vm-1")).await;
     assert_eq!(status, 429, "{message}");
-    assert!(message.contains("pod ns/vm-1 has 2 exec/attach streams open"), "{message}");
+    assert!(message.contains("pod ns/vm-1 has 2 exec/attach/port-forward streams open"), "{message}");
     // Another pod has its own, until the process's cap.
     let _third = websocket(&kubelet, &cat("vm-2")).await;
     let (status, message) = kubelet.get(Credentials::ApiServerCert, "/attach/ns/vm-2/vm?stdout=1").await;
     assert_eq!(status, 429, "{message}");
-    assert!(message.contains("this vmlet serves 3 exec/attach streams"), "{message}");
+    assert!(message.contains("this vmlet serves 3 exec/attach/port-forward streams"), "{message}");
     // A stream that ends frees its slot.
     drop(first);
     let (status, message) = kubelet

@@ -15,6 +15,7 @@
 //!   ([`websocket`]), which a 1.36+ API server passes through when the Node
 //!   declares `ExtendWebSocketsToKubelet`.
 
+pub mod portforward;
 pub mod remotecommand;
 pub mod spdy;
 pub mod websocket;
