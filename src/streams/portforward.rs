@@ -2,7 +2,8 @@
 //! `/portForward/{namespace}/{pod}`), in its three transports:
 //!
 //! - **SPDY/3.1** (`Upgrade: SPDY/3.1`, `X-Stream-Protocol-Version:
-//!   portforward.k8s.io`): what an API server sends a kubelet when it
+//!   portforward.k8s.io`, or no version at all from old clients; another
+//!   version only gets 403): what an API server sends a kubelet when it
 //!   forwards kubectl's SPDY request, or translates kubectl's WebSocket
 //!   for a Node that does not declare `ExtendWebSocketsToKubelet`.
 //! - **SPDY/3.1 tunnelled in a WebSocket** (subprotocol
@@ -295,7 +296,10 @@ pub async fn upgrade(req: Request<Body>, query: &[(String, String)], dial: Dial)
         .flat_map(|v| v.split(','))
         .map(str::trim)
         .collect();
-    if !offered.contains(&PROTOCOL) {
+    // A client that names no version (before `portforward.k8s.io` was
+    // named) is served, as the kubelet serves it, and told none.
+    let legacy = offered.iter().all(|v| v.is_empty());
+    if !legacy && !offered.contains(&PROTOCOL) {
         let mut response = plain(
             StatusCode::FORBIDDEN,
             &format!("unable to upgrade: unable to negotiate protocol: client supports {offered:?}, server accepts [{PROTOCOL:?}]"),
@@ -316,13 +320,14 @@ pub async fn upgrade(req: Request<Body>, query: &[(String, String)], dial: Dial)
             Err(e) => tracing::debug!(error = %e, "SPDY upgrade did not complete"),
         }
     });
-    Response::builder()
+    let mut response = Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
         .header(header::CONNECTION, "Upgrade")
-        .header(header::UPGRADE, UPGRADE)
-        .header(super::remotecommand::PROTOCOL_HEADER, PROTOCOL)
-        .body(Body::empty())
-        .expect("a 101 response builds")
+        .header(header::UPGRADE, UPGRADE);
+    if !legacy {
+        response = response.header(super::remotecommand::PROTOCOL_HEADER, PROTOCOL);
+    }
+    response.body(Body::empty()).expect("a 101 response builds")
 }
 
 /// The bytes of a tunnelling WebSocket's binary messages as one byte
