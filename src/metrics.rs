@@ -5,7 +5,7 @@
 //! - `vmlet_kubelet_api_requests_total{route, code}`: requests by matched
 //!   route template (e.g. `/exec/{namespace}/{pod}/{container}`; `other`
 //!   for paths no route matches) and HTTP status code;
-//! - `vmlet_kubelet_api_streams_open`: exec and attach streams running now;
+//! - `vmlet_kubelet_api_streams_open`: exec, attach and port-forward streams running now;
 //! - `vmlet_reconciles_total{controller, result}` and
 //!   `vmlet_reconcile_duration_seconds{controller}`: passes of vmlet's
 //!   controllers (`virtualmachine`, `pod`, `claim`), `ok` or `error`, and
@@ -148,7 +148,11 @@ impl Metrics {
             api_requests.clone(),
         );
         let streams_open = Gauge::default();
-        registry.register("kubelet_api_streams_open", "Exec and attach streams running now", streams_open.clone());
+        registry.register(
+            "kubelet_api_streams_open",
+            "Exec, attach and port-forward streams running now",
+            streams_open.clone(),
+        );
         let reconciles = Family::<ReconcileLabels, Counter>::default();
         registry.register("reconciles", "Controller passes by controller and result", reconciles.clone());
         // 1 ms to about 33 s.

@@ -422,12 +422,12 @@ async fn exec_and_attach_past_the_pod_and_process_caps_get_429_until_a_stream_en
     // The pod's cap: refused before any upgrade, with why.
     let (status, message) = kubelet.get(Credentials::ApiServerCert, &cat("vm-1")).await;
     assert_eq!(status, 429, "{message}");
-    assert!(message.contains("pod ns/vm-1 has 2 exec/attach streams open"), "{message}");
+    assert!(message.contains("pod ns/vm-1 has 2 exec/attach/port-forward streams open"), "{message}");
     // Another pod has its own, until the process's cap.
     let _third = websocket(&kubelet, &cat("vm-2")).await;
     let (status, message) = kubelet.get(Credentials::ApiServerCert, "/attach/ns/vm-2/vm?stdout=1").await;
     assert_eq!(status, 429, "{message}");
-    assert!(message.contains("this vmlet serves 3 exec/attach streams"), "{message}");
+    assert!(message.contains("this vmlet serves 3 exec/attach/port-forward streams"), "{message}");
     // A stream that ends frees its slot.
     drop(first);
     let (status, message) = kubelet
@@ -574,12 +574,25 @@ async fn a_provider_without_capabilities_answers_501_with_a_message() {
     let (status, body) = kubelet.get(Credentials::ApiServerCert, "/attach/ns/plain/vm?stdin=1&stdout=1").await;
     assert_eq!(status, 501);
     assert!(body.contains("no serial console"), "{body}");
+    let (status, body) = kubelet.get(Credentials::ApiServerCert, "/portForward/ns/plain?port=80").await;
+    assert_eq!(status, 501);
+    assert!(body.contains("fake provider of host host-a cannot reach guest ports"), "{body}");
 }
 
 #[tokio::test]
-async fn a_pod_that_is_not_a_vms_own_gets_403_for_exec_attach_and_logs() {
+async fn port_forward_to_another_pod_uid_is_not_found() {
+    let kubelet = start_kubelet().await;
+    let (status, body) = kubelet.get(Credentials::ApiServerCert, "/portForward/ns/vm-1/some-other-uid").await;
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = kubelet.get(Credentials::ApiServerCert, "/portForward/ns/nothing").await;
+    assert_eq!(status, 404, "{body}");
+}
+
+#[tokio::test]
+async fn a_pod_that_is_not_a_vms_own_gets_403_for_exec_attach_logs_and_port_forward() {
     let kubelet = start_kubelet().await;
     for path in [
+        "/portForward/attacker/forged?port=22",
         "/exec/attacker/forged/vm?command=cat&command=/proc/version&stdout=1",
         "/attach/attacker/forged/vm?stdin=1&stdout=1",
         "/containerLogs/attacker/forged/vm",

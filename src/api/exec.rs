@@ -51,7 +51,7 @@ fn vm_pod(state: &ApiState, path: &PodPath) -> Result<(PodEntry, vmlet_provider:
 
 /// A stream slot for the pod of `path` ([`super::slots`]), held for as long
 /// as the stream runs; the error is the 429 response to send.
-fn take_slot(state: &ApiState, path: &PodPath) -> Result<super::slots::StreamSlot, Box<Response>> {
+pub(super) fn take_slot(state: &ApiState, path: &PodPath) -> Result<super::slots::StreamSlot, Box<Response>> {
     let (namespace, pod) =
         (path.get("namespace").map(String::as_str).unwrap_or(""), path.get("pod").map(String::as_str).unwrap_or(""));
     state.slots.take(namespace, pod).map_err(|message| {

@@ -16,7 +16,8 @@
 //!   client certificate or bearer token (TokenReview), then a
 //!   SubjectAccessReview on `nodes/{proxy,log,stats,metrics}`.
 //! - Routes ([`routes`]): `/containerLogs` ([`logs`]), `/exec` and `/attach`
-//!   ([`exec`], over [`crate::streams`]), `/stats/summary` and
+//!   ([`exec`], over [`crate::streams`]), `/portForward` ([`portforward`]),
+//!   `/stats/summary` and
 //!   `/metrics/resource` ([`stats`]), `/pods`, `/healthz`.
 //!
 //! The core implements [`PodDirectory`] from its node agents and calls [`serve`].
@@ -24,6 +25,7 @@
 pub mod auth;
 pub mod exec;
 pub mod logs;
+pub mod portforward;
 pub mod routes;
 pub mod serving_cert;
 pub mod slots;
@@ -153,12 +155,13 @@ pub struct ApiConfig {
     /// and a response being streamed (`logs -f`) are not bound by it.
     #[serde(default)]
     pub request_header_timeout_seconds: Option<u64>,
-    /// `exec` and `attach` streams served at once by this process; one past
-    /// it gets 429. Default [`slots::DEFAULT_MAX_STREAMS`] (256).
+    /// `exec`, `attach` and `port-forward` streams (a port-forward session
+    /// counts once, whatever it forwards) served at once by this process;
+    /// one past it gets 429. Default [`slots::DEFAULT_MAX_STREAMS`] (256).
     #[serde(default)]
     pub max_streams: Option<usize>,
-    /// `exec` and `attach` streams served at once to one pod; one past it
-    /// gets 429. Default [`slots::DEFAULT_MAX_STREAMS_PER_POD`] (16).
+    /// `exec`, `attach` and `port-forward` streams served at once to one
+    /// pod; one past it gets 429. Default [`slots::DEFAULT_MAX_STREAMS_PER_POD`] (16).
     #[serde(default)]
     pub max_streams_per_pod: Option<usize>,
 }

@@ -3,7 +3,7 @@
 
 use super::auth::{self, Attributes, Auth, PeerCertificate};
 use super::logs;
-use super::{exec, stats, PodDirectory};
+use super::{exec, portforward, stats, PodDirectory};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
@@ -63,7 +63,7 @@ pub fn not_a_vm_pod(namespace: &str, pod: &str) -> Response {
         StatusCode::FORBIDDEN,
         format!(
             "pod {namespace}/{pod} is not a VirtualMachine's pod: its controlling owner must be a VirtualMachine of \
-             namespace {namespace} with the UID it names; vmlet serves no console, exec or logs for it"
+             namespace {namespace} with the UID it names; vmlet serves no console, exec, logs or port forwarding for it"
         ),
     )
 }
@@ -83,10 +83,12 @@ pub fn router(state: ApiState) -> Router {
         .route("/exec/{namespace}/{pod}/{uid}/{container}", any(exec::exec))
         .route("/attach/{namespace}/{pod}/{container}", any(exec::attach))
         .route("/attach/{namespace}/{pod}/{uid}/{container}", any(exec::attach))
+        .route("/portForward/{namespace}/{pod}", any(portforward::port_forward))
+        .route("/portForward/{namespace}/{pod}/{uid}", any(portforward::port_forward))
         .route("/stats/summary", get(stats::get_summary))
         .route("/metrics/resource", get(stats::get_resource_metrics))
         .route("/metrics", get(metrics))
-        .fallback(|| async { text(StatusCode::NOT_FOUND, "not found: this vmlet serves /containerLogs, /exec, /attach, /stats/summary, /metrics/resource, /metrics, /pods, /healthz") })
+        .fallback(|| async { text(StatusCode::NOT_FOUND, "not found: this vmlet serves /containerLogs, /exec, /attach, /portForward, /stats/summary, /metrics/resource, /metrics, /pods, /healthz") })
         .layer(middleware::from_fn_with_state(state.clone(), authenticate_and_authorize))
         .layer(middleware::from_fn(count_request))
         .with_state(state)

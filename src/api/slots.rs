@@ -1,4 +1,4 @@
-//! Caps on the exec and attach streams the kubelet API serves at once: per
+//! Caps on the exec, attach and port-forward sessions (streams) the kubelet API serves at once: per
 //! process and per pod, so that one client (or one pod's users) cannot hold
 //! every guest-agent call slot, console and file descriptor of a host. A
 //! stream past either cap is refused before its upgrade with
@@ -52,13 +52,13 @@ impl StreamSlots {
         let of_pod = by_pod.get(&pod).copied().unwrap_or(0);
         if of_pod >= self.per_pod {
             return Err(format!(
-                "pod {namespace}/{name} has {of_pod} exec/attach streams open, its limit \
+                "pod {namespace}/{name} has {of_pod} exec/attach/port-forward streams open, its limit \
                  (kubeletApi.maxStreamsPerPod); close one and try again"
             ));
         }
         if *total >= self.max {
             return Err(format!(
-                "this vmlet serves {total} exec/attach streams, its limit (kubeletApi.maxStreams); try again later"
+                "this vmlet serves {total} exec/attach/port-forward streams, its limit (kubeletApi.maxStreams); try again later"
             ));
         }
         *total += 1;
@@ -100,10 +100,10 @@ mod tests {
         let a1 = slots.take("ns", "a").unwrap();
         let _a2 = slots.take("ns", "a").unwrap();
         let refused = slots.take("ns", "a").unwrap_err();
-        assert!(refused.starts_with("pod ns/a has 2 exec/attach streams open"), "{refused}");
+        assert!(refused.starts_with("pod ns/a has 2 exec/attach/port-forward streams open"), "{refused}");
         let _b1 = slots.take("ns", "b").unwrap();
         let refused = slots.take("other", "c").unwrap_err();
-        assert!(refused.starts_with("this vmlet serves 3 exec/attach streams"), "{refused}");
+        assert!(refused.starts_with("this vmlet serves 3 exec/attach/port-forward streams"), "{refused}");
         drop(a1);
         assert_eq!(slots.running("ns", "a"), (2, 1));
         let _c1 = slots.take("other", "c").unwrap();

@@ -26,8 +26,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmlet_provider::{
     Backup, Console, ConsoleChunk, GuestExec, HostImages, HostInfo, ImageReference, Location, Migration, MigrationMode,
-    MigrationProgress, MigrationTarget, Provider, Resize, ResizeScope, Resources, Result, Snapshots, Stats, StreamIo,
-    VmId, VmSpec, VmStats, VmStatus, Volumes,
+    MigrationProgress, MigrationTarget, PortForward, Provider, Resize, ResizeScope, Resources, Result, Snapshots,
+    Stats, StreamIo, VmId, VmSpec, VmStats, VmStatus, Volumes,
 };
 
 /// Where each measured call is counted.
@@ -154,6 +154,10 @@ impl Provider for Measured {
 
     fn guest_exec(&self) -> Option<&dyn GuestExec> {
         self.inner.guest_exec()
+    }
+
+    fn port_forward(&self) -> Option<&dyn PortForward> {
+        self.inner.port_forward()
     }
 
     fn stats(&self) -> Option<&dyn Stats> {

@@ -14,7 +14,12 @@
 //! - WebSocket with subprotocol `v5.channel.k8s.io` or `v4.channel.k8s.io`
 //!   ([`websocket`]), which a 1.36+ API server passes through when the Node
 //!   declares `ExtendWebSocketsToKubelet`.
+//!
+//! Port forwarding has its own protocol over the same transports (a pair of
+//! streams per forwarded connection instead of fixed channels), in
+//! [`portforward`], on the same SPDY session code.
 
+pub mod portforward;
 pub mod remotecommand;
 pub mod spdy;
 pub mod websocket;

@@ -1,6 +1,7 @@
-//! Optional provider capabilities: console output, the live console, and
-//! commands in the guest. A provider declares each one it has through
-//! [`crate::Provider::console`] and [`crate::Provider::guest_exec`]; the core
+//! Optional provider capabilities: console output, the live console,
+//! commands in the guest, and connections to the guest's ports. A provider
+//! declares each one it has through [`crate::Provider::console`],
+//! [`crate::Provider::guest_exec`] and [`crate::Provider::port_forward`]; the core
 //! answers "not supported" (HTTP 501, with a message naming the backend) for the
 //! rest, never a hang.
 //!
@@ -8,6 +9,7 @@
 //! WebSocket channels into these, so providers never see a protocol.
 
 use crate::{Result, VmId};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 
 /// Terminal size in character cells.
@@ -91,4 +93,29 @@ pub struct VmStats {
 pub trait Stats: Send + Sync {
     /// Usage of a running VM. Errors: `NotFound`; `Transient` when not running.
     async fn stats(&self, id: &VmId) -> Result<VmStats>;
+}
+
+/// A byte stream to one TCP port of a guest: what `kubectl port-forward`
+/// carries. Reading returns what the guest sends (0 bytes once it closed
+/// its side); writing sends to the guest; `shutdown` closes our sending
+/// side only (the guest sees end of input), as a TCP half-close.
+pub trait GuestConnection: AsyncRead + AsyncWrite + Send + Unpin {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> GuestConnection for T {}
+
+/// Connections to TCP ports of a running guest (port forwarding).
+///
+/// Where the connection goes is the provider's to decide from what the back
+/// end says about the VM (e.g. the address its host's network leased to
+/// it), never from the caller: a caller names only the VM and the port, so
+/// that forwarding cannot reach the host itself or any other machine.
+#[async_trait::async_trait]
+pub trait PortForward: Send + Sync {
+    /// Open a TCP connection to `port` of VM `id`'s guest, within a deadline
+    /// of the provider's (seconds, not minutes). Errors: `NotFound` when the
+    /// VM does not exist; `Transient` when it is not running, has no known
+    /// address yet, or the guest refused or did not answer (the message says
+    /// which, for the user); `Unsupported` when the VM has no interface the
+    /// host can reach (the message says why).
+    async fn connect(&self, id: &VmId, port: u16) -> Result<Box<dyn GuestConnection>>;
 }

@@ -27,7 +27,9 @@ pub use backup::{
     Backup, BackupOutcome, BackupProgress, BackupRequest, Consistency, DataDiskCopy, DataDiskFile, InPlaceRestore,
     IncrementalBase, RestoredDataDisk,
 };
-pub use capabilities::{Console, ConsoleChunk, GuestExec, Stats, StreamIo, TermSize, VmStats};
+pub use capabilities::{
+    Console, ConsoleChunk, GuestConnection, GuestExec, PortForward, Stats, StreamIo, TermSize, VmStats,
+};
 pub use error::{Error, ErrorKind, Result};
 pub use host_image::{BackingFile, DiskFormat, HostImages, ImageFacts};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
@@ -458,6 +460,13 @@ pub trait Provider: Send + Sync + 'static {
 
     /// The guest-command capability, if this backend has one.
     fn guest_exec(&self) -> Option<&dyn GuestExec> {
+        None
+    }
+
+    /// The capability to connect to TCP ports of a VM's guest (`kubectl
+    /// port-forward`), if this backend (and host) has one. Without it the
+    /// kubelet API answers port forwarding with 501.
+    fn port_forward(&self) -> Option<&dyn PortForward> {
         None
     }
 

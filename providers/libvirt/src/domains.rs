@@ -325,6 +325,36 @@ fn guest_addresses(domain: &Domain, nics: &[DomainInterface]) -> Vec<IpAddr> {
     addresses
 }
 
+/// The addresses libvirt's own DHCP server leased to the running domain's
+/// interfaces on libvirt networks (`type='network'`), matched by the MAC
+/// address of the live definition, usable ones only ([`usable`]). Unlike
+/// [`guest_addresses`], nothing the guest says (agent, ARP) is taken, for any
+/// interface: these are addresses a caller may connect to on the VM's
+/// behalf. Errors: the mapped libvirt error of reading the definition or
+/// the leases.
+pub(crate) fn leased_addresses(domain: &Domain) -> Result<Vec<IpAddr>> {
+    let live = domain.xml_desc(0).map_err(|e| from_libvirt("read domain definition", e))?;
+    let macs: Vec<String> =
+        interfaces(&live).into_iter().filter(|nic| nic.kind == "network").filter_map(|nic| nic.mac).collect();
+    if macs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let leases = domain
+        .interface_addresses(virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE, 0)
+        .map_err(|e| from_libvirt("read DHCP leases", e))?;
+    let mut addresses = Vec::new();
+    for mac in &macs {
+        for interface in leases.iter().filter(|i| i.hwaddr.as_deref().is_some_and(|h| h.eq_ignore_ascii_case(mac))) {
+            for address in interface.addrs.iter().filter_map(|a| a.addr.parse::<IpAddr>().ok()).filter(usable) {
+                if !addresses.contains(&address) {
+                    addresses.push(address);
+                }
+            }
+        }
+    }
+    Ok(addresses)
+}
+
 /// Whether a guest address can stand for the VM (and be a pod IP): not
 /// loopback, link-local, multicast, broadcast or unspecified.
 fn usable(address: &IpAddr) -> bool {

@@ -69,6 +69,7 @@ mod jobs;
 mod kvm_probe;
 mod migration;
 mod networks;
+mod port_forward;
 mod provider;
 mod qemu_img;
 mod resize;

@@ -9,8 +9,8 @@ use tracing::instrument;
 use virt::connect::Connect;
 use virt::domain::Domain;
 use vmlet_provider::{
-    Backup, CloudInit, Console, Error, ErrorKind, GuestExec, HostImages, HostInfo, Location, Migration, Provider,
-    Resize, Result, Snapshots, Stats, VmId, VmSpec, VmStatus,
+    Backup, CloudInit, Console, Error, ErrorKind, GuestExec, HostImages, HostInfo, Location, Migration, PortForward,
+    Provider, Resize, Result, Snapshots, Stats, VmId, VmSpec, VmStatus,
 };
 
 use crate::cloud_init::{remove_seed, require_local_host, seed_path, write_seed, BUILD_DEADLINE, DEFAULT_SEED_DIR};
@@ -1057,6 +1057,13 @@ impl Provider for LibvirtProvider {
     /// which has no guest agent.
     fn guest_exec(&self) -> Option<&dyn GuestExec> {
         self.host.kind.is_qemu().then_some(self as &dyn GuestExec)
+    }
+
+    /// TCP connections to the guest at the address its libvirt network
+    /// leased to it, on QEMU (see `port_forward.rs`); `None` on the test
+    /// driver, whose guests and addresses are not real.
+    fn port_forward(&self) -> Option<&dyn PortForward> {
+        self.host.kind.is_qemu().then_some(self as &dyn PortForward)
     }
 
     /// CPU time and memory on every driver (see [`Stats`] for what is measured).

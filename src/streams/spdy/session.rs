@@ -34,9 +34,11 @@ const STREAM_BUFFER: usize = 32;
 /// moby/spdystream does) and a guest that does not read hold at most this
 /// much per stream. At least [`frame::MAX_RECEIVED_PAYLOAD`].
 pub const STREAM_BUFFER_BYTES: usize = 1 << 20;
-/// Streams a peer may open in one session; more are refused with
-/// RST_STREAM REFUSED_STREAM. The remote-command protocol opens at most 5
-/// (error, stdin, stdout, stderr, resize).
+/// Streams a peer may have open at once in a remote-command session
+/// ([`Session::start`]); more are refused with RST_STREAM REFUSED_STREAM.
+/// The remote-command protocol opens at most 5 (error, stdin, stdout,
+/// stderr, resize). A port-forward session sets its own cap
+/// ([`Session::start_with_cap`]) and releases each stream when done with it.
 pub const MAX_STREAMS: usize = 8;
 
 const _: () = assert!(frame::MAX_RECEIVED_PAYLOAD <= STREAM_BUFFER_BYTES, "a frame must fit a stream's budget");
@@ -63,6 +65,8 @@ struct StreamState {
 
 struct State {
     streams: HashMap<u32, StreamState>,
+    /// At most this many entries in `streams` ([`MAX_STREAMS`] unless set).
+    max_streams: usize,
     session_send_window: i64,
     initial_send_window: i64,
     enforce: bool,
@@ -115,8 +119,19 @@ pub struct Session {
 }
 
 impl Session {
-    /// Start serving SPDY on `io` (the connection after `101 Switching Protocols`).
+    /// Start serving SPDY on `io` (the connection after `101 Switching Protocols`),
+    /// with at most [`MAX_STREAMS`] streams.
     pub fn start<IO>(io: IO) -> Session
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        Session::start_with_cap(io, MAX_STREAMS)
+    }
+
+    /// [`Session::start`] with at most `max_streams` streams open at once
+    /// (each may buffer [`STREAM_BUFFER_BYTES`]); a stream counts until it
+    /// is released ([`SendHalf::release`]) or the session ends.
+    pub fn start_with_cap<IO>(io: IO, max_streams: usize) -> Session
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
@@ -125,6 +140,7 @@ impl Session {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 streams: HashMap::new(),
+                max_streams,
                 session_send_window: DEFAULT_WINDOW,
                 initial_send_window: DEFAULT_WINDOW,
                 enforce: false,
@@ -185,6 +201,22 @@ impl SendHalf {
             s.data = None;
         }
         let _ = self.shared.out.send(Out::Frame(Frame::RstStream { stream_id: self.id, status: rst::CANCEL })).await;
+    }
+
+    /// Whether the stream can no longer carry data to the client: it was
+    /// reset (by either side), released, or the session ended.
+    pub fn is_closed(&self) -> bool {
+        self.check().is_err()
+    }
+
+    /// Forget the stream: it no longer counts against the session's cap,
+    /// data the client still sends on it is answered with RST_STREAM
+    /// INVALID_STREAM, and data not read yet is dropped. For sessions that
+    /// open streams as they go (port forwarding), once both directions of
+    /// the stream are done or it was reset.
+    pub fn release(&self) {
+        self.shared.state.lock().expect("spdy state").streams.remove(&self.id);
+        self.shared.window.notify_waiters();
     }
 
     fn check(&self) -> Result<(), SessionError> {
@@ -324,7 +356,7 @@ async fn dispatch(frame: Frame, shared: &Arc<Shared>, incoming: &mpsc::Sender<Sp
                 let mut state = shared.state.lock().expect("spdy state");
                 if state.go_away || stream_id % 2 == 0 || stream_id <= state.last_stream {
                     Some(if stream_id <= state.last_stream { rst::PROTOCOL_ERROR } else { rst::REFUSED_STREAM })
-                } else if state.streams.len() >= MAX_STREAMS {
+                } else if state.streams.len() >= state.max_streams {
                     state.last_stream = stream_id;
                     Some(rst::REFUSED_STREAM)
                 } else {
