@@ -40,6 +40,12 @@ fi
 
 SETUP_START=$SECONDS
 hack/deps.sh
+if [[ ${CI:-} == true ]]; then
+  # A CI run starts from an empty etcd, as on a new machine: objects an older
+  # revision made (a ClusterRole deploy/rbac.yaml no longer has, say) would
+  # otherwise outlive `kubectl apply` and grant what this revision does not.
+  hack/cluster.sh down --wipe
+fi
 hack/cluster.sh up
 eval "$(hack/cluster.sh env)" # KUBECONFIG, PATH (kubectl), VMLET_CLUSTER_LOGS
 hack/libvirtd.sh up

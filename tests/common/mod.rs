@@ -211,13 +211,22 @@ pub fn controller_identity() -> &'static PathBuf {
 }
 
 /// A kubeconfig with a 12 h token of ServiceAccount kube-system/`account`,
-/// after applying `deploy/rbac.yaml` (once per test binary).
+/// after applying `deploy/rbac.yaml` and deleting what its upgrade note says
+/// an older revision left (once per test binary): a cluster that outlived an
+/// older revision must not keep rights this one no longer grants.
 fn service_account_kubeconfig(account: &str) -> PathBuf {
     static APPLIED: OnceLock<()> = OnceLock::new();
     let cluster = cluster();
     APPLIED.get_or_init(|| {
         let applied = kubectl_raw(cluster, &["apply", "-f"], &[&repo().join("deploy/rbac.yaml")]);
         assert!(applied.status.success(), "applying deploy/rbac.yaml: {}", String::from_utf8_lossy(&applied.stderr));
+        for legacy in [
+            &["delete", "clusterrolebinding", "vmlet", "vmlet-hosts", "--ignore-not-found"][..],
+            &["delete", "clusterrole", "vmlet", "--ignore-not-found"],
+        ] {
+            let deleted = kubectl_raw(cluster, legacy, &[]);
+            assert!(deleted.status.success(), "kubectl {legacy:?}: {}", String::from_utf8_lossy(&deleted.stderr));
+        }
     });
     let token = kubectl_raw(cluster, &["create", "token", account, "-n", "kube-system", "--duration", "12h"], &[]);
     assert!(token.status.success(), "a token for kube-system/{account}: {}", String::from_utf8_lossy(&token.stderr));
