@@ -44,10 +44,15 @@ fn unique_host(prefix: &str) -> String {
 }
 
 /// A kubeconfig for the ServiceAccount kube-system/vmlet-bootstrap of
-/// deploy/bootstrap-rbac.yaml (applied here), with a fresh token: the
-/// bootstrap identity an administrator would hand to a host.
+/// deploy/bootstrap-rbac.yaml (applied here, once per test binary: two
+/// client-side applies racing on an empty cluster both try to create, and
+/// one fails with AlreadyExists), with a fresh token: the bootstrap identity
+/// an administrator would hand to a host.
 fn bootstrap_kubeconfig(dir: &Path) -> PathBuf {
-    kubectl(&["apply", "-f", common::repo().join("deploy/bootstrap-rbac.yaml").to_str().unwrap()]);
+    static APPLIED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    APPLIED.get_or_init(|| {
+        kubectl(&["apply", "-f", common::repo().join("deploy/bootstrap-rbac.yaml").to_str().unwrap()]);
+    });
     let token = kubectl(&["-n", "kube-system", "create", "token", "vmlet-bootstrap", "--duration=30m"]);
     let admin = kube::config::Kubeconfig::read_from(&common::cluster().kubeconfig).unwrap();
     let cluster = admin.clusters[0].cluster.as_ref().unwrap();

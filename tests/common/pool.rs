@@ -96,11 +96,16 @@ impl Pool {
 
     /// As [`Pool::class`], named `name`.
     pub fn class_named(&self, env: &TestEnv, name: &str, parameters: serde_json::Value, expansion: bool) {
-        let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
-        let driver = shipped.split("\n---\n").next().unwrap();
-        assert!(driver.contains("kind: CSIDriver"), "{driver}");
-        let applied = env.apply(driver);
-        assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+        // The shipped CSIDriver, once per test binary: parallel tests that
+        // apply it to an empty cluster would race to create it.
+        static DRIVER: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+        DRIVER.get_or_init(|| {
+            let shipped = std::fs::read_to_string(repo().join("deploy/storage.yaml")).unwrap();
+            let driver = shipped.split("\n---\n").next().unwrap();
+            assert!(driver.contains("kind: CSIDriver"), "{driver}");
+            let applied = env.apply(driver);
+            assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+        });
         let mut all = json!({"pool": self.name});
         all.as_object_mut().unwrap().extend(parameters.as_object().cloned().unwrap_or_default());
         let class = json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
