@@ -28,14 +28,18 @@
 //! per second, first create to last Running). For vmlet also: VMs per host
 //! (min/max, and each host's count for up to ten hosts), vmlet's RSS once all
 //! VMs are Running (VmRSS, and the peak so far, VmHWM, from /proc/<pid>/status,
-//! in MiB), the time from deleting all VMs until no VirtualMachine is left
-//! (finalizers released) next to the create→all-Running time, and the peak RSS
-//! of the whole run. Last, vmlet against the baseline: p50 ratio (target ≤ 2×)
-//! and throughput ratio (target ≥ 0.7×).
+//! in MiB) and per VM (RSS all Running minus RSS before the first VM, / N, in
+//! KiB), vmlet's and kube-apiserver's CPU over `VMLET_BENCH_IDLE_SECONDS`
+//! (default 60) with every VM Running and idle, the time from deleting all
+//! VMs until no VirtualMachine is left (finalizers released) next to the
+//! create→all-Running time, and the peak RSS of the whole run. Last, vmlet
+//! against the baseline: p50 ratio (target ≤ 2×) and throughput ratio
+//! (target ≥ 0.7×).
 //!
 //! Environment: `VMLET_BENCH_VMS` (N, default 100), `VMLET_BENCH_HOSTS` (test-driver
 //! hosts, 1..=999, default 3), `VMLET_BENCH_CONCURRENCY` (create calls in flight,
-//! default 8), `VMLET_BENCH_TIMEOUT` (seconds each wait may take, default 900:
+//! default 8), `VMLET_BENCH_IDLE_SECONDS` (the idle CPU window, 0 to skip),
+//! `VMLET_BENCH_TIMEOUT` (seconds each wait may take, default 900:
 //! the baseline's pods Running, the VMs Running, the VMs gone). Every external
 //! command runs under a deadline (tests/support/deadline.rs). Exits 1 after
 //! cleaning up when a run did not reach Running for all N within the timeout
@@ -48,6 +52,8 @@ mod common;
 mod baseline;
 #[path = "apply_to_running/measure.rs"]
 mod measure;
+#[path = "support/process.rs"]
+mod process;
 #[path = "apply_to_running/requests.rs"]
 mod requests;
 
@@ -87,6 +93,9 @@ pub struct Settings {
     pub concurrency: usize,
     /// Limit of each wait (`VMLET_BENCH_TIMEOUT`, seconds).
     pub timeout: Duration,
+    /// How long vmlet's CPU is measured with all VMs Running and idle
+    /// (`VMLET_BENCH_IDLE_SECONDS`, default 60; 0 skips it).
+    pub idle: Duration,
 }
 
 impl Settings {
@@ -97,6 +106,7 @@ impl Settings {
             hosts: common::env_or("VMLET_BENCH_HOSTS", 3),
             concurrency: common::env_or("VMLET_BENCH_CONCURRENCY", 8),
             timeout: Duration::from_secs(common::env_or("VMLET_BENCH_TIMEOUT", 900)),
+            idle: Duration::from_secs(common::env_or("VMLET_BENCH_IDLE_SECONDS", 60)),
         };
         assert!(settings.vms > 0, "VMLET_BENCH_VMS must be at least 1");
         assert!((1..=999).contains(&settings.hosts), "VMLET_BENCH_HOSTS must be 1..=999 (node names end in -h000)");
@@ -217,6 +227,10 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     wait_nodes_schedulable(client, &format!("{BENCH_LABEL}={ns}"), nodes.len(), startup_limit, &what).await;
     println!("  nodes schedulable after {}", ms(started.elapsed()));
     wait_default_service_account(client, ns, Duration::from_secs(60)).await;
+    let rss_empty = process::status_mib(pid, "VmRSS");
+    if let Some(rss) = rss_empty {
+        println!("  vmlet RSS, no VMs:     {rss:.1} MiB (VmRSS)");
+    }
 
     let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), ns);
     let objects = (0..settings.vms).map(|i| vm_object(&format!("vm-{i:04}"), ns)).collect();
@@ -227,9 +241,17 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     timeline.print("VMs", settings.concurrency);
     requests.print_per_object(settings.vms);
     print_placement(&vms, &nodes).await;
-    if let (Some(now), Some(peak)) = (proc_status_mib(pid, "VmRSS"), proc_status_mib(pid, "VmHWM")) {
+    if let (Some(now), Some(peak)) = (process::status_mib(pid, "VmRSS"), process::status_mib(pid, "VmHWM")) {
         println!("  vmlet RSS:             {now:.1} MiB now (VmRSS, all Running), {peak:.1} MiB peak (VmHWM)");
+        if let Some(empty) = rss_empty {
+            let per_vm_kib = (now - empty) * 1024.0 / timeline.reached().max(1) as f64;
+            println!(
+                "  vmlet memory per VM:   {per_vm_kib:.1} KiB ((RSS all Running - RSS no VMs) / {})",
+                timeline.reached()
+            );
+        }
     }
+    print_idle_cpu(pid, settings.idle).await;
 
     // Teardown through the product: delete every VM and wait until all are gone.
     let deleted = delete_all_until_gone(&vms, settings.timeout).await;
@@ -246,12 +268,31 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
             println!("  delete all → gone:     NOT DONE: {left} VMs still present after {:?}", settings.timeout)
         }
     }
-    if let Some(peak) = proc_status_mib(pid, "VmHWM") {
+    if let Some(peak) = process::status_mib(pid, "VmHWM") {
         println!("  vmlet peak RSS:        {peak:.1} MiB (VmHWM, whole run)");
     }
     under_test.stop_vmlet();
     drop(under_test);
     VmletOutcome { timeline, requests, deleted, log }
+}
+
+/// CPU use of vmlet (`pid`) and of the API server over `window` with every
+/// VM Running and nothing changing: what vmlet costs while it only keeps
+/// watch, next to what the control plane itself costs meanwhile.
+async fn print_idle_cpu(pid: u32, window: Duration) {
+    if window.is_zero() {
+        return;
+    }
+    let apiserver = process::pid_of("kube-apiserver");
+    let pids: Vec<u32> = [Some(pid), apiserver].into_iter().flatten().collect();
+    let percent = process::cpu_percent_over(&pids, window).await;
+    let show = |p: Option<f64>| p.map_or("unknown".to_owned(), |p| format!("{p:.2}% of a core"));
+    let server = if apiserver.is_some() { show(percent.get(1).copied().flatten()) } else { "not found".to_owned() };
+    println!(
+        "  idle CPU over {} s:     vmlet {}; kube-apiserver {server} (utime+stime, /proc/<pid>/stat)",
+        window.as_secs(),
+        show(percent.first().copied().flatten())
+    );
 }
 
 /// Whether the VM reports `status.phase: Running`.
@@ -384,15 +425,6 @@ async fn delete_all_until_gone(vms: &Api<VirtualMachine>, limit: Duration) -> Re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(left)
-}
-
-/// A memory figure of process `pid` in MiB from /proc/<pid>/status: `field`
-/// is `VmRSS` (now) or `VmHWM` (peak). `None` once the process is gone.
-fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
-    let kib: f64 = line.trim().trim_end_matches("kB").trim().parse().ok()?;
-    Some(kib / 1024.0)
 }
 
 /// Six random hex digits for the namespace name.

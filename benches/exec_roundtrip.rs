@@ -12,44 +12,15 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "support/exec.rs"]
+mod exec;
 
 use common::{Host, TestEnv};
+use exec::{exec_via_api, report};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams};
-use std::time::{Duration, Instant};
-use tokio::io::AsyncReadExt;
+use std::time::Instant;
 use vmlet_provider::{Provider, StreamIo, VmId};
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn report(what: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    println!(
-        "{what:<40} n={:<4} p50={:>8.1} ms  p95={:>8.1} ms  max={:>8.1} ms",
-        samples.len(),
-        percentile(&samples, 0.5).as_secs_f64() * 1e3,
-        percentile(&samples, 0.95).as_secs_f64() * 1e3,
-        samples.last().unwrap().as_secs_f64() * 1e3
-    );
-}
-
-async fn exec_via_api(pods: &Api<Pod>, command: &[&str]) -> Vec<u8> {
-    let params = AttachParams::default().stdin(false).stdout(true).stderr(false);
-    let mut process = pods.exec("web", command.to_vec(), &params).await.expect("exec through the API server");
-    let mut stdout = process.stdout().expect("stdout");
-    let status = process.take_status().expect("status");
-    let mut out = Vec::new();
-    stdout.read_to_end(&mut out).await.unwrap();
-    if let Some(status) = status.await {
-        if status.status.as_deref() != Some("Success") {
-            panic!("exec {command:?} failed: {:?}", status.message);
-        }
-    }
-    process.join().await.unwrap();
-    out
-}
 
 async fn exec_direct(provider: &dyn Provider, id: &VmId, command: &[String]) -> Vec<u8> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(64);
@@ -105,7 +76,7 @@ async fn main() {
     let t = vec!["true".to_owned()];
     for _ in 0..runs {
         let start = Instant::now();
-        exec_via_api(&pods, &["true"]).await;
+        exec_via_api(&pods, "web", &["true"]).await;
         via_api.push(start.elapsed());
         let start = Instant::now();
         exec_direct(&provider, &id, &t).await;
@@ -118,7 +89,7 @@ async fn main() {
     let bytes = mib * 1024 * 1024;
     let command = format!("head -c {bytes} /dev/zero");
     let start = Instant::now();
-    let out = exec_via_api(&pods, &["sh", "-c", &command]).await;
+    let out = exec_via_api(&pods, "web", &["sh", "-c", &command]).await;
     let elapsed = start.elapsed();
     assert_eq!(out.len(), bytes, "stdout came back whole");
     println!(

@@ -31,7 +31,10 @@ pub async fn get(port: u16, path: &str, caller: Caller<'_>) -> Option<(u16, Stri
     tokio::time::timeout(Duration::from_secs(30), request(port, path, caller)).await.ok()?
 }
 
-async fn request(port: u16, path: &str, caller: Caller<'_>) -> Option<(u16, String)> {
+/// A TLS connection to the kubelet API at `127.0.0.1:<port>` as `caller`,
+/// its serving certificate checked against the cluster CA; `None` when it
+/// cannot be made (not listening, refused in the handshake).
+pub async fn connect(port: u16, caller: Caller<'_>) -> Option<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(CertificateDer::from_pem_file(pki().join("ca.crt")).ok()?).ok()?;
@@ -49,10 +52,14 @@ async fn request(port: u16, path: &str, caller: Caller<'_>) -> Option<(u16, Stri
         Caller::Bearer(_) => builder.with_no_client_auth(),
     };
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+    tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
         .await
-        .ok()?;
+        .ok()
+}
+
+async fn request(port: u16, path: &str, caller: Caller<'_>) -> Option<(u16, String)> {
+    let tls = connect(port, caller).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.ok()?;
     tokio::spawn(conn);
     let mut request = hyper::Request::get(path).header("host", "127.0.0.1");
