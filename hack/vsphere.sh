@@ -3,7 +3,7 @@
 # for vmlet's vSphere tests: vim25 SOAP at https://127.0.0.1:PORT/sdk.
 #
 #   hack/vsphere.sh build   build the simulator (once; again when hack/vsphere/ changes)
-#   hack/vsphere.sh up      start it unless it runs; wait until /sdk answers
+#   hack/vsphere.sh up      start it unless it runs (this build); wait until /sdk answers
 #   hack/vsphere.sh down    stop what `up` started (its pid file)
 #   hack/vsphere.sh status  whether it runs
 #   hack/vsphere.sh env     sourceable exports (VMLET_VSPHERE_*)
@@ -86,7 +86,8 @@ port_free() {
 up() {
   local t0=$SECONDS deadline
   build
-  if pid_ours && answers; then
+  # Reused only while it runs the binary of the current source.
+  if pid_ours && answers && [[ $(cat "$STATE/source-hash" 2>/dev/null) == $(<"$BIN_DIR/source-hash") ]]; then
     log "already running (pid $(<"$PIDFILE")): $URL"
     return 0
   fi
@@ -98,6 +99,7 @@ up() {
   setsid env VMLET_VSPHERE_DIR="$STATE" "$BIN" -l "127.0.0.1:$PORT" -username "$USERNAME" \
     -password "$PASSWORD" -state "$STATE" -uid "$OWNED_UID" >"$LOG" 2>&1 </dev/null 9>&- &
   echo $! >"$PIDFILE"
+  cp "$BIN_DIR/source-hash" "$STATE/source-hash"
   deadline=$((SECONDS + UP_TIMEOUT))
   until answers; do
     if ! kill -0 "$(<"$PIDFILE")" 2>/dev/null; then
