@@ -5,13 +5,14 @@
 //! stand-in can.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use vmlet_provider::ErrorKind;
-use vmlet_vsphere::{list_hosts, Error, Secret, Session, SessionConfig, Thumbprint, Trust};
+use vmlet_vsphere::{list_hosts, power_on, Error, MoRef, Secret, Session, SessionConfig, Thumbprint, Trust};
 
 const SERVICE_CONTENT: &str = include_str!("fixtures/service_content.xml");
 const LOGIN: &str = include_str!("fixtures/login.xml");
@@ -19,6 +20,11 @@ const INVALID_LOGIN: &str = include_str!("fixtures/invalid_login.xml");
 const NOT_AUTHENTICATED: &str = include_str!("fixtures/not_authenticated_fault.xml");
 const HOSTS: &str = include_str!("fixtures/hosts.xml");
 const LOGOUT: &str = include_str!("fixtures/logout.xml");
+/// PowerOnVM_Task's answer as vcsim gives it.
+const POWER_ON_TASK: &str = r#"<?xml version="1.0" encoding="UTF-8"?><soapenv:Envelope xmlns:soapenv="http://schemas.xmlsoap.org/soap/envelope/"><soapenv:Body><PowerOnVM_TaskResponse xmlns="urn:vim25"><returnval type="Task">task-79</returnval></PowerOnVM_TaskResponse></soapenv:Body></soapenv:Envelope>"#;
+/// A task still running: task_invalid_power_state.xml before it ended (state
+/// `running`, no `info.error`).
+const TASK_RUNNING: &str = r#"<?xml version="1.0" encoding="UTF-8"?><soapenv:Envelope xmlns:soapenv="http://schemas.xmlsoap.org/soap/envelope/"><soapenv:Body><RetrievePropertiesExResponse xmlns="urn:vim25"><returnval><objects><obj type="Task">task-79</obj><propSet><name>info.state</name><val xmlns:X="http://www.w3.org/2001/XMLSchema-instance" X:type="TaskInfoState">running</val></propSet></objects></returnval></RetrievePropertiesExResponse></soapenv:Body></soapenv:Envelope>"#;
 
 /// What the stand-in saw and how it behaves.
 #[derive(Default)]
@@ -137,7 +143,9 @@ fn answer(body: &str, cookie: Option<String>, script: &Mutex<Script>) -> (&'stat
         }
         "Login" => ("500 Internal Server Error", String::new(), INVALID_LOGIN),
         _ if !authenticated => ("500 Internal Server Error", String::new(), NOT_AUTHENTICATED),
+        "RetrievePropertiesEx" if body.contains("<type>Task</type>") => ("200 OK", String::new(), TASK_RUNNING),
         "RetrievePropertiesEx" => ("200 OK", String::new(), HOSTS),
+        "PowerOnVM_Task" => ("200 OK", String::new(), POWER_ON_TASK),
         "Logout" => {
             script.session = None;
             ("200 OK", String::new(), LOGOUT)
@@ -216,4 +224,24 @@ async fn a_wrong_password_is_the_recorded_invalid_login() {
     let error = Session::connect(config).await.expect_err("logged in with a wrong password");
     assert_eq!(error.to_string(), "Login: InvalidLogin: Login failure");
     assert_eq!(error.kind(), ErrorKind::PermissionDenied);
+}
+
+#[tokio::test]
+async fn a_task_still_running_at_its_deadline_is_a_transient_timeout() {
+    let stand_in = StandIn::start().await;
+    let session = Session::connect(stand_in.config()).await.expect("connect");
+    let vm = MoRef::new("VirtualMachine", "vm-71");
+    let started = std::time::Instant::now();
+    let error = power_on(&session, &vm, Duration::from_millis(400)).await.expect_err("a running task succeeded");
+    assert!(started.elapsed() < Duration::from_secs(5), "waited {:?}", started.elapsed());
+    match &error {
+        Error::TaskTimeout { task, state, waited, .. } => {
+            assert_eq!((task.as_str(), state.as_str()), ("task-79", "running"));
+            assert!(*waited >= Duration::from_millis(400), "{waited:?}");
+        }
+        other => panic!("want TaskTimeout, got {other:?}"),
+    }
+    assert_eq!(error.kind(), ErrorKind::Transient);
+    let polls = stand_in.methods().iter().filter(|m| *m == "RetrievePropertiesEx").count();
+    assert!((2..=6).contains(&polls), "{polls} polls in 400 ms");
 }
