@@ -132,44 +132,49 @@ func wait(ctx context.Context, start func(context.Context) (*object.Task, error)
 
 // certificates makes a CA and a server certificate for 127.0.0.1 signed by it.
 func certificates() (tls.Certificate, []byte, error) {
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca := template(1, "vmlet vcsim CA", x509.KeyUsageCertSign)
+	ca.BasicConstraintsValid = true
+	ca.IsCA = true
+	caDER, caKey, err := issue(ca, nil, nil)
 	if err != nil {
 		return tls.Certificate{}, nil, err
 	}
-	now := time.Now()
-	ca := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "vmlet vcsim CA"},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.AddDate(1, 0, 0),
-		KeyUsage:              x509.KeyUsageCertSign,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	leaf := &x509.Certificate{
-		SerialNumber: big.NewInt(2),
-		Subject:      pkix.Name{CommonName: "127.0.0.1"},
-		NotBefore:    now.Add(-time.Hour),
-		NotAfter:     now.AddDate(1, 0, 0),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses:  []net.IP{net.ParseIP("127.0.0.1")},
-		DNSNames:     []string{"localhost"},
-	}
-	leafDER, err := x509.CreateCertificate(rand.Reader, leaf, ca, &key.PublicKey, caKey)
+	leaf := template(2, "127.0.0.1", x509.KeyUsageDigitalSignature)
+	leaf.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+	leaf.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
+	leaf.DNSNames = []string{"localhost"}
+	leafDER, key, err := issue(leaf, ca, caKey)
 	if err != nil {
 		return tls.Certificate{}, nil, err
 	}
 	caPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
 	return tls.Certificate{Certificate: [][]byte{leafDER}, PrivateKey: key}, caPEM, nil
+}
+
+// template: a certificate valid from an hour ago for a year.
+func template(serial int64, name string, usage x509.KeyUsage) *x509.Certificate {
+	now := time.Now()
+	return &x509.Certificate{
+		SerialNumber: big.NewInt(serial),
+		Subject:      pkix.Name{CommonName: name},
+		NotBefore:    now.Add(-time.Hour),
+		NotAfter:     now.AddDate(1, 0, 0),
+		KeyUsage:     usage,
+	}
+}
+
+// issue makes a key for cert and signs cert with parentKey (self-signed
+// when parent is nil).
+func issue(cert, parent *x509.Certificate, parentKey *ecdsa.PrivateKey) ([]byte, *ecdsa.PrivateKey, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	if parent == nil {
+		parent, parentKey = cert, key
+	}
+	der, err := x509.CreateCertificate(rand.Reader, cert, parent, &key.PublicKey, parentKey)
+	return der, key, err
 }
 
 // thumbprint: upper-case hex pairs joined by ':', as vSphere prints them.

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use crate::properties::{self, prop_set, traversal, ObjectContent};
+use crate::properties::{self, datacenter_walk, object_set, prop_set, traversal, ObjectContent};
 use crate::session::Session;
 use crate::soap::MoRef;
 use crate::Error;
@@ -80,13 +80,9 @@ fn hosts_spec(root: &MoRef) -> String {
         prop_set("HostSystem", &HOST_PATHS),
     ]
     .concat();
-    let select = [
-        traversal("folder", "Folder", "childEntity", &["folder", "datacenter", "compute"]),
-        traversal("datacenter", "Datacenter", "hostFolder", &["folder"]),
-        traversal("compute", "ComputeResource", "host", &[]),
-    ]
-    .concat();
-    format!("{props}<objectSet>{}<skip>false</skip>{select}</objectSet>", root.to_xml("obj"))
+    let mut select = datacenter_walk("hostFolder", &["compute"]);
+    select.push(traversal("compute", "ComputeResource", "host", &[]));
+    props + &object_set(root, &select)
 }
 
 /// Every `HostSystem` under the root folder, sorted by datacenter and name.

@@ -66,6 +66,24 @@ pub(crate) fn traversal(name: &str, kind: &str, path: &str, then: &[&str]) -> St
     )
 }
 
+/// An object spec: start at `start` (itself selected too), then follow
+/// the traversal specs `select` (none: only `start`).
+pub(crate) fn object_set(start: &MoRef, select: &[String]) -> String {
+    format!("<objectSet>{}<skip>false</skip>{}</objectSet>", start.to_xml("obj"), select.concat())
+}
+
+/// The traversal specs from a root folder through nested folders and each
+/// datacenter's `datacenter_folder` (`hostFolder`, `vmFolder`) to the
+/// objects in those folders, then into them by the traversal specs named
+/// in `then` (defined by the caller).
+pub(crate) fn datacenter_walk(datacenter_folder: &str, then: &[&str]) -> Vec<String> {
+    let from_folder: Vec<&str> = ["folder", "datacenter"].iter().chain(then).copied().collect();
+    vec![
+        traversal("folder", "Folder", "childEntity", &from_folder),
+        traversal("datacenter", "Datacenter", datacenter_folder, &["folder"]),
+    ]
+}
+
 /// All objects that `spec_set` (the `specSet` element's content) selects.
 ///
 /// Errors: those of [`Session`] calls.

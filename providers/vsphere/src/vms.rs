@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::properties::{self, prop_set, traversal, ObjectContent};
+use crate::properties::{self, datacenter_walk, object_set, prop_set, ObjectContent};
 use crate::session::Session;
 use crate::soap::MoRef;
 use crate::Error;
@@ -66,12 +66,7 @@ const UID_PATH: &str = r#"config.extraConfig["vmlet.io.uid"]"#;
 /// (VMs inside vApps are not reached).
 fn vms_spec(root: &MoRef) -> String {
     let props = prop_set("VirtualMachine", &["name", "runtime.host", "runtime.powerState", UID_PATH]);
-    let select = [
-        traversal("folder", "Folder", "childEntity", &["folder", "datacenter"]),
-        traversal("datacenter", "Datacenter", "vmFolder", &["folder"]),
-    ]
-    .concat();
-    format!("{props}<objectSet>{}<skip>false</skip>{select}</objectSet>", root.to_xml("obj"))
+    props + &object_set(root, &datacenter_walk("vmFolder", &[]))
 }
 
 /// Every VM carrying [`UID_KEY`], sorted by name. Templates carry none
@@ -147,11 +142,7 @@ async fn power(
 
 /// `runtime.powerState` of `vm`.
 async fn power_state(session: &Session, vm: &MoRef) -> Result<PowerState, Error> {
-    let spec = format!(
-        "{}<objectSet>{}<skip>false</skip></objectSet>",
-        prop_set("VirtualMachine", &["runtime.powerState"]),
-        vm.to_xml("obj")
-    );
+    let spec = prop_set("VirtualMachine", &["runtime.powerState"]) + &object_set(vm, &[]);
     let objects = properties::retrieve(session, &spec).await?;
     let state = objects.first().and_then(|o| o.text("runtime.powerState"));
     Ok(PowerState::parse(state.unwrap_or_default()))
@@ -167,11 +158,7 @@ async fn wait_for_task(
     deadline: Duration,
 ) -> Result<(), Error> {
     let until = started + deadline;
-    let spec = format!(
-        "{}<objectSet>{}<skip>false</skip></objectSet>",
-        prop_set("Task", &["info.state", "info.error"]),
-        task.to_xml("obj")
-    );
+    let spec = prop_set("Task", &["info.state", "info.error"]) + &object_set(task, &[]);
     let mut pause = Duration::from_millis(100);
     loop {
         let objects = properties::retrieve(session, &spec).await?;
