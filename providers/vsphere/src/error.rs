@@ -19,42 +19,89 @@ use std::time::Duration;
 use vmlet_provider::ErrorKind;
 
 /// A failed vSphere call, or a configuration vmlet cannot connect with.
+/// `operation` fields name the vim25 method (`Login`, `PowerOnVM_Task`, ...).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// `url` is not an `https://host[:port]/sdk` URL.
     #[error("vSphere `url` {url:?}: {reason}")]
-    Url { url: String, reason: &'static str },
+    Url {
+        /// The configured URL.
+        url: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// `thumbprint` is not 32 hex byte pairs (`AB:CD:…` or `abcd…`).
     #[error("vSphere `thumbprint` {value:?} is not a SHA-256 thumbprint: want 32 hex byte pairs such as AB:CD:…")]
-    ThumbprintSyntax { value: String },
+    ThumbprintSyntax {
+        /// The configured value.
+        value: String,
+    },
     /// `ca_file` cannot be read or holds no PEM certificate.
     #[error("vSphere `ca_file` {path}: {reason}")]
-    CaFile { path: PathBuf, reason: String },
+    CaFile {
+        /// The configured path.
+        path: PathBuf,
+        /// The I/O or PEM error, or that it holds no certificate.
+        reason: String,
+    },
     /// The server's certificate is not the one `thumbprint` names; the
     /// connection was closed in the TLS handshake, before any request.
     #[error(
         "vSphere {url}: the server's certificate has SHA-256 thumbprint {actual}, not the configured `thumbprint` \
          {expected}; nothing was sent"
     )]
-    ThumbprintMismatch { url: String, expected: String, actual: String },
+    ThumbprintMismatch {
+        /// The configured URL.
+        url: String,
+        /// The configured thumbprint, `AB:CD:…`.
+        expected: String,
+        /// The thumbprint of the certificate the server presented, `AB:CD:…`.
+        actual: String,
+    },
     /// The request did not get an HTTP response (connect, TLS, timeout).
     #[error("{operation} at {url}: {source}")]
     Transport {
+        /// The vim25 method.
         operation: &'static str,
+        /// The configured URL.
         url: String,
+        /// reqwest's error (its own URL removed).
         #[source]
         source: reqwest::Error,
     },
     /// The server answered, but not with a vim25 envelope this crate reads.
     #[error("{operation}: HTTP {status}: {reason}")]
-    Response { operation: &'static str, status: u16, reason: String },
-    /// vSphere answered with a fault (`fault` is its vim25 type, e.g.
-    /// `InvalidLogin`), either to the call or as the error of its task.
+    Response {
+        /// The vim25 method.
+        operation: &'static str,
+        /// The HTTP status.
+        status: u16,
+        /// What is missing or malformed, with the start of the body.
+        reason: String,
+    },
+    /// vSphere answered with a fault, either to the call or as the error of
+    /// its task.
     #[error("{operation}: {fault}: {message}")]
-    Fault { operation: &'static str, fault: String, message: String },
+    Fault {
+        /// The vim25 method.
+        operation: &'static str,
+        /// The vim25 fault type, e.g. `InvalidLogin`, `ManagedObjectNotFound`.
+        fault: String,
+        /// vSphere's message (`faultstring`, or the task's `localizedMessage`).
+        message: String,
+    },
     /// A task did not end within its deadline; it may still run in vSphere.
     #[error("{operation}: task {task} still {state} after {waited:?}")]
-    TaskTimeout { operation: &'static str, task: String, state: String, waited: Duration },
+    TaskTimeout {
+        /// The vim25 method that started the task.
+        operation: &'static str,
+        /// The task's reference value, e.g. `task-79`.
+        task: String,
+        /// Its last `info.state`: `queued` or `running`.
+        state: String,
+        /// How long the call waited, from the method call on.
+        waited: Duration,
+    },
 }
 
 impl Error {

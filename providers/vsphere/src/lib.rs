@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! vmlet's vSphere provider, first slice: a vim25 SOAP session with a
 //! pinned TLS trust ([`Session`]), the host inventory of a vCenter or ESXi
 //! ([`list_hosts`]), the VMs vmlet owns ([`list_vms`]) and their power
