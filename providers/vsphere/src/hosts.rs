@@ -35,6 +35,10 @@ pub struct Host {
     pub connection_state: ConnectionState,
     /// `runtime.inMaintenanceMode`.
     pub in_maintenance_mode: bool,
+    /// The root `ResourcePool` of its compute resource (cluster or
+    /// standalone), where VMs cloned onto it are placed; `None` when
+    /// vSphere reports none.
+    pub resource_pool: Option<MoRef>,
 }
 
 /// vim25 `HostSystemConnectionState`.
@@ -75,8 +79,8 @@ fn hosts_spec(root: &MoRef) -> String {
     let props = [
         prop_set("Folder", &["parent"]),
         prop_set("Datacenter", &["name"]),
-        prop_set("ComputeResource", &["name", "parent"]),
-        prop_set("ClusterComputeResource", &["name", "parent"]),
+        prop_set("ComputeResource", &["name", "parent", "resourcePool"]),
+        prop_set("ClusterComputeResource", &["name", "parent", "resourcePool"]),
         prop_set("HostSystem", &HOST_PATHS),
     ]
     .concat();
@@ -117,6 +121,7 @@ fn hosts_from_objects(objects: &[ObjectContent]) -> Vec<Host> {
                 memory_bytes: host.text("summary.hardware.memorySize").and_then(|v| v.parse().ok()),
                 connection_state: ConnectionState::parse(host.text("runtime.connectionState").unwrap_or_default()),
                 in_maintenance_mode: host.text("runtime.inMaintenanceMode") == Some("true"),
+                resource_pool: compute.and_then(|c| c.moref("resourcePool")),
             }
         })
         .collect();
@@ -126,7 +131,7 @@ fn hosts_from_objects(objects: &[ObjectContent]) -> Vec<Host> {
 
 /// The name of the first `Datacenter` up `object`'s parent chain (at most
 /// 64 levels: folders nest, but not forever).
-fn datacenter_of(object: &ObjectContent, by_ref: &HashMap<&MoRef, &ObjectContent>) -> Option<String> {
+pub(crate) fn datacenter_of(object: &ObjectContent, by_ref: &HashMap<&MoRef, &ObjectContent>) -> Option<String> {
     let mut current = object.moref("parent")?;
     for _ in 0..64 {
         let found = by_ref.get(&current)?;

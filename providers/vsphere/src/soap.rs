@@ -55,7 +55,7 @@ pub(crate) struct Fault {
 /// The request envelope around one method element.
 pub(crate) fn envelope(method: &str) -> String {
     format!(
-        r#"<?xml version="1.0" encoding="UTF-8"?><soapenv:Envelope xmlns:soapenv="http://schemas.xmlsoap.org/soap/envelope/" xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance"><soapenv:Body>{method}</soapenv:Body></soapenv:Envelope>"#
+        r#"<?xml version="1.0" encoding="UTF-8"?><soapenv:Envelope xmlns:soapenv="http://schemas.xmlsoap.org/soap/envelope/" xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance" xmlns:xsd="http://www.w3.org/2001/XMLSchema"><soapenv:Body>{method}</soapenv:Body></soapenv:Envelope>"#
     )
 }
 

@@ -34,6 +34,15 @@ pub struct Vm {
     pub host: Option<MoRef>,
     /// `runtime.powerState`.
     pub power_state: PowerState,
+    /// `config.hardware.numCPU`: virtual CPUs; `None` when vSphere reports none.
+    pub cpus: Option<u32>,
+    /// `config.hardware.memoryMB` in bytes (MiB × 2²⁰); `None` when vSphere
+    /// reports none.
+    pub memory_bytes: Option<u64>,
+    /// `guest.ipAddress`: the guest's primary address as VMware Tools
+    /// report it; `None` without Tools, before the guest has one, or when
+    /// it is no IP address.
+    pub ip_address: Option<std::net::IpAddr>,
 }
 
 /// vim25 `VirtualMachinePowerState`.
@@ -62,10 +71,21 @@ impl PowerState {
 
 const UID_PATH: &str = r#"config.extraConfig["vmlet.io.uid"]"#;
 
+/// The properties read of every VM.
+const VM_PATHS: [&str; 7] = [
+    "name",
+    "runtime.host",
+    "runtime.powerState",
+    "config.hardware.numCPU",
+    "config.hardware.memoryMB",
+    "guest.ipAddress",
+    UID_PATH,
+];
+
 /// The `specSet` content that walks datacenters' VM folders to their VMs
 /// (VMs inside vApps are not reached).
 fn vms_spec(root: &MoRef) -> String {
-    let props = prop_set("VirtualMachine", &["name", "runtime.host", "runtime.powerState", UID_PATH]);
+    let props = prop_set("VirtualMachine", &VM_PATHS);
     props + &object_set(root, &datacenter_walk("vmFolder", &[]))
 }
 
@@ -92,6 +112,12 @@ fn vms_from_objects(objects: &[ObjectContent]) -> Vec<Vm> {
                 moref: vm.obj.clone(),
                 host: vm.moref("runtime.host"),
                 power_state: PowerState::parse(vm.text("runtime.powerState").unwrap_or_default()),
+                cpus: vm.text("config.hardware.numCPU").and_then(|v| v.parse().ok()),
+                memory_bytes: vm
+                    .text("config.hardware.memoryMB")
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map(|mib| mib << 20),
+                ip_address: vm.text("guest.ipAddress").and_then(|v| v.parse().ok()),
             })
         })
         .collect();
@@ -127,7 +153,7 @@ async fn power(
     let started = Instant::now();
     let result = match session.call(method, vm, "").await {
         Ok(response) => match response.child("returnval").and_then(MoRef::from_element) {
-            Some(task) => wait_for_task(session, method, &task, started, deadline).await,
+            Some(task) => wait_for_task(session, method, &task, started, deadline).await.map(|_| ()),
             None => Err(Error::Response { operation: method, status: 200, reason: "no Task in the answer".into() }),
         },
         Err(error) => Err(error),
@@ -141,7 +167,7 @@ async fn power(
 }
 
 /// `runtime.powerState` of `vm`.
-async fn power_state(session: &Session, vm: &MoRef) -> Result<PowerState, Error> {
+pub(crate) async fn power_state(session: &Session, vm: &MoRef) -> Result<PowerState, Error> {
     let spec = prop_set("VirtualMachine", &["runtime.powerState"]) + &object_set(vm, &[]);
     let objects = properties::retrieve(session, &spec).await?;
     let state = objects.first().and_then(|o| o.text("runtime.powerState"));
@@ -149,23 +175,24 @@ async fn power_state(session: &Session, vm: &MoRef) -> Result<PowerState, Error>
 }
 
 /// Reads the task's `info.state` (100 ms apart, growing to 1 s) until it
-/// ends or `deadline` after `started` passes.
-async fn wait_for_task(
+/// ends or `deadline` after `started` passes; on success returns
+/// `info.result` (e.g. the new VM of a `CloneVM_Task`), if the task has one.
+pub(crate) async fn wait_for_task(
     session: &Session,
     operation: &'static str,
     task: &MoRef,
     started: Instant,
     deadline: Duration,
-) -> Result<(), Error> {
+) -> Result<Option<crate::xml::Element>, Error> {
     let until = started + deadline;
-    let spec = prop_set("Task", &["info.state", "info.error"]) + &object_set(task, &[]);
+    let spec = prop_set("Task", &["info.state", "info.error", "info.result"]) + &object_set(task, &[]);
     let mut pause = Duration::from_millis(100);
     loop {
         let objects = properties::retrieve(session, &spec).await?;
         let info = objects.first();
         let state = info.and_then(|o| o.text("info.state")).unwrap_or_default().to_owned();
         match state.as_str() {
-            "success" => return Ok(()),
+            "success" => return Ok(info.and_then(|o| o.get("info.result")).cloned()),
             "error" => return Err(task_fault(operation, info)),
             _ => {}
         }
@@ -181,7 +208,7 @@ async fn wait_for_task(
 
 /// The fault of a task in state `error`: `info.error.fault`'s type and
 /// `info.error.localizedMessage`.
-fn task_fault(operation: &'static str, info: Option<&ObjectContent>) -> Error {
+pub(crate) fn task_fault(operation: &'static str, info: Option<&ObjectContent>) -> Error {
     let error = info.and_then(|o| o.get("info.error"));
     let fault = error.and_then(|e| e.child("fault")).map(crate::soap::fault_type).unwrap_or_default();
     let message = error.and_then(|e| e.child_text("localizedMessage")).unwrap_or_default().trim().to_owned();
