@@ -786,6 +786,14 @@ mod tests {
     }
 
     #[test]
+    fn the_example_config_is_valid_and_serves_a_cloud_and_a_vcenter() {
+        let config = Config::from_yaml(include_str!("../deploy/config.example.yaml"), &["libvirt", "openstack"])
+            .unwrap_or_else(|e| panic!("deploy/config.example.yaml: {e}"));
+        assert_eq!((config.clouds.len(), config.vcenters.len()), (1, 1));
+        assert_eq!(config.vcenters[0].templates, ["template-c0".to_owned()]);
+    }
+
+    #[test]
     fn a_vcenter_alone_is_enough_and_its_entries_are_checked_with_their_index() {
         const VC: &str = "{name: vc1, url: 'https://vc/sdk', username: u, passwordFile: /p, caFile: /ca.pem, \
                           datacenter: DC0, templates: [template-c0]}";
