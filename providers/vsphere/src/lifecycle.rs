@@ -5,7 +5,9 @@
 //!   inventory with their datacenter, read in one `RetrievePropertiesEx`.
 //! - [`clone_vm`]: `CloneVM_Task` of a template onto one host and its
 //!   compute resource's root pool, powered off, with `vmlet.io.uid` in
-//!   `config.extraConfig` and the VM's size in the clone's config.
+//!   `config.extraConfig` and the VM's size in the clone's config (one core
+//!   per socket, so that any vCPU count fits whatever the template's
+//!   `numCoresPerSocket`).
 //! - [`reconfigure_size`]: `ReconfigVM_Task` of `numCPUs` and `memoryMB`.
 //! - [`shutdown_guest`]: `ShutdownGuest` (asks VMware Tools in the guest;
 //!   no task, vSphere answers at once).
@@ -92,7 +94,7 @@ pub struct CloneRequest<'a> {
     pub uid: &'a str,
     /// Virtual CPUs (`numCPUs`).
     pub cpus: u32,
-    /// Memory in MiB (`memoryMB`).
+    /// Memory in MiB (`memoryMB`; vSphere wants a multiple of 4).
     pub memory_mib: u64,
 }
 
@@ -102,7 +104,7 @@ pub struct CloneRequest<'a> {
 fn clone_args(request: &CloneRequest<'_>) -> String {
     format!(
         "{folder}<name>{name}</name><spec><location>{pool}{host}</location><template>false</template>\
-         <config><numCPUs>{cpus}</numCPUs><memoryMB>{memory}</memoryMB><extraConfig><key>{key}</key>\
+         <config><numCPUs>{cpus}</numCPUs><numCoresPerSocket>1</numCoresPerSocket><memoryMB>{memory}</memoryMB><extraConfig><key>{key}</key>\
          <value xsi:type=\"xsd:string\">{uid}</value></extraConfig></config><powerOn>false</powerOn></spec>",
         folder = request.folder.to_xml("folder"),
         name = escape(request.name),
@@ -133,8 +135,8 @@ pub async fn clone_vm(session: &Session, request: &CloneRequest<'_>, deadline: D
     })
 }
 
-/// Sets `vm`'s virtual CPUs and memory (`ReconfigVM_Task` with `numCPUs`
-/// and `memoryMB`) and waits for the task, at most `deadline`.
+/// Sets `vm`'s virtual CPUs and memory (`ReconfigVM_Task` with `numCPUs`,
+/// one core per socket, and `memoryMB`, a multiple of 4) and waits for the task, at most `deadline`.
 ///
 /// Errors: [`Error::Fault`] (`InvalidPowerState` when the VM runs without
 /// hot-add, kind `Conflict`); [`Error::TaskTimeout`].
@@ -145,7 +147,9 @@ pub async fn reconfigure_size(
     memory_mib: u64,
     deadline: Duration,
 ) -> Result<(), Error> {
-    let args = format!("<spec><numCPUs>{cpus}</numCPUs><memoryMB>{memory_mib}</memoryMB></spec>");
+    let args = format!(
+        "<spec><numCPUs>{cpus}</numCPUs><numCoresPerSocket>1</numCoresPerSocket><memoryMB>{memory_mib}</memoryMB></spec>"
+    );
     run_task(session, "ReconfigVM_Task", vm, &args, deadline).await.map(|_| ())
 }
 
@@ -207,7 +211,7 @@ mod tests {
         };
         assert_eq!(
             clone_args(&request),
-            r#"<folder type="Folder">group-v3</folder><name>ns_a&lt;b</name><spec><location><pool type="ResourcePool">resgroup-8</pool><host type="HostSystem">host-21</host></location><template>false</template><config><numCPUs>2</numCPUs><memoryMB>512</memoryMB><extraConfig><key>vmlet.io.uid</key><value xsi:type="xsd:string">0000-1</value></extraConfig></config><powerOn>false</powerOn></spec>"#
+            r#"<folder type="Folder">group-v3</folder><name>ns_a&lt;b</name><spec><location><pool type="ResourcePool">resgroup-8</pool><host type="HostSystem">host-21</host></location><template>false</template><config><numCPUs>2</numCPUs><numCoresPerSocket>1</numCoresPerSocket><memoryMB>512</memoryMB><extraConfig><key>vmlet.io.uid</key><value xsi:type="xsd:string">0000-1</value></extraConfig></config><powerOn>false</powerOn></spec>"#
         );
     }
 

@@ -323,7 +323,7 @@ impl VsphereProvider {
                 format!("template {template_name} has no folder or host {} no resource pool in vSphere", self.host),
             ));
         };
-        let memory_mib = spec.memory_bytes.div_ceil(1 << 20);
+        let memory_mib = memory_mib_of(spec.memory_bytes);
         let name = spec.backend_name();
         let request = CloneRequest {
             template: &template.moref,
@@ -398,6 +398,26 @@ fn is_link_local(ip: &IpAddr) -> bool {
     }
 }
 
+/// Why `host` cannot run VMs now, for its node's NotReady condition:
+/// disconnected, not responding, in maintenance mode; `None` when it can.
+fn not_ready_reason(host: &Host) -> Option<String> {
+    let why = match (&host.connection_state, host.in_maintenance_mode) {
+        (ConnectionState::Connected, false) => return None,
+        (ConnectionState::Connected, true) => "is in maintenance mode".to_owned(),
+        (ConnectionState::Disconnected, _) => "is disconnected from vCenter".to_owned(),
+        (ConnectionState::NotResponding, _) => "is not responding to vCenter".to_owned(),
+        (ConnectionState::Other(state), _) => format!("has connection state {state}"),
+    };
+    Some(format!("ESXi host {} {why}", host.name))
+}
+
+/// The memory vSphere gives a VM asked for `bytes`, in MiB: rounded up to
+/// whole MiB and to a multiple of 4 MiB, which vSphere requires of
+/// `memoryMB`.
+fn memory_mib_of(bytes: u64) -> u64 {
+    bytes.div_ceil(1 << 20).div_ceil(4) * 4
+}
+
 /// `<vcenter>/<host>`, as [`Provider::backend_host`] and [`Location::OtherHost`] name a host.
 fn qualified(vcenter: &VCenter, host: &str) -> String {
     format!("{}/{host}", vcenter.name)
@@ -419,14 +439,10 @@ impl Provider for VsphereProvider {
     async fn ping(&self) -> Result<()> {
         const OP: &str = "ping";
         let host = self.host_now(OP).await?;
-        let why = match (&host.connection_state, host.in_maintenance_mode) {
-            (ConnectionState::Connected, false) => return Ok(()),
-            (ConnectionState::Connected, true) => "is in maintenance mode".to_owned(),
-            (ConnectionState::Disconnected, _) => "is disconnected from vCenter".to_owned(),
-            (ConnectionState::NotResponding, _) => "is not responding to vCenter".to_owned(),
-            (ConnectionState::Other(state), _) => format!("has connection state {state}"),
-        };
-        Err(ProviderError::new(OP, ErrorKind::Transient, format!("ESXi host {} {why}", self.host)))
+        match not_ready_reason(&host) {
+            None => Ok(()),
+            Some(why) => Err(ProviderError::new(OP, ErrorKind::Transient, why)),
+        }
     }
 
     /// The host's physical cores (`summary.hardware.numCpuCores`) and
@@ -716,6 +732,41 @@ mod tests {
         long.name = "n".repeat(80);
         assert!(p.check_spec(&long).unwrap_err().message.starts_with("metadata.name:"));
         assert!(p.check_spec(&spec("")).unwrap_err().message.starts_with("spec.image:"));
+    }
+
+    #[test]
+    fn memory_is_rounded_up_to_the_4_mib_multiple_vsphere_requires() {
+        assert_eq!(memory_mib_of(256 << 20), 256);
+        assert_eq!(memory_mib_of((257 << 20) - 1), 260);
+        assert_eq!(memory_mib_of(1), 4);
+    }
+
+    #[test]
+    fn a_host_disconnected_not_responding_or_in_maintenance_is_not_ready_saying_which() {
+        let host = |state: ConnectionState, maintenance: bool| Host {
+            name: "esx-1".into(),
+            moref: MoRef::new("HostSystem", "host-1"),
+            cluster: None,
+            datacenter: "DC0".into(),
+            cpu_cores: Some(8),
+            memory_bytes: Some(1 << 35),
+            connection_state: state,
+            in_maintenance_mode: maintenance,
+            resource_pool: None,
+        };
+        assert_eq!(not_ready_reason(&host(ConnectionState::Connected, false)), None);
+        assert_eq!(
+            not_ready_reason(&host(ConnectionState::Connected, true)).as_deref(),
+            Some("ESXi host esx-1 is in maintenance mode")
+        );
+        assert_eq!(
+            not_ready_reason(&host(ConnectionState::Disconnected, false)).as_deref(),
+            Some("ESXi host esx-1 is disconnected from vCenter")
+        );
+        assert_eq!(
+            not_ready_reason(&host(ConnectionState::NotResponding, true)).as_deref(),
+            Some("ESXi host esx-1 is not responding to vCenter")
+        );
     }
 
     #[test]

@@ -32,7 +32,8 @@ fn spec(name: &str, uid: &str, image: &str) -> VmSpec {
         namespace: NS.into(),
         name: name.into(),
         cpus: 2,
-        memory_bytes: 384 << 20,
+        // Not a multiple of 4 MiB: vSphere's memoryMB must be, so 384 MiB.
+        memory_bytes: (381 << 20) + 1,
         max_cpus: None,
         max_memory_bytes: None,
         image: Some(image.into()),
