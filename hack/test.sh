@@ -29,7 +29,7 @@ log() { echo "test.sh: $*" >&2; }
 
 if [[ ${CI:-} == true ]]; then
   # Stop what this run started, whatever happens.
-  trap 'log "CI=true: stopping the control plane, libvirtd, the two libvirt hosts and the Nova harness"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true; "$REPO/hack/hosts.sh" down || true; "$REPO/hack/nova.sh" down || true' EXIT
+  trap 'log "CI=true: stopping the control plane, libvirtd, the two libvirt hosts, the Nova harness and the vSphere simulator"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true; "$REPO/hack/hosts.sh" down || true; "$REPO/hack/nova.sh" down || true; "$REPO/hack/vsphere.sh" down || true' EXIT
 fi
 
 if [[ $(id -u) != 0 ]] && ! virsh -c "$(hack/libvirtd.sh uri)" version >/dev/null 2>&1; then
@@ -63,6 +63,10 @@ fi
 
 hack/nova.sh up
 eval "$(hack/nova.sh env)" # OS_* (Keystone admin), VMLET_NOVA_IMAGE, VMLET_NOVA_NETWORK, VMLET_NOVA_HOSTS, ...
+VSPHERE_START=$SECONDS
+hack/vsphere.sh up # builds the simulator once (~1 min), then starts in about a second
+eval "$(hack/vsphere.sh env)" # VMLET_VSPHERE_URL, _USERNAME, _PASSWORD, _THUMBPRINT, _CA_FILE, ...
+log "vSphere simulator up in $((SECONDS - VSPHERE_START))s"
 
 log "services up in $((SECONDS - SETUP_START))s"
 

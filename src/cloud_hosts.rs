@@ -111,7 +111,7 @@ pub async fn discover(
 
 /// The bytes of one key of a Secret. Errors: the Secret cannot be read, or
 /// has no such key (the message names both, never the contents).
-async fn read_secret(client: &kube::Client, key: &SecretKeyRef) -> anyhow::Result<Vec<u8>> {
+pub(crate) async fn read_secret(client: &kube::Client, key: &SecretKeyRef) -> anyhow::Result<Vec<u8>> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &key.namespace);
     let secret = secrets
         .get(&key.name)

@@ -131,6 +131,10 @@ pub struct Config {
     /// ([`crate::clouds`]).
     #[serde(default)]
     pub clouds: Vec<crate::clouds::CloudHostsConfig>,
+    /// vCenters whose ESXi hosts this process serves, found at start
+    /// ([`crate::vcenters`]).
+    #[serde(default)]
+    pub vcenters: Vec<crate::vcenters::VCenterHostsConfig>,
     /// Namespaces whose VMs may name host files themselves: `spec.image` as
     /// a path, `spec.kernelBoot`, `spec.disks[].hostImage` (still only under
     /// the host's storage roots). Every other namespace boots images of the
@@ -508,16 +512,25 @@ impl Config {
 
     fn validate(&self, known_providers: &[&str]) -> Result<(), ConfigError> {
         let invalid = |field: String, message: String| Err(ConfigError::Invalid { field, message });
-        if self.hosts.is_empty() && self.clouds.is_empty() && !self.controller {
+        if self.hosts.is_empty() && self.clouds.is_empty() && self.vcenters.is_empty() && !self.controller {
             return invalid(
                 "hosts".into(),
-                "lists no host, there are no clouds and `controller` is false: this process would do nothing; add \
-                 at least one {name, provider, uri}, or set controller: true to run only the controllers"
+                "lists no host, there are no clouds or vcenters and `controller` is false: this process would do \
+                 nothing; add at least one {name, provider, uri}, or set controller: true to run only the controllers"
                     .into(),
             );
         }
         for (i, cloud) in self.clouds.iter().enumerate() {
             cloud.validate(i, known_providers)?;
+        }
+        for (i, vcenter) in self.vcenters.iter().enumerate() {
+            vcenter.validate(i)?;
+            if self.vcenters[..i].iter().any(|earlier| earlier.name == vcenter.name) {
+                return invalid(
+                    format!("vcenters[{i}].name"),
+                    format!("{:?} appears twice; vCenter names must be unique", vcenter.name),
+                );
+            }
         }
         for (i, namespace) in self.trusted_namespaces.iter().enumerate() {
             let label = namespace.len() <= 63
@@ -770,6 +783,30 @@ mod tests {
 
     fn error_of(yaml: &str) -> String {
         Config::from_yaml(yaml, PROVIDERS).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_example_config_is_valid_and_serves_a_cloud_and_a_vcenter() {
+        let config = Config::from_yaml(include_str!("../deploy/config.example.yaml"), &["libvirt", "openstack"])
+            .unwrap_or_else(|e| panic!("deploy/config.example.yaml: {e}"));
+        assert_eq!((config.clouds.len(), config.vcenters.len()), (1, 1));
+        assert_eq!(config.vcenters[0].templates, ["template-c0".to_owned()]);
+    }
+
+    #[test]
+    fn a_vcenter_alone_is_enough_and_its_entries_are_checked_with_their_index() {
+        const VC: &str = "{name: vc1, url: 'https://vc/sdk', username: u, passwordFile: /p, caFile: /ca.pem, \
+                          datacenter: DC0, templates: [template-c0]}";
+        let config = Config::from_yaml(&format!("controller: false\nvcenters: [{VC}]"), PROVIDERS).unwrap();
+        assert_eq!(config.vcenters.len(), 1);
+        assert_eq!(
+            (config.vcenters[0].name.as_str(), config.vcenters[0].templates.as_slice()),
+            ("vc1", &["template-c0".to_owned()][..])
+        );
+        let e = error_of(&format!("vcenters: [{VC}, {VC}]"));
+        assert!(e.starts_with("vcenters[1].name:") && e.contains("twice"), "{e}");
+        let e = error_of(&format!("vcenters: [{VC}, {}]", VC.replace("vc1", "vc2").replace("caFile: /ca.pem, ", "")));
+        assert!(e.starts_with("vcenters[1].thumbprint:"), "{e}");
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod quantity;
 pub mod storage;
 pub mod streams;
 pub mod v1alpha1;
+pub mod vcenters;
 pub mod vmpod;
 pub mod watches;
 pub mod written;

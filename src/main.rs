@@ -21,9 +21,11 @@ use vmlet::v1alpha1::{
 use vmlet_provider::Provider;
 
 mod cloud_hosts;
+mod vcenter_hosts;
 
 /// Backends this binary is built with: `hosts[]` are libvirt hosts, `clouds[]`
-/// OpenStack clouds.
+/// OpenStack clouds (`vcenters[]`, vSphere, have a section and no provider
+/// field of their own).
 const PROVIDERS: &[&str] = &["libvirt", "openstack"];
 
 /// Exit code for a bad command line or configuration (sysexits EX_USAGE).
@@ -138,6 +140,9 @@ async fn connect(host: &HostConfig) -> anyhow::Result<Arc<dyn Provider>> {
             "host {}: OpenStack compute hosts are found through clouds[] (provider: openstack), not listed in hosts[]",
             host.name
         ),
+        "vsphere" => {
+            anyhow::bail!("host {}: ESXi hosts are found through vcenters[], not listed in hosts[]", host.name)
+        }
         "libvirt" => {
             use vmlet::config::AcceleratorConfig;
             use vmlet_libvirt::AcceleratorSetting;
@@ -189,17 +194,25 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
         providers.push(connect(host).await?);
     }
     let discovered = tokio::select! {
-        found = cloud_hosts::discover(&client, &config.clouds, &shutdown) => found?,
+        found = async {
+            let clouds = cloud_hosts::discover(&client, &config.clouds, &shutdown).await?;
+            let vcenters = vcenter_hosts::discover(&client, &config.vcenters, &shutdown).await?;
+            anyhow::Ok(clouds.zip(vcenters).map(|(mut clouds, vcenters)| {
+                clouds.extend(vcenters);
+                clouds
+            }))
+        } => found?,
         _ = wait_for_signal() => None,
     };
     let Some(discovered) = discovered else {
-        info!("shut down before the clouds' compute hosts were found");
+        info!("shut down before the clouds' compute hosts and the vCenters' ESXi hosts were found");
         return Ok(());
     };
     for (host, provider) in discovered {
         if config.hosts.iter().any(|h| h.name == host.name) {
             anyhow::bail!(
-                "node name {} is used twice (hosts[] and a cloud's compute host); set clouds[].nodeNamePrefix",
+                "node name {} is used twice (hosts[], a cloud's compute host or a vCenter's ESXi host); set \
+                 clouds[].nodeNamePrefix or vcenters[].nodeNamePrefix",
                 host.name
             );
         }
