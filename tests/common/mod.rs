@@ -351,6 +351,27 @@ pub fn free_port_range(count: u16) -> u16 {
     panic!("no {count} consecutive free ports on 127.0.0.1 in 100 tries");
 }
 
+/// How [`TestEnv::write_vmlet_on_vcenter`]'s vmlet trusts the vCenter's
+/// certificate: `vcenters[].thumbprint` or `vcenters[].caFile`.
+pub enum VCenterTrust {
+    /// The server certificate's SHA-256 thumbprint (`AB:CD:…`).
+    Thumbprint(String),
+    /// A PEM file of the CA that signed it.
+    CaFile(PathBuf),
+}
+
+impl VCenterTrust {
+    /// The simulator's thumbprint (`VMLET_VSPHERE_THUMBPRINT`).
+    pub fn thumbprint_from_env() -> VCenterTrust {
+        VCenterTrust::Thumbprint(std::env::var("VMLET_VSPHERE_THUMBPRINT").expect("VMLET_VSPHERE_THUMBPRINT"))
+    }
+
+    /// The simulator's CA file (`VMLET_VSPHERE_CA_FILE`).
+    pub fn ca_file_from_env() -> VCenterTrust {
+        VCenterTrust::CaFile(std::env::var("VMLET_VSPHERE_CA_FILE").expect("VMLET_VSPHERE_CA_FILE").into())
+    }
+}
+
 /// One test's namespace, hosts and vmlet.
 pub struct TestEnv {
     pub ns: String,
@@ -547,6 +568,64 @@ impl TestEnv {
         self.nodes = hosts.iter().map(|h| self.node(h)).collect();
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
         self.restart_vmlet();
+    }
+
+    /// Where [`TestEnv::start_vmlet_on_vcenter`] keeps the vCenter's password
+    /// (mode 0600): a test rewrites it and restarts vmlet to change it.
+    pub fn vcenter_password_file(&self) -> PathBuf {
+        self.dir.join("vsphere-password")
+    }
+
+    /// Write `<dir>/vmlet.yaml` for vmlet serving the ESXi hosts `hosts` of
+    /// the vSphere simulator (`VMLET_VSPHERE_URL`, `_USERNAME`, `_PASSWORD`
+    /// from `hack/vsphere.sh env`) as nodes `<ns>-<host in lower case>`,
+    /// with no libvirt host: a `vcenters` entry as a user writes it, the
+    /// password in [`TestEnv::vcenter_password_file`], the certificate
+    /// trusted by `trust`, and `templates` the only ones `spec.image` may
+    /// name. Does not start vmlet.
+    pub fn write_vmlet_on_vcenter(&mut self, hosts: &[&str], templates: &[&str], trust: &VCenterTrust) {
+        use std::os::unix::fs::PermissionsExt;
+        let var = |name: &str| {
+            std::env::var(name).ok().filter(|v| !v.is_empty()).unwrap_or_else(|| {
+                panic!("{name} is unset: start the simulator (`hack/vsphere.sh up && eval \"$(hack/vsphere.sh env)\"`)")
+            })
+        };
+        let password_file = self.vcenter_password_file();
+        std::fs::write(&password_file, format!("{}\n", var("VMLET_VSPHERE_PASSWORD"))).unwrap();
+        std::fs::set_permissions(&password_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut config = self.vmlet_config(&[], true, "vmlet");
+        let mut entry = json!({
+            "name": "vcsim", "url": var("VMLET_VSPHERE_URL"), "username": var("VMLET_VSPHERE_USERNAME"),
+            "passwordFile": password_file, "datacenter": "DC0", "hosts": hosts, "templates": templates,
+            "nodeNamePrefix": format!("{}-", self.ns), "labels": {"vmlet.io/test": self.ns},
+        });
+        match trust {
+            VCenterTrust::Thumbprint(thumbprint) => entry["thumbprint"] = json!(thumbprint),
+            VCenterTrust::CaFile(file) => entry["caFile"] = json!(file),
+        }
+        config["vcenters"] = json!([entry]);
+        self.nodes = hosts.iter().map(|h| self.node(&vmlet::vcenters::node_name_of_host(h))).collect();
+        std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
+    }
+
+    /// [`TestEnv::write_vmlet_on_vcenter`], then start vmlet with it.
+    pub fn start_vmlet_on_vcenter(&mut self, hosts: &[&str], templates: &[&str], trust: &VCenterTrust) {
+        self.write_vmlet_on_vcenter(hosts, templates, trust);
+        self.restart_vmlet();
+    }
+
+    /// Run vmlet with `<dir>/vmlet.yaml` until it exits by itself (within
+    /// [`VMLET_EXIT`]; panics if it does not): its exit status and its log
+    /// (`<dir>/exit.log`).
+    pub fn run_vmlet_to_exit(&mut self) -> (ExitStatus, String) {
+        self.kill_vmlet();
+        let mut child = self.spawn_vmlet("vmlet.yaml", "exit.log", vmlet_identity());
+        let status = wait_within(&mut child, VMLET_EXIT);
+        if status.is_none() {
+            let _ = kill_and_reap(&mut child, VMLET_EXIT);
+        }
+        let log = std::fs::read_to_string(self.dir.join("exit.log")).unwrap_or_default();
+        (status.unwrap_or_else(|| panic!("vmlet still ran {VMLET_EXIT:?} after it started:\n{log}")), log)
     }
 
     /// Start vmlet again with the same config (after [`TestEnv::kill_vmlet`]).
