@@ -104,6 +104,27 @@ async fn a_vm_is_cloned_from_a_template_onto_an_esxi_node_powered_off_and_on_and
     assert_eq!(node_of(&env.vm_pod("web").await), node, "the pod is back on the VM's host");
     assert_eq!(vms_with(&session, &uid).await.len(), 1, "no second clone");
 
+    // kill -9 and a restart: the running VM is adopted, not cloned again nor
+    // powered off. The new process has acted once it renewed the node's
+    // Lease and the VM is Running under it.
+    env.kill_vmlet();
+    let restarted_at = k8s_openapi::jiff::Timestamp::now();
+    env.restart_vmlet();
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(env.client.clone(), "kube-node-lease");
+    env.wait_for("the restarted vmlet to renew its node's Lease", || {
+        let (leases, node) = (leases.clone(), node.clone());
+        async move {
+            let renewed = leases.get(&node).await.ok()?.spec?.renew_time?;
+            (renewed.0 > restarted_at).then_some(())
+        }
+    })
+    .await;
+    env.wait_vm_phase("web", "Running").await;
+    let adopted = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    assert_eq!(adopted.moref.value, clone.moref.value, "the same VM after the restart");
+    assert_eq!(vms_with(&session, &uid).await.len(), 1, "no second clone after the restart");
+
     // kubectl delete (deletionPolicy Delete, the default) destroys the clone.
     env.kubectl(&["delete", "vm/web", "--wait=true", "--timeout=120s"]);
     env.wait_for("the clone to be gone from vSphere", || async {
