@@ -177,7 +177,7 @@ else
 fi
 stop_vmlet
 
-timeout 120 kubectl apply --server-side --force-conflicts -f crds/ -f deploy/admission.yaml >/dev/null
+timeout 120 kubectl apply --server-side --force-conflicts -f crds/ >/dev/null
 timeout 90 kubectl wait --for=condition=established --timeout=60s crd/virtualmachines.vmlet.io >/dev/null
 
 PKI=$(dirname "$KUBECONFIG")/pki

@@ -174,18 +174,6 @@ pub fn cluster() -> &'static ClusterEnv {
         let applied =
             kubectl_raw(&cluster, &["apply", "--server-side", "--force-conflicts", "-f"], &[&repo().join("crds")]);
         assert!(applied.status.success(), "applying crds/: {}", String::from_utf8_lossy(&applied.stderr));
-        // The finalizer at create, as an installation has it: one request
-        // per VM fewer for the controller.
-        let admission = kubectl_raw(
-            &cluster,
-            &["apply", "--server-side", "--force-conflicts", "-f"],
-            &[&repo().join("deploy/admission.yaml")],
-        );
-        assert!(
-            admission.status.success(),
-            "applying deploy/admission.yaml: {}",
-            String::from_utf8_lossy(&admission.stderr)
-        );
         let established = kubectl_raw(
             &cluster,
             &["wait", "--for=condition=established", "--timeout=60s", "crd/virtualmachines.vmlet.io"],
