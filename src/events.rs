@@ -12,7 +12,8 @@ use tracing::debug;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// The controller created a VM's pod in place of an earlier one (the first
-    /// pod gets no Event: the agent's `Started` tells the way to Running).
+    /// pod gets no Event: on the way from create to Running the scheduler's
+    /// `Scheduled` is the one Event, and the conditions tell the rest).
     CreatedPod,
     /// The controller deleted a VM's pod (stop, delete or replacement).
     DeletedPod,
@@ -20,8 +21,8 @@ pub enum Reason {
     InvalidSpec,
     /// The controller released a deleted VM without touching its IaaS VM.
     ReleasedVm,
-    /// The agent powered the VM on (defining it first where the host had
-    /// none; the note says so).
+    /// The agent powered on a VM its host held already (a start after a
+    /// stop, or a restart); a VM it defined on the way to Running gets none.
     Started,
     /// The agent asked the guest to shut down.
     ShuttingDown,

@@ -520,12 +520,13 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
     }
     provider.start(&vm.spec.id).await?;
     info!(vm.uid = %vm.spec.id, domain = %status.backend_name, defined = defined_now, "started");
-    let note = if defined_now {
-        format!("defined {} on {here_name} and powered it on", status.backend_name)
-    } else {
-        format!("powered {} on", status.backend_name)
-    };
-    agent.events.publish(pod, Reason::Started, &note);
+    if !defined_now {
+        // A VM that was off starts again: worth an Event. A VM defined by
+        // this pass is on its way from create to Running, which the pod's
+        // conditions and the VirtualMachine's placement record (host and
+        // domain) tell already; the scheduler's Event is that path's one.
+        agent.events.publish(pod, Reason::Started, &format!("powered {} on", status.backend_name));
+    }
     let status = provider.get(&vm.spec.id).await?.unwrap_or(status);
     Ok(Started::Synced { status, restarted })
 }
