@@ -179,6 +179,7 @@ stop_vmlet
 
 timeout 120 kubectl apply --server-side --force-conflicts -f crds/ >/dev/null
 timeout 90 kubectl wait --for=condition=established --timeout=60s crd/virtualmachines.vmlet.io >/dev/null
+timeout 300 hack/admission.sh >/dev/null
 
 PKI=$(dirname "$KUBECONFIG")/pki
 cat >"$DEMO/vmlet.yaml" <<YAML

@@ -135,6 +135,35 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     env.wait_vm_pods_gone("web").await;
 }
 
+/// deploy/admission.yaml (applied with the CRDs): the API server adds the
+/// finalizer as it creates a VM, beside the creator's own, with no vmlet
+/// running to add it.
+#[tokio::test]
+async fn the_api_server_adds_the_finalizer_at_create_beside_the_creators_own() {
+    let env = TestEnv::new("admit").await;
+    let vms = env.vms();
+    let mut attempt = 0;
+    // The policy takes effect once the API server has loaded it: a VM made
+    // before that lacks the finalizer, so each try is a new VM.
+    let vm = env
+        .wait_for("a VM created with vmlet's finalizer", || {
+            attempt += 1;
+            let name = format!("web-{attempt}");
+            let mut vm = env.vm_object(&name, &json!({"replicas": 0}));
+            vm["metadata"]["finalizers"] = json!(["example.com/keep"]);
+            let vms = vms.clone();
+            async move {
+                let vm: vmlet::v1alpha1::VirtualMachine = serde_json::from_value(vm).unwrap();
+                let created = vms.create(&PostParams::default(), &vm).await.unwrap();
+                created.finalizers().iter().any(|f| f == vmlet::v1alpha1::FINALIZER).then_some(created)
+            }
+        })
+        .await;
+    assert_eq!(vm.finalizers(), ["example.com/keep", vmlet::v1alpha1::FINALIZER], "the creator's entry is kept");
+    let managers: Vec<_> = vm.managed_fields().iter().filter_map(|f| f.manager.clone()).collect();
+    assert!(!managers.iter().any(|m| m.contains("vmlet")), "no vmlet wrote it: {managers:?}");
+}
+
 #[tokio::test]
 async fn oversized_vms_and_plain_pods_stay_off_virtual_nodes() {
     let mut env = TestEnv::new("unsched").await;

@@ -180,6 +180,14 @@ pub fn cluster() -> &'static ClusterEnv {
             &[],
         );
         assert!(established.status.success(), "CRD not established: {}", String::from_utf8_lossy(&established.stderr));
+        // The finalizer at create, as an installation has it (one request
+        // per VM fewer for the controller); the script waits until the API
+        // server applies it, as VM creates fail with 503 before that.
+        let path = format!("{}:{}", cluster.bin.display(), std::env::var("PATH").unwrap_or_default());
+        let mut admission = Command::new(repo().join("hack/admission.sh"));
+        admission.env("KUBECONFIG", &cluster.kubeconfig).env("PATH", path);
+        let admitted = output_within(&mut admission, Duration::from_secs(300));
+        assert!(admitted.status.success(), "{}", failed("hack/admission.sh", &admitted));
         cluster
     })
 }
