@@ -18,7 +18,8 @@
 //! refused) and VM pods (label [`VM_LABEL`]) of the namespaces it serves.
 //! The Node store keeps this process's own nodes only, without their status
 //! (what an agent's admission reads: labels and taints, as a kubelet reads
-//! its Node from its informer rather than per pod).
+//! its Node from its informer rather than per pod). No store keeps managed
+//! fields, which nothing in vmlet reads.
 
 use crate::config::Config;
 use crate::v1alpha1::{VirtualMachine, VM_LABEL};
@@ -158,7 +159,13 @@ impl Watches {
             Some(ns) => Api::namespaced(client.clone(), ns),
             None => Api::all(client.clone()),
         };
-        let vm_events = watcher(vm_api, watcher::Config::default()).default_backoff().reflect(vm_writer);
+        // Without managed fields, in this store as in the others: nothing
+        // here reads them, and they are a large part of each object (a
+        // write that sends an empty list leaves the server's as they are).
+        let vm_events = watcher(vm_api, watcher::Config::default())
+            .default_backoff()
+            .modify(|vm| vm.managed_fields_mut().clear())
+            .reflect(vm_writer);
         let router = watches.clone();
         let vm_loop = vm_events.for_each(move |event| {
             match event {
@@ -184,6 +191,7 @@ impl Watches {
         let pod_events = watcher(pod_api, watcher::Config::default())
             .default_backoff()
             .filter_map(move |event| std::future::ready(event.map(|e| only_kept(e, &*filter)).transpose()))
+            .modify(|pod| pod.managed_fields_mut().clear())
             .reflect(pod_writer);
         let router = watches.clone();
         let pod_loop = pod_events.for_each(move |event| {
