@@ -91,16 +91,19 @@ async fn a_vm_is_cloned_from_a_template_onto_an_esxi_node_powered_off_and_on_and
     assert_eq!(clone.name, format!("{}_web", env.ns));
     assert_eq!((clone.cpus, clone.memory_bytes), (Some(1), Some(256 << 20)), "the spec's size");
 
-    // Scale 0: powered off, the same VM; scale 1: powered on again, on the
-    // same host, and still the only VM with the UID.
+    // Scale 0: powered off, the same VM; resized while off; scale 1:
+    // powered on again with the new size (a ReconfigVM_Task before the
+    // power-on), on the same host, and still the only VM with the UID.
     env.kubectl(&["scale", "vm/web", "--replicas=0"]);
     env.wait_vm_pods_gone("web").await;
     let off = wait_power(&env, &session, &uid, PowerState::PoweredOff).await;
     assert_eq!((off.moref.value.as_str(), off.host.as_ref()), (clone.moref.value.as_str(), clone.host.as_ref()));
+    env.kubectl(&["patch", "vm/web", "--type=merge", "-p", r#"{"spec":{"resources":{"cpu":2,"memory":"512Mi"}}}"#]);
     env.kubectl(&["scale", "vm/web", "--replicas=1"]);
     env.wait_vm_phase("web", "Running").await;
     let on = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
     assert_eq!((on.moref.value.as_str(), on.host.as_ref()), (clone.moref.value.as_str(), clone.host.as_ref()));
+    assert_eq!((on.cpus, on.memory_bytes), (Some(2), Some(512 << 20)), "the size given while it was off");
     assert_eq!(node_of(&env.vm_pod("web").await), node, "the pod is back on the VM's host");
     assert_eq!(vms_with(&session, &uid).await.len(), 1, "no second clone");
 

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::sync::OnceCell;
 use tracing::instrument;
 use vmlet_provider::{
-    Error as ProviderError, ErrorKind, HostInfo, ImageReference, Location, PowerState as VmPower, Provider, Result,
-    StopReason, VmId, VmSpec, VmStatus,
+    Error as ProviderError, ErrorKind, HostInfo, ImageReference, Location, PowerState as VmPower, Provider, Resize,
+    ResizeScope, Resources, Result, StopReason, VmId, VmSpec, VmStatus,
 };
 
 use crate::hosts::{list_hosts, ConnectionState, Host};
@@ -498,6 +498,11 @@ impl Provider for VsphereProvider {
         Some(qualified(&self.vcenter, &self.host))
     }
 
+    /// Resize of a powered-off VM ([`Resize` for `VsphereProvider`]).
+    fn resize(&self) -> Option<&dyn Resize> {
+        Some(self)
+    }
+
     /// Where the vCenter holds the VM with this UID: `ThisHost`,
     /// `OtherHost(<vcenter>/<host>)`, or `Nowhere`.
     async fn locate(&self, id: &VmId, _backend_name: &str) -> Result<Location> {
@@ -635,6 +640,63 @@ impl Provider for VsphereProvider {
         }?;
         tracing::info!(vm.name = %vm.name, vm.moref = %vm.moref.value, "VM destroyed");
         Ok(())
+    }
+}
+
+/// Resize: `ReconfigVM_Task` of a powered-off VM (`numCPUs`, one core per
+/// socket, `memoryMB` rounded up to a multiple of 4 MiB). vmlet's clones have
+/// no CPU or memory hot-add, so a VM's ceilings are its size and a running
+/// VM keeps its size: the node agent gives it the new one before its next
+/// power-on (as it does on every back end after a next-start resize).
+#[async_trait::async_trait]
+impl Resize for VsphereProvider {
+    /// Errors: `Unsupported` for [`ResizeScope::Live`] and for a VM that is
+    /// not powered off (the message says the size applies at the next
+    /// start); `InvalidInput` for no vCPU or no memory; `NotFound` when this
+    /// host has no such VM; a task's fault by its kind ([`provider_error`]).
+    /// Idempotent: a VM of that size is left alone, powered on or not.
+    #[instrument(skip(self), fields(provider = "vsphere", host = %self.host, vm.uid = %id))]
+    async fn resize(&self, id: &VmId, to: Resources, _ceilings: Resources, scope: ResizeScope) -> Result<()> {
+        const OP: &str = "resize VM";
+        if to.cpus == 0 || to.memory_bytes == 0 {
+            return Err(ProviderError::new(
+                OP,
+                ErrorKind::InvalidInput,
+                format!(
+                    "spec.resources: {} vCPUs and {} bytes of memory; both must be at least 1",
+                    to.cpus, to.memory_bytes
+                ),
+            ));
+        }
+        let vm = self.find_here(OP, id).await?;
+        let memory_mib = memory_mib_of(to.memory_bytes);
+        if vm.cpus == Some(to.cpus) && vm.memory_bytes == Some(memory_mib << 20) {
+            return Ok(());
+        }
+        if scope == ResizeScope::Live {
+            return Err(ProviderError::new(
+                OP,
+                ErrorKind::Unsupported,
+                format!(
+                    "VM {} has no CPU or memory hot-add on vSphere; the new size applies at its next start",
+                    vm.name
+                ),
+            ));
+        }
+        if vm.power_state != PowerState::PoweredOff {
+            return Err(ProviderError::new(
+                OP,
+                ErrorKind::Unsupported,
+                format!(
+                    "vSphere resizes VM {} only while it is powered off; the new size applies at its next start",
+                    vm.name
+                ),
+            ));
+        }
+        let session = self.session(OP).await?;
+        reconfigure_size(session, &vm.moref, to.cpus, memory_mib, self.vcenter.options.task_timeout)
+            .await
+            .map_err(provider_error(OP))
     }
 }
 

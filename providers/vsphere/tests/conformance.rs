@@ -104,7 +104,7 @@ async fn vsphere_conforms() {
             soft_stop: true,
             sees_whole_backend: true,
             resize_live: false,
-            resize_next_start: false,
+            resize_next_start: true,
             migrate_live: false,
             migrate_cold: false,
             console_output: false,
