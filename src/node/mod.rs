@@ -247,7 +247,25 @@ pub async fn run(
                 .await
         }
     };
-    let loops = tokio::spawn(async move { tokio::join!(pods, recorder) });
+    // Every pod of the node is looked at again every POD_RESYNC, whatever
+    // its last pass asked for, as the kubelet's sync loop does
+    // (`--sync-frequency`): a change whose trigger never reached the queue
+    // is acted on within that period rather than never.
+    let resync = {
+        let (watches, name, shutdown) = (watches.clone(), host.name.clone(), shutdown.clone());
+        async move {
+            let mut every = tokio::time::interval(POD_RESYNC);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await;
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = every.tick() => watches.requeue_node(&name),
+                }
+            }
+        }
+    };
+    let loops = tokio::spawn(async move { tokio::join!(pods, recorder, resync) });
 
     // When the host answers again after an outage, its pods are synced at
     // once (their conditions clear) instead of at each one's backoff.
@@ -332,6 +350,33 @@ async fn probe(
     }
 }
 
+/// How often every pod of a node is synced again, whatever its last pass
+/// asked for (the kubelet's `--sync-frequency` default).
+const POD_RESYNC: Duration = Duration::from_secs(60);
+
+/// `call`, a call of the heartbeat to the `kind` back end, given at most
+/// `deadline`; past it the call is dropped and answers `Transient` (the
+/// node's reason `HostNotResponding`). A back end that hangs rather than
+/// fails (a vCenter that stopped answering, a wedged daemon) would otherwise
+/// hold the heartbeat for its own request timeout, and with it the renewal
+/// of the node's Lease: the node lifecycle controller would mark the node
+/// Unknown and taint it, where the kubelet's way is to keep the Lease and
+/// say NotReady, and why.
+async fn within<T>(
+    deadline: Duration,
+    operation: &'static str,
+    kind: &str,
+    call: impl std::future::Future<Output = vmlet_provider::Result<T>>,
+) -> vmlet_provider::Result<T> {
+    tokio::time::timeout(deadline, call).await.unwrap_or_else(|_| {
+        Err(vmlet_provider::Error::new(
+            operation,
+            vmlet_provider::ErrorKind::Transient,
+            format!("the {kind} back end did not answer within {} s", deadline.as_secs_f32()),
+        ))
+    })
+}
+
 /// Whether Node `name` still exists with `uid` (true when it cannot be read:
 /// only a sure "gone" re-registers).
 async fn node_exists(nodes: &Api<Node>, name: &str, uid: &str) -> bool {
@@ -376,14 +421,14 @@ async fn heartbeat(
             }
         }
         if let Some(uid) = &node_uid {
-            match provider.ping().await {
+            match within(tick, "ping", provider.kind(), provider.ping()).await {
                 Ok(()) => {
                     if failing.take().is_some() {
                         info!("host answers again");
                         last_status = None;
                         recovered();
                     }
-                    if let Ok(fresh) = provider.host_info().await {
+                    if let Ok(fresh) = within(tick, "probe host", provider.kind(), provider.host_info()).await {
                         if fresh != info {
                             info = fresh;
                             last_status = None;
@@ -450,5 +495,28 @@ async fn heartbeat(
         if let Err(e) = registration::write_status(&nodes, &host.name, &status).await {
             warn!(error = %e, "could not report NotReady on shutdown");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_back_end_that_hangs_answers_transient_at_the_deadline_and_one_that_answers_passes_through() {
+        // A call that never answers: only the deadline ends it.
+        let hung =
+            within(Duration::from_millis(50), "ping", "vsphere", std::future::pending::<vmlet_provider::Result<()>>());
+        let e = hung.await.unwrap_err();
+        assert_eq!(e.kind, vmlet_provider::ErrorKind::Transient);
+        assert_eq!(crate::failure::handling(e.kind).reason.as_str(), "HostNotResponding");
+        assert!(e.to_string().contains("the vsphere back end did not answer within 0.05 s"), "{e}");
+
+        let answered = within(Duration::from_secs(5), "ping", "vsphere", async { Ok(7) }).await;
+        assert_eq!(answered.unwrap(), 7);
+        let failed = within(Duration::from_secs(5), "ping", "vsphere", async {
+            Err::<(), _>(vmlet_provider::Error::new("ping", vmlet_provider::ErrorKind::PermissionDenied, "no"))
+        });
+        assert_eq!(failed.await.unwrap_err().kind, vmlet_provider::ErrorKind::PermissionDenied, "its own error kept");
     }
 }
