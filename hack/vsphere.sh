@@ -6,7 +6,8 @@
 #   hack/vsphere.sh up      start it unless it runs (this build); wait until /sdk answers
 #   hack/vsphere.sh down    stop what `up` started (its pid file)
 #   hack/vsphere.sh status  whether it runs
-#   hack/vsphere.sh env     sourceable exports (VMLET_VSPHERE_*)
+#   hack/vsphere.sh env     sourceable exports (VMLET_VSPHERE_*; _PID_FILE names the
+#                           simulator's process, which a fault test stops and continues)
 #
 # Inventory: datacenter DC0, cluster DC0_C0 of hosts DC0_C0_H0..H2, the
 # standalone host DC0_H0, templates template-c0 and template-h0, and
@@ -154,6 +155,7 @@ export VMLET_VSPHERE_THUMBPRINT=$(<"$STATE/thumbprint")
 export VMLET_VSPHERE_CA_FILE=$STATE/ca.pem
 export VMLET_VSPHERE_OWNED_UID=$OWNED_UID
 export VMLET_VSPHERE_LOG=$LOG
+export VMLET_VSPHERE_PID_FILE=$PIDFILE
 EOF
 }
 

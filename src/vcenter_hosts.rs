@@ -111,7 +111,7 @@ pub async fn discover(
         for (host, cluster) in hosts {
             let config = entry.host_config(i, &host, cluster.as_deref())?;
             info!(vcenter = %entry.name, esxi.host = %host, node.name = %config.name, cluster = cluster.as_deref().unwrap_or(""), "serving an ESXi host");
-            let provider = VsphereProvider::new(vcenter.clone(), &host);
+            let provider = VsphereProvider::new(vcenter.clone(), &host).with_node_name(&config.name);
             found.push((config, Arc::new(provider) as Arc<dyn Provider>));
         }
     }

@@ -18,8 +18,12 @@ mod vsphere_harness; // (allows dead code itself: the provider's tests use more 
 use common::{TestEnv, VCenterTrust};
 use serde_json::json;
 use vmlet::vcenters::node_name_of_host;
-use vmlet_vsphere::{list_hosts, list_vms, Host, PowerState, Session, Vm};
+use vmlet_vsphere::{list_hosts, list_vms, relocate_vm, Host, PowerState, Session, Vm};
 use vsphere_harness::{harness, Harness};
+
+/// The simulator, shared by the tests of this binary (they run at once);
+/// the test that stops its process holds it alone.
+static SIMULATOR: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 /// The simulator's cluster: three ESXi hosts.
 const CLUSTER_HOSTS: [&str; 3] = ["DC0_C0_H0", "DC0_C0_H1", "DC0_C0_H2"];
@@ -57,6 +61,7 @@ fn node_of(pod: &k8s_openapi::api::core::v1::Pod) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_is_cloned_from_a_template_onto_an_esxi_node_powered_off_and_on_and_destroyed_with_kubectl() {
     let Some(h) = harness("a_vm_is_cloned_from_a_template_onto_an_esxi_node") else { return };
+    let _shared = SIMULATOR.read().await;
     let session = session(&h).await;
     let mut env = TestEnv::new("vsphere").await;
     env.start_vmlet_on_vcenter(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::ca_file_from_env());
@@ -138,9 +143,85 @@ async fn a_vm_is_cloned_from_a_template_onto_an_esxi_node_powered_off_and_on_and
     assert!(others.iter().all(|vm| vm.name != clone.name), "a VM named {} is left: {others:?}", clone.name);
 }
 
+/// The node VM `web` of `env` runs on once it is Running on a node other
+/// than `not`.
+async fn running_elsewhere(env: &TestEnv, not: &str) -> String {
+    let vms = env.vms();
+    env.wait_for(&format!("VM web to run on a node other than {not}"), || {
+        let (vms, not) = (vms.clone(), not.to_owned());
+        async move {
+            let status = vms.get("web").await.ok()?.status?;
+            let running = serde_json::to_value(status.phase?).ok()? == "Running";
+            status.node_name.filter(|node| running && *node != not)
+        }
+    })
+    .await
+}
+
+/// `kubectl drain` of an ESXi node moves its running VM by vMotion
+/// (`RelocateVM_Task`) to the host of the node the scheduler picked: the
+/// same VM (MoRef), powered on throughout, and no VM pod is left on the
+/// drained node. Then a relocation made by a client of its own, as DRS or
+/// an administrator makes one, is followed: the VM's pod moves to the new
+/// host's node, and the VM stays the same one, running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_moves_a_vm_between_esxi_nodes_and_a_relocation_outside_vmlet_is_followed() {
+    let Some(h) = harness("drain_moves_a_vm_between_esxi_nodes") else { return };
+    let _shared = SIMULATOR.read().await;
+    let session = session(&h).await;
+    let mut env = TestEnv::new("vsdrain").await;
+    env.start_vmlet_on_vcenter(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::ca_file_from_env());
+    for name in CLUSTER_HOSTS {
+        env.wait_node_ready(&env.node(&node_name_of_host(name))).await;
+    }
+    env.apply_vm("web", json!({"image": "template-c0", "resources": {"cpu": 1, "memory": "256Mi"}}));
+    let uid = env.wait_vm_phase("web", "Running").await.metadata.uid.unwrap();
+    let before = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    let source = node_of(&env.vm_pod("web").await);
+
+    let drained = env.kubectl_output(&["drain", &source, "--ignore-daemonsets", "--timeout=170s"]);
+    assert!(drained.status.success(), "drain failed: {}", String::from_utf8_lossy(&drained.stderr));
+    let target = running_elsewhere(&env, &source).await;
+    let migration = env.vms().get("web").await.unwrap().status.unwrap().migration.expect("a migration record");
+    assert_eq!(migration.mode.as_deref(), Some("Live"), "{migration:?}");
+    let moved = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    assert_eq!(moved.moref, before.moref, "the same VM, not a new clone");
+    assert_eq!(env.node(&node_name_of_host(&host_of(&session, &moved).await.name)), target, "on the target's host");
+    assert_eq!(node_of(&env.vm_pod("web").await), target);
+    env.kubectl(&["uncordon", &source]);
+
+    // Moved behind vmlet's back to the third host: followed, not restarted.
+    let hosts = list_hosts(&session).await.unwrap();
+    let third = hosts
+        .iter()
+        .find(|h| {
+            let node = env.node(&node_name_of_host(&h.name));
+            CLUSTER_HOSTS.contains(&h.name.as_str()) && node != source && node != target
+        })
+        .expect("a third host in the cluster");
+    let pool = third.resource_pool.as_ref().expect("the host's pool");
+    relocate_vm(&session, &moved.moref, &third.moref, pool, std::time::Duration::from_secs(60)).await.unwrap();
+    let third_node = env.node(&node_name_of_host(&third.name));
+    let followed = running_elsewhere(&env, &target).await;
+    assert_eq!(followed, third_node, "the VM's node is its new host's");
+    let (vms, pods) = (env.vms(), env.pods());
+    env.wait_for("the VM's pod on the new host's node", || {
+        let (vms, pods, third_node) = (vms.clone(), pods.clone(), third_node.clone());
+        async move {
+            let name = vms.get("web").await.ok()?.status?.pod_name?;
+            pods.get(&name).await.ok()?.spec?.node_name.filter(|n| *n == third_node)
+        }
+    })
+    .await;
+    let after = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    assert_eq!(after.moref, before.moref, "the same VM after the outside move");
+    assert_eq!(vms_with(&session, &uid).await.len(), 1, "no second clone");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_cannot_clone_a_template_or_vm_the_administrator_did_not_list() {
     let Some(h) = harness("a_tenant_cannot_clone_a_template_or_vm_the_administrator_did_not_list") else { return };
+    let _shared = SIMULATOR.read().await;
     let session = session(&h).await;
     let mut env = TestEnv::new("vspheredeny").await;
     env.start_vmlet_on_vcenter(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::thumbprint_from_env());
@@ -176,6 +257,7 @@ async fn ready_of(env: &TestEnv, name: &str) -> Option<(String, String, String)>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_password_turns_the_nodes_not_ready_and_a_wrong_thumbprint_stops_vmlet_naming_the_field() {
     let Some(h) = harness("a_refused_password_turns_the_nodes_not_ready") else { return };
+    let _shared = SIMULATOR.read().await;
     let mut env = TestEnv::new("vspherefail").await;
     let hosts = &CLUSTER_HOSTS[..1];
     env.start_vmlet_on_vcenter(hosts, &["template-c0"], &VCenterTrust::thumbprint_from_env());
@@ -213,4 +295,89 @@ async fn a_refused_password_turns_the_nodes_not_ready_and_a_wrong_thumbprint_sto
     assert!(!status.success(), "vmlet ran with a wrong thumbprint:\n{log}");
     assert!(log.contains("vcenters[0]") && log.contains("thumbprint"), "{log}");
     assert!(!log.contains(&h.password), "the password reached the log:\n{log}");
+}
+
+/// The simulator's process stopped (SIGSTOP) while this lives, continued
+/// (SIGCONT) when it is dropped, whatever the test's outcome.
+struct Stopped(String);
+
+impl Stopped {
+    fn new() -> Stopped {
+        let file = std::env::var("VMLET_VSPHERE_PID_FILE").expect("VMLET_VSPHERE_PID_FILE (hack/vsphere.sh env)");
+        let pid = std::fs::read_to_string(&file).unwrap().trim().to_owned();
+        signal(&pid, "STOP");
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal(&self.0, "CONT");
+    }
+}
+
+fn signal(pid: &str, signal: &str) {
+    let mut kill = std::process::Command::new("kill");
+    kill.args([&format!("-{signal}"), pid]);
+    let sent = common::deadline::output_within(&mut kill, std::time::Duration::from_secs(10));
+    assert!(sent.status.success() || std::thread::panicking(), "kill -{signal} {pid}: {sent:?}");
+}
+
+/// The vCenter stops answering for over a minute (its process stopped, as a
+/// hung server or a silent network leaves vmlet's requests waiting): each
+/// ESXi node says NotReady, reason `HostNotResponding`, while vmlet keeps
+/// renewing its Lease (the node lifecycle controller never marks it
+/// Unknown), and nothing is done to the VM. When the vCenter answers again
+/// the nodes are Ready, and the VM is the same one, running, under the same
+/// pod, never restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vcenter_that_stops_answering_turns_the_nodes_not_ready_and_touches_no_vm() {
+    let Some(h) = harness("a_vcenter_that_stops_answering") else { return };
+    let _alone = SIMULATOR.write().await;
+    let session = session(&h).await;
+    let mut env = TestEnv::new("vshang").await;
+    env.start_vmlet_on_vcenter(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::ca_file_from_env());
+    for name in CLUSTER_HOSTS {
+        env.wait_node_ready(&env.node(&node_name_of_host(name))).await;
+    }
+    env.apply_vm("web", json!({"image": "template-c0", "resources": {"cpu": 1, "memory": "256Mi"}}));
+    let uid = env.wait_vm_phase("web", "Running").await.metadata.uid.unwrap();
+    let before = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    let pod = env.vm_pod("web").await;
+    let node = node_of(&pod);
+
+    let stopped = Stopped::new();
+    let stopped_at = k8s_openapi::jiff::Timestamp::now();
+    let (status, reason, message) = env
+        .wait_for("the node NotReady, the host not responding", || async {
+            ready_of(&env, &node).await.filter(|(status, reason, _)| status == "False" && reason == "HostNotResponding")
+        })
+        .await;
+    assert!(message.contains("did not answer") || message.contains("vsphere"), "{status} {reason}: {message}");
+    // Over a minute of silence, and the Lease renewed all along.
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(env.client.clone(), "kube-node-lease");
+    let renewed = env
+        .wait_for("the node's Lease renewed a minute into the outage", || {
+            let (leases, node) = (leases.clone(), node.clone());
+            async move {
+                let renewed = leases.get(&node).await.ok()?.spec?.renew_time?.0;
+                (renewed.duration_since(stopped_at).as_secs() >= 60).then_some(renewed)
+            }
+        })
+        .await;
+    let (status, reason, _) = ready_of(&env, &node).await.expect("a Ready condition");
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "HostNotResponding"), "at {renewed}");
+    drop(stopped);
+
+    for name in CLUSTER_HOSTS {
+        env.wait_node_ready(&env.node(&node_name_of_host(name))).await;
+    }
+    env.wait_vm_phase("web", "Running").await;
+    let after = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    assert_eq!((after.moref.value.as_str(), after.host.as_ref()), (before.moref.value.as_str(), before.host.as_ref()));
+    let now = env.vm_pod("web").await;
+    assert_eq!(now.metadata.uid, pod.metadata.uid, "the same pod");
+    let restarts = now.status.and_then(|s| s.container_statuses).map(|c| c[0].restart_count);
+    assert_eq!(restarts, Some(0), "the VM was never restarted");
 }

@@ -22,7 +22,9 @@ mod xml;
 
 pub use error::{kind_of_fault, Error};
 pub use hosts::{list_hosts, ConnectionState, Host};
-pub use lifecycle::{clone_vm, destroy_vm, list_templates, reconfigure_size, shutdown_guest, CloneRequest, Template};
+pub use lifecycle::{
+    clone_vm, destroy_vm, list_templates, reconfigure_size, relocate_vm, shutdown_guest, CloneRequest, Template,
+};
 pub use provider::{VCenter, VCenterOptions, VsphereProvider, MAX_VM_NAME_CHARS};
 pub use session::{Secret, ServiceContent, Session, SessionConfig, VIM_VERSION};
 pub use soap::MoRef;

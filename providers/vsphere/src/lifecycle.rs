@@ -11,6 +11,8 @@
 //! - [`reconfigure_size`]: `ReconfigVM_Task` of `numCPUs` and `memoryMB`.
 //! - [`shutdown_guest`]: `ShutdownGuest` (asks VMware Tools in the guest;
 //!   no task, vSphere answers at once).
+//! - [`relocate_vm`]: `RelocateVM_Task` to another host and its pool
+//!   (vMotion of a running VM; the disks stay where they are).
 //! - [`destroy_vm`]: `Destroy_Task` (the VM and its disks).
 
 use std::collections::HashMap;
@@ -162,6 +164,31 @@ pub async fn shutdown_guest(session: &Session, vm: &MoRef) -> Result<(), Error> 
     session.call("ShutdownGuest", vm, "").await.map(|_| ())
 }
 
+/// The `RelocateVM_Task` arguments that move a VM to `host` and its compute
+/// resource's `pool` and nothing else (`VirtualMachineRelocateSpec`: pool
+/// before host; no datastore, so its disks stay on the storage both hosts
+/// reach).
+fn relocate_args(host: &MoRef, pool: &MoRef) -> String {
+    format!("<spec>{}{}</spec>", pool.to_xml("pool"), host.to_xml("host"))
+}
+
+/// Moves `vm` to `host` and its `pool` (`RelocateVM_Task`: vMotion when the
+/// VM runs, a cold relocation when it is off) and waits for the task, at
+/// most `deadline`. The VM keeps its reference.
+///
+/// Errors: [`Error::Fault`] of the call or the task (`InvalidState`,
+/// `MigrationFault`s such as `NoCompatibleHost`, `InvalidArgument`);
+/// [`Error::TaskTimeout`] (the relocation may still finish).
+pub async fn relocate_vm(
+    session: &Session,
+    vm: &MoRef,
+    host: &MoRef,
+    pool: &MoRef,
+    deadline: Duration,
+) -> Result<(), Error> {
+    run_task(session, "RelocateVM_Task", vm, &relocate_args(host, pool), deadline).await.map(|_| ())
+}
+
 /// Removes `vm` and its disks from the inventory and the datastore
 /// (`Destroy_Task`) and waits for the task, at most `deadline`.
 ///
@@ -192,6 +219,16 @@ async fn run_task(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_relocation_names_the_pool_then_the_host_and_no_datastore() {
+        let host = MoRef::new("HostSystem", "host-<2>");
+        let pool = MoRef::new("ResourcePool", "resgroup-8");
+        assert_eq!(
+            relocate_args(&host, &pool),
+            r#"<spec><pool type="ResourcePool">resgroup-8</pool><host type="HostSystem">host-&lt;2&gt;</host></spec>"#
+        );
+    }
 
     #[test]
     fn a_clone_places_the_vm_on_the_host_powered_off_with_its_uid_and_size() {

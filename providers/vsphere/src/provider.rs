@@ -10,12 +10,15 @@ use std::time::Duration;
 use tokio::sync::OnceCell;
 use tracing::instrument;
 use vmlet_provider::{
-    Error as ProviderError, ErrorKind, HostInfo, ImageReference, Location, PowerState as VmPower, Provider, Resize,
-    ResizeScope, Resources, Result, StopReason, VmId, VmSpec, VmStatus,
+    Error as ProviderError, ErrorKind, HostInfo, ImageReference, Location, Migration, MigrationMode, MigrationProgress,
+    MigrationTarget, PowerState as VmPower, Provider, Resize, ResizeScope, Resources, Result, StopReason, VmId, VmSpec,
+    VmStatus,
 };
 
 use crate::hosts::{list_hosts, ConnectionState, Host};
-use crate::lifecycle::{clone_vm, destroy_vm, list_templates, reconfigure_size, shutdown_guest, CloneRequest};
+use crate::lifecycle::{
+    clone_vm, destroy_vm, list_templates, reconfigure_size, relocate_vm, shutdown_guest, CloneRequest,
+};
 use crate::session::{Session, SessionConfig};
 use crate::vms::{list_vms, power_off, power_on, PowerState, Vm, UID_KEY};
 use crate::Error;
@@ -131,15 +134,26 @@ fn provider_error(operation: &'static str) -> impl Fn(Error) -> ProviderError {
 pub struct VsphereProvider {
     vcenter: Arc<VCenter>,
     host: String,
+    /// The host's node name in vmlet (what [`Migration::target`] gives).
+    node_name: String,
     /// The host's static facts (reference, pool, datacenter), read once.
     resolved: Arc<OnceCell<Host>>,
 }
 
 impl VsphereProvider {
     /// The provider of the ESXi host named `host` (its inventory `name`, as
-    /// [`list_hosts`] gives it) of `vcenter`.
+    /// [`list_hosts`] gives it) of `vcenter`; its node name is `host` until
+    /// [`VsphereProvider::with_node_name`] says otherwise.
     pub fn new(vcenter: Arc<VCenter>, host: impl Into<String>) -> VsphereProvider {
-        VsphereProvider { vcenter, host: host.into(), resolved: Arc::new(OnceCell::new()) }
+        let host = host.into();
+        VsphereProvider { vcenter, node_name: host.clone(), host, resolved: Arc::new(OnceCell::new()) }
+    }
+
+    /// The same provider, its host known in vmlet as node `name`.
+    #[must_use]
+    pub fn with_node_name(mut self, name: impl Into<String>) -> Self {
+        self.node_name = name.into();
+        self
     }
 
     /// The host's inventory name.
@@ -503,6 +517,12 @@ impl Provider for VsphereProvider {
         Some(self)
     }
 
+    /// vMotion and cold relocation to another host of the same vCenter
+    /// ([`Migration` for `VsphereProvider`]).
+    fn migration(&self) -> Option<&dyn Migration> {
+        Some(self)
+    }
+
     /// Where the vCenter holds the VM with this UID: `ThisHost`,
     /// `OtherHost(<vcenter>/<host>)`, or `Nowhere`.
     async fn locate(&self, id: &VmId, _backend_name: &str) -> Result<Location> {
@@ -697,6 +717,76 @@ impl Resize for VsphereProvider {
         reconfigure_size(session, &vm.moref, to.cpus, memory_mib, self.vcenter.options.task_timeout)
             .await
             .map_err(provider_error(OP))
+    }
+}
+
+/// Migration: `RelocateVM_Task` to another ESXi host of the same vCenter and
+/// that host's root pool, disks left on their datastore (shared within a
+/// cluster): vMotion of a running VM, a cold relocation of one that is off.
+/// A target is named `<vcenter>/<host name>` ([`qualified`]).
+#[async_trait::async_trait]
+impl Migration for VsphereProvider {
+    fn target(&self) -> MigrationTarget {
+        MigrationTarget { host: self.node_name.clone(), address: qualified(&self.vcenter, &self.host) }
+    }
+
+    /// Errors: `NotFound` when this host has no such VM (it may have moved
+    /// already); `InvalidInput` for a target of another vCenter, one the
+    /// vCenter does not have, this host itself, or a power state that does
+    /// not fit the mode (live: powered on; cold: powered off); the task's
+    /// fault by its kind ([`provider_error`]); `Transient` when the task
+    /// outlives `timeout` (the move may still finish: the VM is then found
+    /// on the target).
+    #[instrument(skip(self), fields(provider = "vsphere", host = %self.host, vm.uid = %id, target = %to.host))]
+    async fn migrate(&self, id: &VmId, to: &MigrationTarget, mode: MigrationMode, timeout: Duration) -> Result<()> {
+        const OP: &str = "migrate VM";
+        let invalid = |message: String| ProviderError::new(OP, ErrorKind::InvalidInput, message);
+        let Some((vcenter, host_name)) = to.address.split_once('/') else {
+            return Err(invalid(format!(
+                "target {} has no vSphere address (<vcenter>/<host>): {:?}",
+                to.host, to.address
+            )));
+        };
+        if vcenter != self.vcenter.name {
+            return Err(invalid(format!(
+                "target {} is on vCenter {vcenter}, this VM on {}: vmlet moves VMs within one vCenter",
+                to.host, self.vcenter.name
+            )));
+        }
+        if host_name == self.host {
+            return Err(invalid(format!("target {} is the VM's own host {}", to.host, self.host)));
+        }
+        let vm = self.find_here(OP, id).await?;
+        let wanted = match mode {
+            MigrationMode::Live => PowerState::PoweredOn,
+            MigrationMode::Cold => PowerState::PoweredOff,
+        };
+        if vm.power_state != wanted {
+            return Err(invalid(format!(
+                "VM {} is {:?}; a {mode:?} migration moves a VM that is {wanted:?}",
+                vm.name, vm.power_state
+            )));
+        }
+        let hosts = self.vcenter.hosts().await.map_err(provider_error(OP))?;
+        let target = hosts
+            .iter()
+            .find(|h| h.name == host_name)
+            .ok_or_else(|| invalid(format!("vCenter {vcenter} has no host {host_name} (target {})", to.host)))?;
+        let pool = target.resource_pool.as_ref().ok_or_else(|| {
+            ProviderError::new(
+                OP,
+                ErrorKind::Permanent,
+                format!("vSphere reports no resource pool for host {host_name}"),
+            )
+        })?;
+        let session = self.session(OP).await?;
+        tracing::info!(vm.name = %vm.name, to = %host_name, ?mode, "relocating VM");
+        relocate_vm(session, &vm.moref, &target.moref, pool, timeout).await.map_err(provider_error(OP))
+    }
+
+    /// vmlet does not read a relocation task's progress: `None`.
+    async fn progress(&self, _id: &VmId) -> Result<Option<MigrationProgress>> {
+        Ok(None)
     }
 }
 
