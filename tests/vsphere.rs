@@ -143,6 +143,19 @@ async fn a_vm_is_cloned_from_a_template_onto_an_esxi_node_powered_off_and_on_and
     assert!(others.iter().all(|vm| vm.name != clone.name), "a VM named {} is left: {others:?}", clone.name);
 }
 
+/// vmlet started on the cluster's hosts, their nodes Ready, and VM `web`
+/// (a clone of `template-c0`) Running: its UID and the clone, powered on.
+async fn running_web(env: &mut TestEnv, session: &Session) -> (String, Vm) {
+    env.start_vmlet_on_vcenter(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::ca_file_from_env());
+    for name in CLUSTER_HOSTS {
+        env.wait_node_ready(&env.node(&node_name_of_host(name))).await;
+    }
+    env.apply_vm("web", json!({"image": "template-c0", "resources": {"cpu": 1, "memory": "256Mi"}}));
+    let uid = env.wait_vm_phase("web", "Running").await.metadata.uid.unwrap();
+    let clone = wait_power(env, session, &uid, PowerState::PoweredOn).await;
+    (uid, clone)
+}
+
 /// The node VM `web` of `env` runs on once it is Running on a node other
 /// than `not`.
 async fn running_elsewhere(env: &TestEnv, not: &str) -> String {
@@ -170,13 +183,7 @@ async fn drain_moves_a_vm_between_esxi_nodes_and_a_relocation_outside_vmlet_is_f
     let _shared = SIMULATOR.read().await;
     let session = session(&h).await;
     let mut env = TestEnv::new("vsdrain").await;
-    env.start_vmlet_on_vcenter(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::ca_file_from_env());
-    for name in CLUSTER_HOSTS {
-        env.wait_node_ready(&env.node(&node_name_of_host(name))).await;
-    }
-    env.apply_vm("web", json!({"image": "template-c0", "resources": {"cpu": 1, "memory": "256Mi"}}));
-    let uid = env.wait_vm_phase("web", "Running").await.metadata.uid.unwrap();
-    let before = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    let (uid, before) = running_web(&mut env, &session).await;
     let source = node_of(&env.vm_pod("web").await);
 
     let drained = env.kubectl_output(&["drain", &source, "--ignore-daemonsets", "--timeout=170s"]);
@@ -336,13 +343,7 @@ async fn a_vcenter_that_stops_answering_turns_the_nodes_not_ready_and_touches_no
     let _alone = SIMULATOR.write().await;
     let session = session(&h).await;
     let mut env = TestEnv::new("vshang").await;
-    env.start_vmlet_on_vcenter(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::ca_file_from_env());
-    for name in CLUSTER_HOSTS {
-        env.wait_node_ready(&env.node(&node_name_of_host(name))).await;
-    }
-    env.apply_vm("web", json!({"image": "template-c0", "resources": {"cpu": 1, "memory": "256Mi"}}));
-    let uid = env.wait_vm_phase("web", "Running").await.metadata.uid.unwrap();
-    let before = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    let (uid, before) = running_web(&mut env, &session).await;
     let pod = env.vm_pod("web").await;
     let node = node_of(&pod);
 
