@@ -231,9 +231,12 @@ async fn a_task_still_running_at_its_deadline_is_a_transient_timeout() {
     let stand_in = StandIn::start().await;
     let session = Session::connect(stand_in.config()).await.expect("connect");
     let vm = MoRef::new("VirtualMachine", "vm-71");
-    let started = std::time::Instant::now();
-    let error = power_on(&session, &vm, Duration::from_millis(400)).await.expect_err("a running task succeeded");
-    assert!(started.elapsed() < Duration::from_secs(5), "waited {:?}", started.elapsed());
+    // The stand-in's task never ends: only the deadline ends the wait (and
+    // the outer one fails the test instead of hanging it, were it ignored).
+    let error = tokio::time::timeout(Duration::from_secs(60), power_on(&session, &vm, Duration::from_millis(400)))
+        .await
+        .expect("power_on ignored its 400 ms deadline")
+        .expect_err("a running task succeeded");
     match &error {
         Error::TaskTimeout { task, state, waited, .. } => {
             assert_eq!((task.as_str(), state.as_str()), ("task-79", "running"));
