@@ -12,7 +12,7 @@ use vmlet::clouds::SecretKeyRef;
 use vmlet::config::HostConfig;
 use vmlet::vcenters::{PasswordSource, TrustSource, VCenterHostsConfig};
 use vmlet_provider::{ErrorKind, Provider};
-use vmlet_vsphere::{Secret, SessionConfig, Thumbprint, Trust, VCenter, VCenterOptions, VsphereProvider};
+use vmlet_vsphere::{NetworkOffer, Secret, SessionConfig, Thumbprint, Trust, VCenter, VCenterOptions, VsphereProvider};
 
 /// How long vmlet waits between attempts to list a vCenter's hosts when it
 /// must (hosts chosen by cluster, or all of them).
@@ -59,6 +59,19 @@ pub async fn discover(
             datacenter: Some(entry.datacenter.clone()),
             // What tenants may clone: only what the administrator listed.
             templates: entry.templates.clone(),
+            folder: entry.folder.clone(),
+            resource_pool: entry.resource_pool.clone(),
+            datastore: entry.datastore.clone(),
+            datastores: entry.datastores.clone(),
+            networks: entry
+                .networks
+                .iter()
+                .map(|n| NetworkOffer {
+                    name: n.name.clone(),
+                    network: n.network.clone(),
+                    namespaces: n.namespaces.clone(),
+                })
+                .collect(),
             ..VCenterOptions::default()
         };
         let vcenter = Arc::new(VCenter::new(&entry.name, session, options));

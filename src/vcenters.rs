@@ -15,13 +15,27 @@
 //!     hosts: [esx-1.example.com]         # these ESXi hosts; or
 //!     clusters: [C0]                     # every host of these clusters; neither: every host of the datacenter
 //!     templates: [ubuntu-24.04]          # the VM templates spec.image may name
+//!     folder: vmlet                      # the VM folder clones go to (default: the template's)
+//!     resourcePool: tenants              # the pool under each host's cluster (default: its root pool)
+//!     datastore: ds-fast                 # where clones' disks go (default: the template's datastore)
+//!     datastores: [ds-fast, ds-bulk]     # what spec.providerOptions.datastore may name
+//!     networks:                          # what spec.networks[].name may name
+//!       - {name: lan, network: VM Network}                # portgroup "VM Network" as `lan`
+//!       - {name: dmz, network: DMZ-PG, namespaces: [web]} # only these namespaces' VMs
 //!     nodeNamePrefix: vs-                # node name = prefix + the host's name (lower case, `_` → `-`)
 //!     labels: {tier: gold}               # like hosts[]: labels, taints, maxPods, ratios
 //! ```
 //!
-//! `templates` is a security boundary between namespaces, as a cloud's
-//! `images` is: vmlet's vSphere user may clone any VM, a VirtualMachine only
-//! a template listed here (absent: none). The password is read from the file
+//! `templates`, `datastores` and `networks` are a security boundary between
+//! namespaces, as a cloud's `images` and `networks` are: vmlet's vSphere user
+//! may clone any VM onto any datastore and network, a VirtualMachine only a
+//! template, datastore and network listed here (absent: none; `datastore` is
+//! always allowed). A VM's `spec.networks[i]` re-backs the template's
+//! `i`-th network card to the named network (a standard network or a
+//! distributed portgroup); without `spec.networks` the clone keeps the
+//! template's. `folder`, `resourcePool`, `datastore` and the networks'
+//! vSphere names are looked up in `datacenter` when a VM is cloned; one that
+//! is missing fails the clone naming the field. The password is read from the file
 //! or the Secret, never from the command line, and never logged. Nodes are
 //! labelled `topology.kubernetes.io/region` = datacenter and
 //! `topology.kubernetes.io/zone` = cluster (none for a standalone host).
@@ -66,6 +80,26 @@ pub struct VCenterHostsConfig {
     /// The template names VirtualMachines may clone (`spec.image`). Absent: none.
     #[serde(default)]
     pub templates: Vec<String>,
+    /// The VM folder clones are made in, by name (unique among the
+    /// datacenter's VM folders). Absent: the template's folder.
+    #[serde(default)]
+    pub folder: Option<String>,
+    /// The resource pool clones are placed in, by name, looked up under each
+    /// host's compute resource (cluster or standalone host). Absent: its
+    /// root pool.
+    #[serde(default)]
+    pub resource_pool: Option<String>,
+    /// The datastore clones' files go to, by name. Absent: the template's.
+    #[serde(default)]
+    pub datastore: Option<String>,
+    /// Further datastores a VirtualMachine may name in
+    /// `spec.providerOptions.datastore` (besides `datastore`). Absent: none.
+    #[serde(default)]
+    pub datastores: Vec<String>,
+    /// The vSphere networks VirtualMachines may join by name
+    /// (`spec.networks[].name`). Absent: none (clones keep the template's).
+    #[serde(default)]
+    pub networks: Vec<VCenterNetwork>,
     /// Prepended to each host's name to make its node name.
     #[serde(default)]
     pub node_name_prefix: String,
@@ -84,6 +118,22 @@ pub struct VCenterHostsConfig {
     /// Memory allocation ratio of every host. Default 1.0.
     #[serde(default)]
     pub memory_allocation_ratio: Option<f64>,
+}
+
+/// A vSphere network offered to VirtualMachines under a name
+/// ([`VCenterHostsConfig::networks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VCenterNetwork {
+    /// The name VMs give in `spec.networks[].name`: a DNS label, unique in
+    /// the vCenter entry.
+    pub name: String,
+    /// The vSphere network's inventory name in the datacenter (a standard
+    /// portgroup such as `VM Network`, or a distributed portgroup).
+    pub network: String,
+    /// The namespaces whose VMs may join it; absent: every namespace.
+    #[serde(default)]
+    pub namespaces: Option<Vec<String>>,
 }
 
 /// A key of a Secret holding a password.
@@ -263,6 +313,34 @@ impl VCenterHostsConfig {
                 return invalid(&format!("templates[{j}]"), "is empty; name a VM template".into());
             }
         }
+        for (field, value) in
+            [("folder", &self.folder), ("resourcePool", &self.resource_pool), ("datastore", &self.datastore)]
+        {
+            if value.as_deref() == Some("") {
+                return invalid(field, "is empty; name one, or leave it out for the default".into());
+            }
+        }
+        for (j, datastore) in self.datastores.iter().enumerate() {
+            if datastore.is_empty() {
+                return invalid(&format!("datastores[{j}]"), "is empty; name a datastore".into());
+            }
+        }
+        for (j, network) in self.networks.iter().enumerate() {
+            if let Err(why) = check_dns_label(&network.name) {
+                return invalid(&format!("networks[{j}].name"), format!("{:?} {why}", network.name));
+            }
+            if self.networks[..j].iter().any(|n| n.name == network.name) {
+                return invalid(&format!("networks[{j}].name"), format!("{:?} is given twice", network.name));
+            }
+            if network.network.is_empty() {
+                return invalid(&format!("networks[{j}].network"), "is empty; name the vSphere network".into());
+            }
+            for (k, namespace) in network.namespaces.iter().flatten().enumerate() {
+                if let Err(why) = check_dns_label(namespace) {
+                    return invalid(&format!("networks[{j}].namespaces[{k}]"), format!("{namespace:?} {why}"));
+                }
+            }
+        }
         for (field, ratio) in
             [("cpuAllocationRatio", self.cpu_allocation_ratio), ("memoryAllocationRatio", self.memory_allocation_ratio)]
         {
@@ -364,6 +442,28 @@ mod tests {
             (b.replace("datacenter: DC0", "datacenter: DC0, hosts: []"), "vcenters[0].hosts:"),
             (b.replace("datacenter: DC0", "datacenter: DC0, templates: ['']"), "vcenters[0].templates[0]:"),
             (b.replace("datacenter: DC0", "datacenter: DC0, cpuAllocationRatio: 0"), "vcenters[0].cpuAllocationRatio:"),
+            (b.replace("datacenter: DC0", "datacenter: DC0, folder: ''"), "vcenters[0].folder:"),
+            (b.replace("datacenter: DC0", "datacenter: DC0, resourcePool: ''"), "vcenters[0].resourcePool:"),
+            (b.replace("datacenter: DC0", "datacenter: DC0, datastores: [a, '']"), "vcenters[0].datastores[1]:"),
+            (
+                b.replace("datacenter: DC0", "datacenter: DC0, networks: [{name: VM Network, network: VM Network}]"),
+                "vcenters[0].networks[0].name:",
+            ),
+            (
+                b.replace(
+                    "datacenter: DC0",
+                    "datacenter: DC0, networks: [{name: a, network: x}, {name: a, network: y}]",
+                ),
+                "vcenters[0].networks[1].name:",
+            ),
+            (
+                b.replace("datacenter: DC0", "datacenter: DC0, networks: [{name: a, network: ''}]"),
+                "vcenters[0].networks[0].network:",
+            ),
+            (
+                b.replace("datacenter: DC0", "datacenter: DC0, networks: [{name: a, network: x, namespaces: [A_b]}]"),
+                "vcenters[0].networks[0].namespaces[0]:",
+            ),
         ];
         for (yaml, field) in cases {
             let error = entry(&yaml).validate(0).expect_err(&yaml).to_string();

@@ -254,6 +254,95 @@ async fn a_tenant_cannot_clone_a_template_or_vm_the_administrator_did_not_list()
     }
 }
 
+/// The vCenter entry's `networks` and `datastore(s)` bound what a tenant
+/// may name, as `templates` does: a network or datastore not offered is
+/// refused with a condition naming the field and the allowed names, and
+/// nothing is cloned; an offered network backs the clone's network card.
+/// A VM with ceilings above its size is cloned with CPU and memory hot-add
+/// and grows live when its spec.resources grow within them: the same VM
+/// (MoRef), powered on throughout, its pod never restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_joins_only_offered_networks_and_datastores_and_a_vm_grows_live_within_its_ceilings() {
+    let Some(h) = harness("a_tenant_joins_only_offered_networks_and_datastores") else { return };
+    let _shared = SIMULATOR.read().await;
+    let session = session(&h).await;
+    let mut env = TestEnv::new("vsphereoffer").await;
+    let offered = json!({"datastore": "LocalDS_0", "networks": [{"name": "lan", "network": "VM Network"}]});
+    env.start_vmlet_on_vcenter_with(&CLUSTER_HOSTS, &["template-c0"], &VCenterTrust::thumbprint_from_env(), offered);
+    for name in CLUSTER_HOSTS {
+        env.wait_node_ready(&env.node(&node_name_of_host(name))).await;
+    }
+    let refused = [
+        ("dmz", json!({"image": "template-c0", "networks": [{"name": "dmz"}]}), "spec.networks[0].name", "[lan]"),
+        (
+            "tenantds",
+            json!({"image": "template-c0", "providerOptions": {"datastore": "DC0_tenant_DS"}}),
+            "spec.providerOptions.datastore",
+            "[LocalDS_0]",
+        ),
+    ];
+    for (vm, spec, field, allowed) in refused {
+        env.apply_vm(vm, spec);
+        let message = env.wait_waiting(vm, "InvalidSpec").await;
+        assert!(message.contains(field) && message.contains(&format!("allowed: {allowed}")), "{vm}: {message}");
+        let condition = env
+            .wait_for(&format!("{vm}'s Ready condition to say why"), || async {
+                let status = env.vms().get(vm).await.ok()?.status?;
+                status.conditions.into_iter().find(|c| c.type_ == "Ready" && c.reason == "InvalidSpec")
+            })
+            .await;
+        assert!(condition.message.contains(field), "{vm}: {condition:?}");
+        let uid = env.vms().get(vm).await.unwrap().metadata.uid.unwrap();
+        assert!(vms_with(&session, &uid).await.is_empty(), "{vm}: a VM was cloned");
+    }
+
+    let resources = json!({"cpu": 1, "memory": "256Mi", "maxCpu": 2, "maxMemory": "512Mi"});
+    env.apply_vm("web", json!({"image": "template-c0", "networks": [{"name": "lan"}], "resources": resources}));
+    let uid = env.wait_vm_phase("web", "Running").await.metadata.uid.unwrap();
+    let clone = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    let nics = vmlet_vsphere::read_template(&session, &clone.moref).await.expect("the clone's cards").nics;
+    assert_eq!(nics.first().and_then(|n| n.backing.as_deref()), Some("VM Network"), "{nics:?}");
+    assert!(clone.sizing.cpu_hot_add && clone.sizing.memory_hot_add, "{:?}", clone.sizing);
+    let pod = env.vm_pod("web").await;
+
+    env.kubectl(&["patch", "vm/web", "--type=merge", "-p", r#"{"spec":{"resources":{"cpu":2,"memory":"512Mi"}}}"#]);
+    let grown = env
+        .wait_for("vSphere to show the VM grown to 2 vCPUs and 512 MiB", || async {
+            let mut vms = vms_with(&session, &uid).await;
+            vms.pop().filter(|vm| (vm.cpus, vm.memory_bytes) == (Some(2), Some(512 << 20)))
+        })
+        .await;
+    assert_eq!((&grown.moref, &grown.power_state), (&clone.moref, &PowerState::PoweredOn), "the same VM, never off");
+    let now = env.vm_pod("web").await;
+    assert_eq!(now.metadata.uid, pod.metadata.uid, "the same pod");
+    let restarts = now.status.and_then(|s| s.container_statuses).map(|c| c[0].restart_count);
+    assert_eq!(restarts, Some(0), "the VM was never restarted");
+
+    // Beyond maxMemory (the simulator's hosts have 2 cores, so not beyond
+    // maxCpu): RestartRequired, as on the other back ends; the running VM
+    // keeps its size until it is started again, then has the new one.
+    env.kubectl(&["patch", "vm/web", "--type=merge", "-p", r#"{"spec":{"resources":{"memory":"768Mi"}}}"#]);
+    let vms = env.vms();
+    let message = env
+        .wait_for("ResourcesSynced False, reason RestartRequired", || async {
+            let status = vms.get("web").await.ok()?.status?;
+            let c = status.conditions.into_iter().find(|c| c.type_ == "ResourcesSynced")?;
+            (c.status == "False" && c.reason == "RestartRequired").then_some(c.message)
+        })
+        .await;
+    assert!(message.contains("next start"), "{message}");
+    let waiting = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    let kept = (waiting.moref.value.as_str(), waiting.memory_bytes);
+    assert_eq!(kept, (grown.moref.value.as_str(), Some(512 << 20)), "kept its size");
+    env.kubectl(&["scale", "vm/web", "--replicas=0"]);
+    env.wait_vm_pods_gone("web").await;
+    env.kubectl(&["scale", "vm/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let restarted = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    let now = (restarted.moref.value.as_str(), restarted.cpus, restarted.memory_bytes);
+    assert_eq!(now, (grown.moref.value.as_str(), Some(2), Some(768 << 20)), "the same VM, with the new size");
+}
+
 /// The Ready condition of node `name`: (status, reason, message).
 async fn ready_of(env: &TestEnv, name: &str) -> Option<(String, String, String)> {
     let node = env.nodes_api().get(name).await.ok()?;
@@ -381,4 +470,151 @@ async fn a_vcenter_that_stops_answering_turns_the_nodes_not_ready_and_touches_no
     assert_eq!(now.metadata.uid, pod.metadata.uid, "the same pod");
     let restarts = now.status.and_then(|s| s.container_statuses).map(|c| c[0].restart_count);
     assert_eq!(restarts, Some(0), "the VM was never restarted");
+}
+
+/// Snapshots on vSphere, through kubectl: a VirtualMachineSnapshot of the
+/// running VM is a vSphere snapshot with its memory (`CreateSnapshot_Task`),
+/// a restore in place reverts the stopped VM to it (`RevertToSnapshot_Task`)
+/// and the same VM starts again; a restore to a new VM clones the snapshot
+/// into a template of the namespace's (`CloneVM_Task` with
+/// `spec.snapshot`), and the new VM, a clone of it, runs as a distinct VM
+/// with its own UID; a VirtualMachineBackup fails at once saying vSphere
+/// has no backups; deleting the snapshot removes it from vSphere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_is_reverted_in_place_and_restored_as_a_new_vm_and_a_backup_is_refused_at_once() {
+    use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestore, VirtualMachineSnapshot};
+    use vmlet_vsphere::{list_templates, snapshots_of};
+
+    let Some(h) = harness("a_snapshot_is_reverted_in_place_and_restored_as_a_new_vm") else { return };
+    let _shared = SIMULATOR.read().await;
+    let session = session(&h).await;
+    let mut env = TestEnv::new("vssnap").await;
+    let (uid, clone) = running_web(&mut env, &session).await;
+    let node = node_of(&env.vm_pod("web").await);
+
+    // The snapshot of the running VM: with its memory, on the VM's node, a
+    // vSphere snapshot of vmlet's name on the same VM.
+    apply_object(&env, "VirtualMachineSnapshot", "before", json!({"virtualMachine": "web"}));
+    let snapshots: kube::Api<VirtualMachineSnapshot> = kube::Api::namespaced(env.client.clone(), &env.ns);
+    let snapshot = env
+        .wait_for("VirtualMachineSnapshot before to end", || async {
+            let snapshot = snapshots.get_opt("before").await.ok()??;
+            let phase = snapshot.status.as_ref()?.phase?;
+            matches!(phase, OperationPhase::Succeeded | OperationPhase::Failed).then_some(snapshot)
+        })
+        .await;
+    let status = snapshot.status.clone().unwrap();
+    assert_eq!(status.phase, Some(OperationPhase::Succeeded), "{:?}", status.message);
+    assert!(status.ready_to_use);
+    assert_eq!((status.memory, status.virtual_machine_was_running), (Some(true), Some(true)));
+    assert_eq!(status.node_name.as_deref(), Some(node.as_str()));
+    assert_eq!(status.virtual_machine_uid.as_deref(), Some(uid.as_str()));
+    let backend_name = format!("{}_before_{}", env.ns, snapshot.metadata.uid.clone().unwrap());
+    assert_eq!(status.snapshot_name.as_deref(), Some(backend_name.as_str()));
+    let held = snapshots_of(&session, &clone.moref).await.expect("the VM's snapshots");
+    let held: Vec<(String, PowerState)> = held.into_iter().map(|s| (s.name, s.state)).collect();
+    assert_eq!(held, vec![(backend_name.clone(), PowerState::PoweredOn)], "one snapshot, with memory");
+    wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+
+    // Stopped, reverted in place, started again: the same VM.
+    env.kubectl(&["scale", "vm/web", "--replicas=0"]);
+    env.wait_vm_pods_gone("web").await;
+    wait_power(&env, &session, &uid, PowerState::PoweredOff).await;
+    apply_object(
+        &env,
+        "VirtualMachineRestore",
+        "back",
+        json!({"source": {"snapshot": "before"}, "target": {"virtualMachine": "web", "inPlace": true}}),
+    );
+    let restores: kube::Api<VirtualMachineRestore> = kube::Api::namespaced(env.client.clone(), &env.ns);
+    let ended = |name: &'static str| {
+        let restores = restores.clone();
+        move || {
+            let restores = restores.clone();
+            async move {
+                let restore = restores.get_opt(name).await.ok()??;
+                let phase = restore.status.as_ref()?.phase?;
+                matches!(phase, OperationPhase::Succeeded | OperationPhase::Failed).then_some(restore)
+            }
+        }
+    };
+    let back = env.wait_for("VirtualMachineRestore back to end", ended("back")).await;
+    let back_status = back.status.clone().unwrap();
+    assert_eq!(back_status.phase, Some(OperationPhase::Succeeded), "{:?}", back_status.message);
+    let reverted = wait_power(&env, &session, &uid, PowerState::PoweredOff).await;
+    assert_eq!(reverted.moref, clone.moref, "the same VM, reverted");
+    let kept = snapshots_of(&session, &clone.moref).await.unwrap();
+    assert_eq!(kept.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), vec![backend_name.as_str()], "kept");
+    env.kubectl(&["scale", "vm/web", "--replicas=1"]);
+    env.wait_vm_phase("web", "Running").await;
+    let started = wait_power(&env, &session, &uid, PowerState::PoweredOn).await;
+    assert_eq!(started.moref, clone.moref, "the same VM runs again");
+
+    // A new VM from the snapshot: a template of vmlet's name in the
+    // namespace's, then a clone of it on the snapshot's host, running, with
+    // a UID of its own; the original VM is untouched.
+    apply_object(
+        &env,
+        "VirtualMachineRestore",
+        "as-new",
+        json!({"source": {"snapshot": "before"}, "target": {"virtualMachine": "web2"}}),
+    );
+    let as_new = env.wait_for("VirtualMachineRestore as-new to end", ended("as-new")).await;
+    let as_new_status = as_new.status.clone().unwrap();
+    assert_eq!(as_new_status.phase, Some(OperationPhase::Succeeded), "{:?}", as_new_status.message);
+    let template = format!("{}_web2_restored_{}", env.ns, as_new.metadata.uid.clone().unwrap());
+    assert_eq!(as_new_status.disk.as_deref(), Some(template.as_str()));
+    let templates = list_templates(&session).await.expect("templates");
+    assert_eq!(templates.iter().filter(|t| t.name == template).count(), 1, "the template: {templates:?}");
+    let web2 = env.wait_vm_phase("web2", "Running").await;
+    let uid2 = web2.metadata.uid.clone().unwrap();
+    assert_ne!(uid2, uid);
+    assert_eq!(web2.spec.image.as_deref(), Some(template.as_str()));
+    assert_eq!(web2.metadata.labels.unwrap()["vmlet.io/restored-from-snapshot"], "before");
+    let restored = wait_power(&env, &session, &uid2, PowerState::PoweredOn).await;
+    assert_ne!(restored.moref, clone.moref, "a distinct VM");
+    assert_eq!(restored.name, format!("{}_web2", env.ns));
+    assert_eq!(node_of(&env.vm_pod("web2").await), node, "on the snapshot's host");
+    assert_eq!(host_of(&session, &restored).await.moref, host_of(&session, &started).await.moref);
+    let original = vms_with(&session, &uid).await;
+    assert_eq!(original.len(), 1, "the template carries no UID: {original:?}");
+    assert_eq!((&original[0].moref, &original[0].power_state), (&clone.moref, &PowerState::PoweredOn));
+
+    // A backup: vSphere has none; the backup fails at once, saying so.
+    apply_object(
+        &env,
+        "VirtualMachineBackup",
+        "nightly",
+        json!({"virtualMachine": "web", "target": {"hostPath": "/var/lib/vmlet/backups"}}),
+    );
+    let backups: kube::Api<VirtualMachineBackup> = kube::Api::namespaced(env.client.clone(), &env.ns);
+    // "At once": well within the 60 s a backup Job's pod would take to be
+    // scheduled, started and time out; a deadline, not a timed assertion.
+    let failed = env.wait_for("VirtualMachineBackup nightly to fail", || async {
+        let backup = backups.get_opt("nightly").await.ok()??;
+        let status = backup.status?;
+        (status.phase == Some(OperationPhase::Failed)).then_some(status)
+    });
+    let backup = tokio::time::timeout(std::time::Duration::from_secs(60), failed)
+        .await
+        .expect("the backup of a vSphere VM did not fail within 60 s");
+    let message = backup.message.unwrap_or_default();
+    assert!(message.contains("has no backup capability"), "{message}");
+
+    // Deleting the snapshot removes it from vSphere; the object goes.
+    env.kubectl(&["delete", "virtualmachinesnapshot/before", "--wait=false"]);
+    env.wait_for("VirtualMachineSnapshot before to be gone", || async {
+        snapshots.get_opt("before").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    assert!(snapshots_of(&session, &clone.moref).await.unwrap().is_empty(), "the snapshot is gone from vSphere");
+}
+
+/// `kubectl apply` of a vmlet.io/v1alpha1 object `kind` named `name` in
+/// `env`'s namespace.
+fn apply_object(env: &TestEnv, kind: &str, name: &str, spec: serde_json::Value) {
+    let object = json!({"apiVersion": "vmlet.io/v1alpha1", "kind": kind,
+        "metadata": {"name": name, "namespace": env.ns}, "spec": spec});
+    let out = env.apply(&object.to_string());
+    assert!(out.status.success(), "apply {kind} {name}: {}", String::from_utf8_lossy(&out.stderr));
 }

@@ -414,9 +414,10 @@ pub fn restored_data_claim_name(vm: &str, disk: &str) -> String {
 }
 
 /// The file name of the disk restore `uid` makes for VM `vm` of `namespace`:
-/// `<namespace>_<vm>_restored_<uid>.qcow2`.
+/// `<namespace>_<vm>_restored_<uid>.qcow2` (the image name
+/// [`vmlet_provider::restored_image_name`] gives, as a qcow2 file).
 pub fn restored_disk_name(namespace: &str, vm: &str, uid: &str) -> String {
-    format!("{namespace}_{vm}_restored_{uid}.qcow2")
+    format!("{}.qcow2", vmlet_provider::restored_image_name(namespace, vm, uid))
 }
 
 /// The name of the checkpoint backup `uid` leaves on its VM: `vmlet-<uid>`

@@ -580,6 +580,19 @@ impl TestEnv {
     /// trusted by `trust`, and `templates` the only ones `spec.image` may
     /// name. Does not start vmlet.
     pub fn write_vmlet_on_vcenter(&mut self, hosts: &[&str], templates: &[&str], trust: &VCenterTrust) {
+        self.write_vmlet_on_vcenter_with(hosts, templates, trust, json!({}));
+    }
+
+    /// [`TestEnv::write_vmlet_on_vcenter`] with further `vcenters[0]` fields
+    /// (`extra`, an object such as `{"datastore": "LocalDS_0", "networks":
+    /// [...]}`) set as a user writes them.
+    pub fn write_vmlet_on_vcenter_with(
+        &mut self,
+        hosts: &[&str],
+        templates: &[&str],
+        trust: &VCenterTrust,
+        extra: serde_json::Value,
+    ) {
         use std::os::unix::fs::PermissionsExt;
         let var = |name: &str| {
             std::env::var(name).ok().filter(|v| !v.is_empty()).unwrap_or_else(|| {
@@ -599,6 +612,9 @@ impl TestEnv {
             VCenterTrust::Thumbprint(thumbprint) => entry["thumbprint"] = json!(thumbprint),
             VCenterTrust::CaFile(file) => entry["caFile"] = json!(file),
         }
+        for (key, value) in extra.as_object().expect("extra vcenters[] fields: an object") {
+            entry[key] = value.clone();
+        }
         config["vcenters"] = json!([entry]);
         self.nodes = hosts.iter().map(|h| self.node(&vmlet::vcenters::node_name_of_host(h))).collect();
         std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
@@ -607,6 +623,18 @@ impl TestEnv {
     /// [`TestEnv::write_vmlet_on_vcenter`], then start vmlet with it.
     pub fn start_vmlet_on_vcenter(&mut self, hosts: &[&str], templates: &[&str], trust: &VCenterTrust) {
         self.write_vmlet_on_vcenter(hosts, templates, trust);
+        self.restart_vmlet();
+    }
+
+    /// [`TestEnv::write_vmlet_on_vcenter_with`], then start vmlet with it.
+    pub fn start_vmlet_on_vcenter_with(
+        &mut self,
+        hosts: &[&str],
+        templates: &[&str],
+        trust: &VCenterTrust,
+        extra: serde_json::Value,
+    ) {
+        self.write_vmlet_on_vcenter_with(hosts, templates, trust, extra);
         self.restart_vmlet();
     }
 

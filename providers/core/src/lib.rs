@@ -34,7 +34,9 @@ pub use error::{Error, ErrorKind, Result};
 pub use host_image::{BackingFile, DiskFormat, HostImages, ImageFacts};
 pub use migration::{Migration, MigrationMode, MigrationProgress, MigrationTarget};
 pub use resize::{Resize, ResizeScope, Resources};
-pub use snapshot::{RevertOutcome, SnapshotInfo, SnapshotRequest, Snapshots};
+pub use snapshot::{
+    is_restored_image_of, restored_image_name, RevertOutcome, SnapshotInfo, SnapshotRequest, Snapshots,
+};
 pub use volume::{validate_volume_name, Volume, VolumeRequest, VolumeSource, Volumes, MAX_VOLUME_NAME_BYTES};
 
 /// The stable identity of a VM: the UID of its VirtualMachine object

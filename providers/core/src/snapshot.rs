@@ -105,4 +105,78 @@ pub trait Snapshots: Send + Sync {
     /// `Transient` after `timeout` (the partial copy removed); `Permanent`
     /// when the copy failed (no room left: the message says so).
     async fn export_snapshot_disk(&self, id: &VmId, name: &str, target: &str, timeout: Duration) -> Result<u64>;
+
+    /// On a back end whose images are its own catalog's
+    /// ([`crate::ImageReference::Catalog`]: a vSphere template), make a new
+    /// image named `image` in that catalog holding what VM `id`'s disks held
+    /// at snapshot `name`, for a new VM whose `image` then names it (a clone;
+    /// the counterpart of [`Snapshots::export_snapshot_disk`], which writes a
+    /// host file). `image` is vmlet's name for it ([`restored_image_name`]);
+    /// the back end lets only VMs of that namespace boot it (see
+    /// [`is_restored_image_of`]). VM `id` may be running or stopped and is
+    /// not touched; the snapshot is kept. Idempotent: an image of that name
+    /// made by an earlier call is taken as made. The image stays when the new
+    /// VM is deleted (the back end's administrator removes it).
+    ///
+    /// Errors: `NotFound` when the VM or the snapshot does not exist;
+    /// `InvalidInput` for a name the back end cannot hold (too long: the
+    /// message says which part to shorten); `Conflict` when something else
+    /// of that name exists; `Transient` after `timeout` (the back end may
+    /// still finish it: a retry finds it); `Unsupported` (the default) where
+    /// the back end keeps no image catalog.
+    async fn export_snapshot_image(&self, id: &VmId, name: &str, image: &str, timeout: Duration) -> Result<()> {
+        let _ = (id, name, image, timeout);
+        Err(crate::Error::new(
+            "make an image from a snapshot",
+            crate::ErrorKind::Unsupported,
+            "this back end has no image catalog to make a snapshot's image in; its snapshots are exported as host \
+             disk files",
+        ))
+    }
+}
+
+/// vmlet's name for the image (a back end's catalog entry, or a host file
+/// without its `.qcow2` suffix) that restore `restore_uid` makes for new VM
+/// `vm` of `namespace`: `<namespace>_<vm>_restored_<restore uid>`. Namespace
+/// and VM names hold no `_`, so the namespace is the part before the first
+/// `_` ([`is_restored_image_of`]).
+pub fn restored_image_name(namespace: &str, vm: &str, restore_uid: &str) -> String {
+    format!("{namespace}_{vm}_restored_{restore_uid}")
+}
+
+/// Whether `image` is a name [`restored_image_name`] gives for a VM of
+/// `namespace`: `<namespace>_<vm>_restored_<uid>` with a non-empty VM name
+/// and a UID of hex digits and `-` (36 characters), neither holding `_`. A
+/// back end boots such an image only for a VM of that namespace, so one
+/// tenant cannot boot another's restored disk by naming it.
+pub fn is_restored_image_of(namespace: &str, image: &str) -> bool {
+    let Some(rest) = image.strip_prefix(namespace).and_then(|r| r.strip_prefix('_')) else { return false };
+    let Some((vm, uid)) = rest.split_once("_restored_") else { return false };
+    !namespace.is_empty()
+        && !namespace.contains('_')
+        && !vm.is_empty()
+        && !vm.contains('_')
+        && uid.len() == 36
+        && uid.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "6c8f1f4e-2b0a-4e53-9d1e-0f1e2d3c4b5a";
+
+    #[test]
+    fn a_restored_image_belongs_to_the_namespace_its_name_begins_with_only() {
+        let image = restored_image_name("tenant-a", "web2", UID);
+        assert_eq!(image, format!("tenant-a_web2_restored_{UID}"));
+        assert!(is_restored_image_of("tenant-a", &image));
+        assert!(!is_restored_image_of("tenant", &image), "a namespace that is a prefix of another");
+        assert!(!is_restored_image_of("tenant-b", &image));
+        assert!(!is_restored_image_of("tenant-a", "tenant-a_web"), "a VM's own vSphere name");
+        assert!(!is_restored_image_of("tenant-a", &format!("tenant-a__restored_{UID}")));
+        assert!(!is_restored_image_of("tenant-a", &format!("tenant-a_x_y_restored_{UID}")));
+        assert!(!is_restored_image_of("tenant-a", "tenant-a_web_restored_template-c0"));
+        assert!(!is_restored_image_of("", &format!("_web_restored_{UID}")));
+    }
 }

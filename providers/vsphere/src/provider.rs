@@ -1,6 +1,11 @@
 //! [`VsphereProvider`]: the [`Provider`] operations for one ESXi host
 //! (`HostSystem`) of a [`VCenter`], as the OpenStack provider serves one
 //! nova-compute host of a cloud.
+//!
+//! Split by concern: [`vcenter`] (the options and the shared session),
+//! [`spec`] (what a tenant may ask for), [`clone`] (making a VM),
+//! [`resize`], [`migration`] and [`snapshots`] (the capabilities); the
+//! [`Provider`] operations stay here.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -17,96 +22,24 @@ use vmlet_provider::{
 
 use crate::hosts::{list_hosts, ConnectionState, Host};
 use crate::lifecycle::{
-    clone_vm, destroy_vm, list_templates, reconfigure_size, relocate_vm, shutdown_guest, CloneRequest,
+    clone_vm, destroy_vm, list_templates, reconfigure_hardware, reconfigure_live, record_next_start, relocate_vm,
+    shutdown_guest, CloneRequest, Hardware, NicBacking, NicNetwork,
 };
+use crate::placement::{read_datacenter, read_portgroup, read_template};
 use crate::session::{Session, SessionConfig};
-use crate::vms::{list_vms, power_off, power_on, PowerState, Vm, UID_KEY};
+use crate::vms::{power_off, power_on, PowerState, Vm, UID_KEY};
 use crate::Error;
 
-/// vSphere's limit on a VM's name, in characters.
-pub const MAX_VM_NAME_CHARS: usize = 80;
+mod clone;
+mod migration;
+mod resize;
+mod snapshots;
+mod spec;
+#[cfg(test)]
+mod tests;
+mod vcenter;
 
-/// What vmlet's administrator allows and how long vmlet waits, for one vCenter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VCenterOptions {
-    /// The datacenter whose hosts and templates are used; `None`: any
-    /// (then a template is looked up in the datacenter of the VM's host).
-    pub datacenter: Option<String>,
-    /// The template names `spec.image` may name: a security boundary (vmlet's
-    /// user may clone any VM of the vCenter; a tenant only these). Empty:
-    /// no VM can be defined.
-    pub templates: Vec<String>,
-    /// Deadline of a `CloneVM_Task` (default 10 min).
-    pub clone_timeout: Duration,
-    /// Deadline of every other task: power on and off, reconfigure,
-    /// destroy (default 2 min).
-    pub task_timeout: Duration,
-}
-
-impl Default for VCenterOptions {
-    fn default() -> Self {
-        VCenterOptions {
-            datacenter: None,
-            templates: Vec::new(),
-            clone_timeout: Duration::from_secs(600),
-            task_timeout: Duration::from_secs(120),
-        }
-    }
-}
-
-/// One vCenter (or standalone ESXi) shared by the providers of its hosts:
-/// its name in vmlet's config, one [`Session`] opened at the first call
-/// (and again at the next call after a failed connect, so a vCenter that is
-/// down when vmlet starts is NotReady, not fatal), and the options.
-pub struct VCenter {
-    name: String,
-    config: SessionConfig,
-    session: OnceCell<Session>,
-    options: VCenterOptions,
-}
-
-impl std::fmt::Debug for VCenter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VCenter").field("name", &self.name).field("url", &self.config.url).finish_non_exhaustive()
-    }
-}
-
-impl VCenter {
-    /// A vCenter named `name` (config `vcenters[].name`, used in
-    /// [`Provider::backend_host`]) reached with `config`; nothing is
-    /// connected yet.
-    pub fn new(name: impl Into<String>, config: SessionConfig, options: VCenterOptions) -> VCenter {
-        VCenter { name: name.into(), config, session: OnceCell::new(), options }
-    }
-
-    /// Its name in vmlet's config.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The options.
-    pub fn options(&self) -> &VCenterOptions {
-        &self.options
-    }
-
-    /// The logged-in session, connecting on the first call.
-    ///
-    /// Errors: those of [`Session::connect`].
-    pub async fn session(&self) -> std::result::Result<&Session, Error> {
-        self.session.get_or_try_init(|| Session::connect(self.config.clone())).await
-    }
-
-    /// The hosts of the configured datacenter (all hosts without one).
-    ///
-    /// Errors: those of [`Session::connect`] and [`list_hosts`].
-    pub async fn hosts(&self) -> std::result::Result<Vec<Host>, Error> {
-        let hosts = list_hosts(self.session().await?).await?;
-        Ok(hosts
-            .into_iter()
-            .filter(|h| self.options.datacenter.as_ref().is_none_or(|dc| *dc == h.datacenter))
-            .collect())
-    }
-}
+pub use vcenter::{NetworkOffer, VCenter, VCenterOptions, DATASTORE_OPTION, MAX_VM_NAME_CHARS};
 
 /// The provider error of a vSphere failure in `operation`: its kind and
 /// vSphere's message, the failure as source.
@@ -125,8 +58,9 @@ fn provider_error(operation: &'static str) -> impl Fn(Error) -> ProviderError {
 /// - Every operation acts only on a VM on this host; one on another host
 ///   gets `NotFound` (`Conflict` for `ensure_defined` and `undefine`, which
 ///   must not make a twin or report a VM elsewhere as gone).
-/// - Capabilities: none in this slice (no console, guest commands, stats,
-///   resize, migration, backup, snapshots): the core answers those with
+/// - Capabilities: resize, migration and snapshots (`provider/snapshots.rs`:
+///   vSphere snapshots, revert, a new VM from one through a template); no
+///   console, guest commands, stats or backup: the core answers those with
 ///   501 or a reason saying vSphere lacks it.
 ///
 /// Cloning is cheap and shares the session.
@@ -193,10 +127,11 @@ impl VsphereProvider {
         self.vcenter.session().await.map_err(provider_error(operation))
     }
 
-    /// Every VM of the vCenter carrying a vmlet UID, with the UIDs that
-    /// more than one carries.
+    /// Every VM of the vCenter carrying a vmlet UID (from the push cache
+    /// when it is current, else read directly: [`crate::updates::owned_vms`]),
+    /// with the UIDs that more than one carries.
     async fn owned_vms(&self, operation: &'static str) -> Result<(Vec<Vm>, HashMap<String, usize>)> {
-        let vms = list_vms(self.session(operation).await?).await.map_err(provider_error(operation))?;
+        let vms = crate::updates::owned_vms(&self.vcenter).await.map_err(provider_error(operation))?;
         let mut counts: HashMap<String, usize> = HashMap::new();
         for vm in &vms {
             *counts.entry(vm.uid.clone()).or_default() += 1;
@@ -245,132 +180,6 @@ impl VsphereProvider {
         let hosts = list_hosts(self.vcenter.session().await.ok()?).await.ok()?;
         hosts.into_iter().find(|h| h.moref == *host).map(|h| h.name)
     }
-
-    /// `spec` as this slice can make it, or `InvalidInput`/`Unsupported`
-    /// naming the field; returns the template name.
-    fn check_spec<'s>(&self, spec: &'s VmSpec) -> Result<&'s str> {
-        const OP: &str = "define VM";
-        let invalid = |message: String| ProviderError::new(OP, ErrorKind::InvalidInput, message);
-        if let Some(key) = spec.options.keys().next() {
-            return Err(invalid(format!(
-                "spec.providerOptions.{key}: the vSphere provider reads no provider options; remove it"
-            )));
-        }
-        if spec.kernel_boot.is_some() {
-            return Err(invalid(
-                "spec.kernel: vSphere cannot boot a kernel directly; boot from a template (spec.image)".into(),
-            ));
-        }
-        if spec.cloud_init.is_some() {
-            return Err(ProviderError::new(
-                OP,
-                ErrorKind::Unsupported,
-                "spec.cloudInit: the vSphere provider does not deliver cloud-init data yet; remove it",
-            ));
-        }
-        if let Some(disk) = spec.disks.first() {
-            return Err(ProviderError::new(
-                OP,
-                ErrorKind::Unsupported,
-                format!("spec.disks[{}]: the vSphere provider attaches no data disks yet; remove it", disk.name),
-            ));
-        }
-        if let Some(network) = spec.networks.first() {
-            return Err(invalid(format!(
-                "spec.networks[0].name: {:?} is not offered: this vSphere host offers no networks by name (allowed: \
-                 []); remove spec.networks, the VM keeps its template's networks",
-                network.name
-            )));
-        }
-        let allowed = &self.vcenter.options.templates;
-        let template = spec.image.as_deref().filter(|i| !i.is_empty()).ok_or_else(|| {
-            invalid(format!("spec.image: name the template to clone, one of [{}]", allowed.join(", ")))
-        })?;
-        if !allowed.iter().any(|t| t == template) {
-            return Err(invalid(format!(
-                "spec.image: template {template:?} is not one this vCenter allows (allowed: [{}]); use one of them, or \
-                 ask vmlet's administrator to add it to vcenters[].templates",
-                allowed.join(", ")
-            )));
-        }
-        let name = spec.backend_name();
-        if name.chars().count() > MAX_VM_NAME_CHARS {
-            return Err(invalid(format!(
-                "metadata.name: the VM's vSphere name {name:?} (<namespace>_<name>) is longer than vSphere's \
-                 {MAX_VM_NAME_CHARS} characters; use a shorter name"
-            )));
-        }
-        Ok(template)
-    }
-
-    /// Clone `template` onto this host as `spec`'s VM, then make sure it
-    /// has `spec`'s size (`ReconfigVM_Task` when the clone did not apply
-    /// the clone spec's `numCPUs`/`memoryMB`, as govmomi's simulator).
-    async fn clone_here(&self, spec: &VmSpec, template_name: &str) -> Result<()> {
-        const OP: &str = "define VM";
-        let host = self.resolved(OP).await?;
-        let session = self.session(OP).await?;
-        let datacenter = self.vcenter.options.datacenter.as_deref().unwrap_or(&host.datacenter);
-        let templates = list_templates(session).await.map_err(provider_error(OP))?;
-        let mut matching = templates.iter().filter(|t| t.name == template_name && t.datacenter == datacenter);
-        let template = matching.next().ok_or_else(|| {
-            ProviderError::new(
-                OP,
-                ErrorKind::InvalidInput,
-                format!("spec.image: datacenter {datacenter} has no template named {template_name:?}"),
-            )
-        })?;
-        if matching.next().is_some() {
-            return Err(ProviderError::new(
-                OP,
-                ErrorKind::Permanent,
-                format!(
-                    "spec.image: datacenter {datacenter} has two templates named {template_name:?}; vmlet clones \
-                     neither until an administrator renames one"
-                ),
-            ));
-        }
-        let (Some(folder), Some(pool)) = (template.folder.as_ref(), host.resource_pool.as_ref()) else {
-            return Err(ProviderError::new(
-                OP,
-                ErrorKind::Permanent,
-                format!("template {template_name} has no folder or host {} no resource pool in vSphere", self.host),
-            ));
-        };
-        let memory_mib = memory_mib_of(spec.memory_bytes);
-        let name = spec.backend_name();
-        let request = CloneRequest {
-            template: &template.moref,
-            folder,
-            name: &name,
-            host: &host.moref,
-            pool,
-            uid: &spec.id.0,
-            cpus: spec.cpus,
-            memory_mib,
-        };
-        tracing::info!(template = %template_name, vm.backend_name = %name, "cloning template");
-        let vm = clone_vm(session, &request, self.vcenter.options.clone_timeout).await.map_err(|e| {
-            if e.fault() == Some("DuplicateName") {
-                ProviderError::new(
-                    OP,
-                    ErrorKind::Permanent,
-                    format!("a VM named {name} that does not carry this VM's {UID_KEY} exists in vSphere: {e}"),
-                )
-                .with_source(e)
-            } else {
-                provider_error(OP)(e)
-            }
-        })?;
-        tracing::info!(vm.moref = %vm.value, "VM cloned");
-        let made = self.find_here(OP, &spec.id).await?;
-        if made.cpus != Some(spec.cpus) || made.memory_bytes != Some(memory_mib << 20) {
-            reconfigure_size(session, &vm, spec.cpus, memory_mib, self.vcenter.options.task_timeout)
-                .await
-                .map_err(provider_error(OP))?;
-        }
-        Ok(())
-    }
 }
 
 /// The provider's view of a VM.
@@ -383,6 +192,14 @@ fn status_of(vm: &Vm) -> VmStatus {
     };
     let cpus = vm.cpus.unwrap_or(0);
     let memory_bytes = vm.memory_bytes.unwrap_or(0);
+    // The ceilings of a live resize: those recorded at the clone, where
+    // hot-add is on; otherwise the size (a running VM cannot grow).
+    let max_cpus = if vm.sizing.cpu_hot_add { vm.sizing.max_cpus.unwrap_or(cpus).max(cpus) } else { cpus };
+    let max_memory_bytes = if vm.sizing.memory_hot_add {
+        vm.sizing.max_memory_bytes.unwrap_or(memory_bytes).max(memory_bytes)
+    } else {
+        memory_bytes
+    };
     let addresses: Vec<IpAddr> = vm
         .ip_address
         .filter(|ip| !ip.is_loopback() && !is_link_local(ip) && !ip.is_unspecified())
@@ -397,9 +214,14 @@ fn status_of(vm: &Vm) -> VmStatus {
         fault: None,
         cpus,
         memory_bytes,
-        max_cpus: cpus,
-        max_memory_bytes: memory_bytes,
-        next_start: None,
+        max_cpus,
+        max_memory_bytes,
+        next_start: match (vm.sizing.next_cpus, vm.sizing.next_memory_bytes) {
+            (Some(cpus_next), Some(memory_next)) if (cpus_next, memory_next) != (cpus, memory_bytes) => {
+                Some(Resources { cpus: cpus_next, memory_bytes: memory_next })
+            }
+            _ => None,
+        },
         network_interfaces: addresses.len(),
         addresses,
     }
@@ -512,7 +334,8 @@ impl Provider for VsphereProvider {
         Some(qualified(&self.vcenter, &self.host))
     }
 
-    /// Resize of a powered-off VM ([`Resize` for `VsphereProvider`]).
+    /// Live within the hot-add ceilings, else for the next start
+    /// ([`Resize` for `VsphereProvider`]).
     fn resize(&self) -> Option<&dyn Resize> {
         Some(self)
     }
@@ -520,6 +343,12 @@ impl Provider for VsphereProvider {
     /// vMotion and cold relocation to another host of the same vCenter
     /// ([`Migration` for `VsphereProvider`]).
     fn migration(&self) -> Option<&dyn Migration> {
+        Some(self)
+    }
+
+    /// vSphere's snapshots of a VM of this host, and new VMs from one
+    /// through a template (`provider/snapshots.rs`).
+    fn snapshots(&self) -> Option<&dyn vmlet_provider::Snapshots> {
         Some(self)
     }
 
@@ -539,15 +368,21 @@ impl Provider for VsphereProvider {
     }
 
     /// Clones the template `spec.image` (one of `vcenters[].templates`) onto
-    /// this host, powered off, with `vmlet.io.uid` and the spec's size,
-    /// unless the vCenter has a VM with this UID (then that one is returned
-    /// unchanged: no second clone, no resize).
+    /// this host, powered off, with `vmlet.io.uid`, the spec's size and
+    /// hot-add ceilings, in the configured folder, pool and datastore, its
+    /// network cards on `spec.networks`, linked to the template's current
+    /// snapshot if it has one (see `placement`), unless the
+    /// vCenter has a VM with this UID (then that one is returned unchanged:
+    /// no second clone, no resize).
     ///
-    /// Errors: `InvalidInput` naming the field for a template not allowed or
-    /// not in the datacenter, a provider option, kernel boot, a network,
-    /// a name over 80 characters; `Unsupported` for cloud-init data and data
-    /// disks; `Conflict` when the VM is on another host; `Permanent` when two
-    /// VMs carry the UID or the name is taken by a VM without it;
+    /// Errors: `InvalidInput` naming the field for a template, datastore or
+    /// network not allowed (with the allowed names), a template not in the
+    /// datacenter, another provider option, kernel boot, a MAC address, more
+    /// networks than the template has cards, a name over 80 characters;
+    /// `Unsupported` for cloud-init data and data disks; `Conflict` when the
+    /// VM is on another host; `Permanent` when two VMs carry the UID, the
+    /// name is taken by a VM without it, or a configured folder, pool,
+    /// datastore or network is not in the datacenter (naming the field);
     /// `Transient` when the clone outlives its deadline (the next call finds
     /// it by its UID).
     #[instrument(skip(self, spec), fields(provider = "vsphere", host = %self.host, vm.uid = %spec.id, vm.name = %spec.backend_name()))]
@@ -660,269 +495,5 @@ impl Provider for VsphereProvider {
         }?;
         tracing::info!(vm.name = %vm.name, vm.moref = %vm.moref.value, "VM destroyed");
         Ok(())
-    }
-}
-
-/// Resize: `ReconfigVM_Task` of a powered-off VM (`numCPUs`, one core per
-/// socket, `memoryMB` rounded up to a multiple of 4 MiB). vmlet's clones have
-/// no CPU or memory hot-add, so a VM's ceilings are its size and a running
-/// VM keeps its size: the node agent gives it the new one before its next
-/// power-on (as it does on every back end after a next-start resize).
-#[async_trait::async_trait]
-impl Resize for VsphereProvider {
-    /// Errors: `Unsupported` for [`ResizeScope::Live`] and for a VM that is
-    /// not powered off (the message says the size applies at the next
-    /// start); `InvalidInput` for no vCPU or no memory; `NotFound` when this
-    /// host has no such VM; a task's fault by its kind ([`provider_error`]).
-    /// Idempotent: a VM of that size is left alone, powered on or not.
-    #[instrument(skip(self), fields(provider = "vsphere", host = %self.host, vm.uid = %id))]
-    async fn resize(&self, id: &VmId, to: Resources, _ceilings: Resources, scope: ResizeScope) -> Result<()> {
-        const OP: &str = "resize VM";
-        if to.cpus == 0 || to.memory_bytes == 0 {
-            return Err(ProviderError::new(
-                OP,
-                ErrorKind::InvalidInput,
-                format!(
-                    "spec.resources: {} vCPUs and {} bytes of memory; both must be at least 1",
-                    to.cpus, to.memory_bytes
-                ),
-            ));
-        }
-        let vm = self.find_here(OP, id).await?;
-        let memory_mib = memory_mib_of(to.memory_bytes);
-        if vm.cpus == Some(to.cpus) && vm.memory_bytes == Some(memory_mib << 20) {
-            return Ok(());
-        }
-        if scope == ResizeScope::Live {
-            return Err(ProviderError::new(
-                OP,
-                ErrorKind::Unsupported,
-                format!(
-                    "VM {} has no CPU or memory hot-add on vSphere; the new size applies at its next start",
-                    vm.name
-                ),
-            ));
-        }
-        if vm.power_state != PowerState::PoweredOff {
-            return Err(ProviderError::new(
-                OP,
-                ErrorKind::Unsupported,
-                format!(
-                    "vSphere resizes VM {} only while it is powered off; the new size applies at its next start",
-                    vm.name
-                ),
-            ));
-        }
-        let session = self.session(OP).await?;
-        reconfigure_size(session, &vm.moref, to.cpus, memory_mib, self.vcenter.options.task_timeout)
-            .await
-            .map_err(provider_error(OP))
-    }
-}
-
-/// Migration: `RelocateVM_Task` to another ESXi host of the same vCenter and
-/// that host's root pool, disks left on their datastore (shared within a
-/// cluster): vMotion of a running VM, a cold relocation of one that is off.
-/// A target is named `<vcenter>/<host name>` ([`qualified`]).
-#[async_trait::async_trait]
-impl Migration for VsphereProvider {
-    fn target(&self) -> MigrationTarget {
-        MigrationTarget { host: self.node_name.clone(), address: qualified(&self.vcenter, &self.host) }
-    }
-
-    /// Errors: `NotFound` when this host has no such VM (it may have moved
-    /// already); `InvalidInput` for a target of another vCenter, one the
-    /// vCenter does not have, this host itself, or a power state that does
-    /// not fit the mode (live: powered on; cold: powered off); the task's
-    /// fault by its kind ([`provider_error`]); `Transient` when the task
-    /// outlives `timeout` (the move may still finish: the VM is then found
-    /// on the target).
-    #[instrument(skip(self), fields(provider = "vsphere", host = %self.host, vm.uid = %id, target = %to.host))]
-    async fn migrate(&self, id: &VmId, to: &MigrationTarget, mode: MigrationMode, timeout: Duration) -> Result<()> {
-        const OP: &str = "migrate VM";
-        let invalid = |message: String| ProviderError::new(OP, ErrorKind::InvalidInput, message);
-        let Some((vcenter, host_name)) = to.address.split_once('/') else {
-            return Err(invalid(format!(
-                "target {} has no vSphere address (<vcenter>/<host>): {:?}",
-                to.host, to.address
-            )));
-        };
-        if vcenter != self.vcenter.name {
-            return Err(invalid(format!(
-                "target {} is on vCenter {vcenter}, this VM on {}: vmlet moves VMs within one vCenter",
-                to.host, self.vcenter.name
-            )));
-        }
-        if host_name == self.host {
-            return Err(invalid(format!("target {} is the VM's own host {}", to.host, self.host)));
-        }
-        let vm = self.find_here(OP, id).await?;
-        let wanted = match mode {
-            MigrationMode::Live => PowerState::PoweredOn,
-            MigrationMode::Cold => PowerState::PoweredOff,
-        };
-        if vm.power_state != wanted {
-            return Err(invalid(format!(
-                "VM {} is {:?}; a {mode:?} migration moves a VM that is {wanted:?}",
-                vm.name, vm.power_state
-            )));
-        }
-        let hosts = self.vcenter.hosts().await.map_err(provider_error(OP))?;
-        let target = hosts
-            .iter()
-            .find(|h| h.name == host_name)
-            .ok_or_else(|| invalid(format!("vCenter {vcenter} has no host {host_name} (target {})", to.host)))?;
-        let pool = target.resource_pool.as_ref().ok_or_else(|| {
-            ProviderError::new(
-                OP,
-                ErrorKind::Permanent,
-                format!("vSphere reports no resource pool for host {host_name}"),
-            )
-        })?;
-        let session = self.session(OP).await?;
-        tracing::info!(vm.name = %vm.name, to = %host_name, ?mode, "relocating VM");
-        relocate_vm(session, &vm.moref, &target.moref, pool, timeout).await.map_err(provider_error(OP))
-    }
-
-    /// vmlet does not read a relocation task's progress: `None`.
-    async fn progress(&self, _id: &VmId) -> Result<Option<MigrationProgress>> {
-        Ok(None)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::soap::MoRef;
-
-    fn vm(power_state: PowerState, ip: Option<&str>) -> Vm {
-        Vm {
-            uid: "u-1".into(),
-            name: "ns_web".into(),
-            moref: MoRef::new("VirtualMachine", "vm-42"),
-            host: Some(MoRef::new("HostSystem", "host-21")),
-            power_state,
-            cpus: Some(2),
-            memory_bytes: Some(512 << 20),
-            ip_address: ip.map(|i| i.parse().unwrap()),
-        }
-    }
-
-    #[test]
-    fn a_running_vm_reports_its_size_moref_and_routable_address() {
-        let status = status_of(&vm(PowerState::PoweredOn, Some("10.0.0.7")));
-        assert_eq!((status.power, status.stop_reason), (VmPower::Running, None));
-        assert_eq!((status.backend_id.as_str(), status.backend_name.as_str()), ("vm-42", "ns_web"));
-        assert_eq!((status.cpus, status.memory_bytes, status.max_cpus), (2, 512 << 20, 2));
-        assert_eq!(status.addresses, vec!["10.0.0.7".parse::<IpAddr>().unwrap()]);
-        let link_local = status_of(&vm(PowerState::PoweredOn, Some("169.254.1.1")));
-        assert!(link_local.addresses.is_empty());
-    }
-
-    #[test]
-    fn a_powered_off_vm_is_off_for_an_unknown_reason_and_suspended_is_paused() {
-        let off = status_of(&vm(PowerState::PoweredOff, None));
-        assert_eq!((off.power, off.stop_reason), (VmPower::Off, Some(StopReason::Unknown)));
-        assert_eq!(status_of(&vm(PowerState::Suspended, None)).power, VmPower::Paused);
-    }
-
-    fn provider(templates: &[&str]) -> VsphereProvider {
-        let config = SessionConfig::new(
-            "https://127.0.0.1:1/sdk",
-            crate::Trust::Thumbprint("00".repeat(32).parse().unwrap()),
-            "u",
-            crate::Secret::new("p"),
-        );
-        let options =
-            VCenterOptions { templates: templates.iter().map(|t| (*t).to_owned()).collect(), ..Default::default() };
-        VsphereProvider::new(Arc::new(VCenter::new("vc1", config, options)), "DC0_C0_H0")
-    }
-
-    fn spec(image: &str) -> VmSpec {
-        VmSpec {
-            id: VmId("u-1".into()),
-            namespace: "tenant".into(),
-            name: "web".into(),
-            cpus: 1,
-            memory_bytes: 256 << 20,
-            max_cpus: None,
-            max_memory_bytes: None,
-            image: Some(image.into()),
-            image_backing_chain: None,
-            kernel_boot: None,
-            options: Default::default(),
-            cloud_init: None,
-            disks: vec![],
-            networks: vec![],
-        }
-    }
-
-    #[test]
-    fn a_template_the_config_does_not_allow_is_refused_naming_the_field_and_the_allowed_ones() {
-        let p = provider(&["template-c0", "template-h0"]);
-        assert_eq!(p.check_spec(&spec("template-c0")).unwrap(), "template-c0");
-        let error = p.check_spec(&spec("DC0_C0_RP0_VM1")).unwrap_err();
-        assert_eq!(error.kind, ErrorKind::InvalidInput);
-        assert_eq!(
-            error.message,
-            "spec.image: template \"DC0_C0_RP0_VM1\" is not one this vCenter allows (allowed: [template-c0, \
-             template-h0]); use one of them, or ask vmlet's administrator to add it to vcenters[].templates"
-        );
-    }
-
-    #[test]
-    fn options_networks_and_long_names_are_refused_before_anything_is_cloned() {
-        let p = provider(&["t"]);
-        let mut with_option = spec("t");
-        with_option.options.insert("folder".into(), "x".into());
-        let error = p.check_spec(&with_option).unwrap_err();
-        assert!(error.message.starts_with("spec.providerOptions.folder:"), "{}", error.message);
-        let mut with_network = spec("t");
-        with_network.networks.push(vmlet_provider::NetworkRequest { name: "lan".into(), mac: None });
-        assert!(p.check_spec(&with_network).unwrap_err().message.starts_with("spec.networks[0].name:"));
-        let mut long = spec("t");
-        long.name = "n".repeat(80);
-        assert!(p.check_spec(&long).unwrap_err().message.starts_with("metadata.name:"));
-        assert!(p.check_spec(&spec("")).unwrap_err().message.starts_with("spec.image:"));
-    }
-
-    #[test]
-    fn memory_is_rounded_up_to_the_4_mib_multiple_vsphere_requires() {
-        assert_eq!(memory_mib_of(256 << 20), 256);
-        assert_eq!(memory_mib_of((257 << 20) - 1), 260);
-        assert_eq!(memory_mib_of(1), 4);
-    }
-
-    #[test]
-    fn a_host_disconnected_not_responding_or_in_maintenance_is_not_ready_saying_which() {
-        let host = |state: ConnectionState, maintenance: bool| Host {
-            name: "esx-1".into(),
-            moref: MoRef::new("HostSystem", "host-1"),
-            cluster: None,
-            datacenter: "DC0".into(),
-            cpu_cores: Some(8),
-            memory_bytes: Some(1 << 35),
-            connection_state: state,
-            in_maintenance_mode: maintenance,
-            resource_pool: None,
-        };
-        assert_eq!(not_ready_reason(&host(ConnectionState::Connected, false)), None);
-        assert_eq!(
-            not_ready_reason(&host(ConnectionState::Connected, true)).as_deref(),
-            Some("ESXi host esx-1 is in maintenance mode")
-        );
-        assert_eq!(
-            not_ready_reason(&host(ConnectionState::Disconnected, false)).as_deref(),
-            Some("ESXi host esx-1 is disconnected from vCenter")
-        );
-        assert_eq!(
-            not_ready_reason(&host(ConnectionState::NotResponding, true)).as_deref(),
-            Some("ESXi host esx-1 is not responding to vCenter")
-        );
-    }
-
-    #[test]
-    fn a_host_is_named_with_its_vcenter() {
-        assert_eq!(provider(&[]).backend_host().as_deref(), Some("vc1/DC0_C0_H0"));
     }
 }

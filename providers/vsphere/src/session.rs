@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use reqwest::header::{HeaderValue, CONTENT_TYPE, COOKIE, SET_COOKIE};
-use tokio::sync::Mutex;
+use tokio::sync::{watch, Mutex};
 
 use crate::soap::{self, MoRef};
 use crate::tls::{self, PinnedVerifier, Trust};
@@ -117,6 +117,12 @@ pub struct Session {
     cookie: StdMutex<Option<Secret>>,
     /// Held while logging in, so that concurrent callers log in once.
     login: Mutex<()>,
+    /// How many logins succeeded: objects made for a session (a
+    /// `PropertyCollector`, its filters) die with it.
+    logins: watch::Sender<u64>,
+    /// How many tasks this session started and saw end ([`crate::vms`]'s
+    /// `wait_for_task`), so that the update cache knows when it must catch up.
+    tasks_ended: watch::Sender<u64>,
 }
 
 impl fmt::Debug for Session {
@@ -158,13 +164,23 @@ impl Session {
             .map_err(|source| Error::Transport { operation: "build HTTP client", url: config.url.clone(), source })?;
         let this = MoRef::new("ServiceInstance", "ServiceInstance");
         let body = soap::method("RetrieveServiceContent", &this, "");
-        let (response, _) = post(&http, &config.url, pinned.as_deref(), "RetrieveServiceContent", body, None).await?;
+        let (response, _) =
+            post(&http, &config.url, pinned.as_deref(), "RetrieveServiceContent", body, None, None).await?;
         let content = ServiceContent::from_response(&response).ok_or_else(|| Error::Response {
             operation: "RetrieveServiceContent",
             status: 200,
             reason: "the ServiceContent lacks rootFolder, propertyCollector, sessionManager or about".into(),
         })?;
-        let session = Session { config, http, pinned, content, cookie: StdMutex::new(None), login: Mutex::new(()) };
+        let session = Session {
+            config,
+            http,
+            pinned,
+            content,
+            cookie: StdMutex::new(None),
+            login: Mutex::new(()),
+            logins: watch::Sender::new(0),
+            tasks_ended: watch::Sender::new(0),
+        };
         session.login().await?;
         Ok(session)
     }
@@ -185,7 +201,7 @@ impl Session {
     pub async fn logout(&self) -> Result<(), Error> {
         let body = soap::method("Logout", &self.content.session_manager, "");
         let cookie = self.cookie();
-        let result = self.post("Logout", body, cookie.as_ref()).await;
+        let result = self.post("Logout", body, cookie.as_ref(), None).await;
         *self.cookie.lock().unwrap_or_else(|e| e.into_inner()) = None;
         result.map(|_| ())
     }
@@ -194,17 +210,53 @@ impl Session {
     /// returns the `<methodResponse>` element. On `NotAuthenticated` it logs
     /// in again, once, and repeats the call.
     pub(crate) async fn call(&self, method: &'static str, this: &MoRef, args: &str) -> Result<Element, Error> {
+        self.call_until(method, this, args, None).await
+    }
+
+    /// As [`Session::call`], each HTTP request bounded by `timeout` instead
+    /// of [`SessionConfig::request_timeout`] (a `WaitForUpdatesEx` that the
+    /// server may hold open for its `maxWaitSeconds`).
+    pub(crate) async fn call_until(
+        &self,
+        method: &'static str,
+        this: &MoRef,
+        args: &str,
+        timeout: Option<Duration>,
+    ) -> Result<Element, Error> {
         let body = soap::method(method, this, args);
         let cookie = self.cookie();
-        match self.post(method, body.clone(), cookie.as_ref()).await {
+        match self.post(method, body.clone(), cookie.as_ref(), timeout).await {
             Err(error) if error.fault() == Some("NotAuthenticated") => {
                 tracing::info!(vsphere.url = %self.config.url, method, "session expired (NotAuthenticated): logging in again");
                 self.relogin(cookie.as_ref()).await?;
                 let cookie = self.cookie();
-                self.post(method, body, cookie.as_ref()).await
+                self.post(method, body, cookie.as_ref(), timeout).await
             }
             result => result,
         }
+    }
+
+    /// How many times this session logged in (1 after connect; one more per
+    /// re-login after `NotAuthenticated`), and a receiver told of each next one.
+    pub(crate) fn logins(&self) -> watch::Receiver<u64> {
+        self.logins.subscribe()
+    }
+
+    /// Counts a task of this session that ended (success, fault or deadline).
+    pub(crate) fn task_ended(&self) {
+        self.tasks_ended.send_modify(|n| *n += 1);
+    }
+
+    /// How many tasks of this session ended so far, and a receiver told of
+    /// each next one.
+    pub(crate) fn tasks_ended(&self) -> watch::Receiver<u64> {
+        self.tasks_ended.subscribe()
+    }
+
+    /// A guard that counts a task as ended ([`Session::task_ended`]) when
+    /// dropped: when its waiter returns, fails or is cancelled.
+    pub(crate) fn task_guard(&self) -> TaskGuard<'_> {
+        TaskGuard(self)
     }
 
     fn cookie(&self) -> Option<Secret> {
@@ -232,25 +284,42 @@ impl Session {
             escape(self.config.password.expose())
         );
         let body = soap::method("Login", &self.content.session_manager, &args);
-        let (_, cookie) = post(&self.http, &self.config.url, self.pinned.as_deref(), "Login", body, None).await?;
+        let (_, cookie) = post(&self.http, &self.config.url, self.pinned.as_deref(), "Login", body, None, None).await?;
         let cookie = cookie.ok_or_else(|| Error::Response {
             operation: "Login",
             status: 200,
             reason: "no vmware_soap_session cookie in the answer".into(),
         })?;
         *self.cookie.lock().unwrap_or_else(|e| e.into_inner()) = Some(cookie);
+        self.logins.send_modify(|n| *n += 1);
         Ok(())
     }
 
-    async fn post(&self, operation: &'static str, body: String, cookie: Option<&Secret>) -> Result<Element, Error> {
-        post(&self.http, &self.config.url, self.pinned.as_deref(), operation, body, cookie)
+    async fn post(
+        &self,
+        operation: &'static str,
+        body: String,
+        cookie: Option<&Secret>,
+        timeout: Option<Duration>,
+    ) -> Result<Element, Error> {
+        post(&self.http, &self.config.url, self.pinned.as_deref(), operation, body, cookie, timeout)
             .await
             .map(|(element, _)| element)
     }
 }
 
-/// POSTs one method envelope; returns the response element and the session
-/// cookie the server set, if any.
+/// Counts a task as ended when dropped ([`Session::task_guard`]).
+pub(crate) struct TaskGuard<'a>(&'a Session);
+
+impl Drop for TaskGuard<'_> {
+    fn drop(&mut self) {
+        self.0.task_ended();
+    }
+}
+
+/// POSTs one method envelope (within `timeout` when given, else the
+/// client's); returns the response element and the session cookie the
+/// server set, if any.
 async fn post(
     http: &reqwest::Client,
     url: &str,
@@ -258,12 +327,16 @@ async fn post(
     operation: &'static str,
     method: String,
     cookie: Option<&Secret>,
+    timeout: Option<Duration>,
 ) -> Result<(Element, Option<Secret>), Error> {
     let mut request = http
         .post(url)
         .header(CONTENT_TYPE, "text/xml; charset=utf-8")
         .header("SOAPAction", format!("urn:vim25/{VIM_VERSION}"))
         .body(soap::envelope(&method));
+    if let Some(timeout) = timeout {
+        request = request.timeout(timeout);
+    }
     if let Some(cookie) = cookie {
         let mut value = HeaderValue::from_str(cookie.expose()).map_err(|_| Error::Response {
             operation,

@@ -43,6 +43,46 @@ pub struct Vm {
     /// report it; `None` without Tools, before the guest has one, or when
     /// it is no IP address.
     pub ip_address: Option<std::net::IpAddr>,
+    /// CPU and memory hot-add, the ceilings vmlet recorded at the clone,
+    /// and a size waiting for the next start.
+    pub sizing: Sizing,
+}
+
+/// The `config.extraConfig` key of the vCPU ceiling of a live resize
+/// (vSphere has no such setting: vmlet records the VM's `maxCpu`).
+pub const MAX_CPUS_KEY: &str = "vmlet.io.maxCpus";
+
+/// The `config.extraConfig` key of the memory ceiling of a live resize, in
+/// MiB (the VM's `maxMemory`).
+pub const MAX_MEMORY_KEY: &str = "vmlet.io.maxMemoryMiB";
+
+/// The `config.extraConfig` key of the vCPUs a running VM gets at its next
+/// start (a resize it could not take live; vSphere holds one configuration).
+pub const NEXT_CPUS_KEY: &str = "vmlet.io.nextCpus";
+
+/// The `config.extraConfig` key of the memory, in MiB, a running VM gets at
+/// its next start.
+pub const NEXT_MEMORY_KEY: &str = "vmlet.io.nextMemoryMiB";
+
+/// Whether a running VM can grow, how far, and what it gets at its next
+/// start: `config.cpuHotAddEnabled`, `config.memoryHotAddEnabled`, the
+/// ceilings in [`MAX_CPUS_KEY`] and [`MAX_MEMORY_KEY`], the size in
+/// [`NEXT_CPUS_KEY`] and [`NEXT_MEMORY_KEY`]. A value that is absent, empty
+/// or not a number is `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sizing {
+    /// `config.cpuHotAddEnabled`.
+    pub cpu_hot_add: bool,
+    /// `config.memoryHotAddEnabled`.
+    pub memory_hot_add: bool,
+    /// [`MAX_CPUS_KEY`].
+    pub max_cpus: Option<u32>,
+    /// [`MAX_MEMORY_KEY`] in bytes (MiB × 2²⁰).
+    pub max_memory_bytes: Option<u64>,
+    /// [`NEXT_CPUS_KEY`].
+    pub next_cpus: Option<u32>,
+    /// [`NEXT_MEMORY_KEY`] in bytes (MiB × 2²⁰).
+    pub next_memory_bytes: Option<u64>,
 }
 
 /// vim25 `VirtualMachinePowerState`.
@@ -59,7 +99,8 @@ pub enum PowerState {
 }
 
 impl PowerState {
-    fn parse(value: &str) -> PowerState {
+    /// The state vSphere writes as `value` (`VirtualMachinePowerState`).
+    pub(crate) fn parse(value: &str) -> PowerState {
         match value {
             "poweredOn" => PowerState::PoweredOn,
             "poweredOff" => PowerState::PoweredOff,
@@ -71,8 +112,13 @@ impl PowerState {
 
 const UID_PATH: &str = r#"config.extraConfig["vmlet.io.uid"]"#;
 
+const MAX_CPUS_PATH: &str = r#"config.extraConfig["vmlet.io.maxCpus"]"#;
+const MAX_MEMORY_PATH: &str = r#"config.extraConfig["vmlet.io.maxMemoryMiB"]"#;
+const NEXT_CPUS_PATH: &str = r#"config.extraConfig["vmlet.io.nextCpus"]"#;
+const NEXT_MEMORY_PATH: &str = r#"config.extraConfig["vmlet.io.nextMemoryMiB"]"#;
+
 /// The properties read of every VM.
-const VM_PATHS: [&str; 7] = [
+pub(crate) const VM_PATHS: [&str; 13] = [
     "name",
     "runtime.host",
     "runtime.powerState",
@@ -80,6 +126,12 @@ const VM_PATHS: [&str; 7] = [
     "config.hardware.memoryMB",
     "guest.ipAddress",
     UID_PATH,
+    "config.cpuHotAddEnabled",
+    "config.memoryHotAddEnabled",
+    MAX_CPUS_PATH,
+    MAX_MEMORY_PATH,
+    NEXT_CPUS_PATH,
+    NEXT_MEMORY_PATH,
 ];
 
 /// The `specSet` content that walks datacenters' VM folders to their VMs
@@ -99,13 +151,18 @@ pub async fn list_vms(session: &Session) -> Result<Vec<Vm>, Error> {
     Ok(vms_from_objects(&properties::retrieve(session, &spec).await?))
 }
 
-fn vms_from_objects(objects: &[ObjectContent]) -> Vec<Vm> {
+pub(crate) fn vms_from_objects(objects: &[ObjectContent]) -> Vec<Vm> {
     let mut vms: Vec<Vm> = objects
         .iter()
         .filter(|o| o.obj.kind == "VirtualMachine")
         .filter_map(|vm| {
             // The value is an OptionValue: <key>vmlet.io.uid</key><value>…</value>.
+            // An empty value is none (vSphere removes a key set to ""; a
+            // template made from a snapshot clears it so).
             let uid = vm.get(UID_PATH)?.child_text("value")?.trim().to_owned();
+            if uid.is_empty() {
+                return None;
+            }
             Some(Vm {
                 uid,
                 name: vm.text("name").unwrap_or_default().to_owned(),
@@ -118,11 +175,27 @@ fn vms_from_objects(objects: &[ObjectContent]) -> Vec<Vm> {
                     .and_then(|v| v.parse::<u64>().ok())
                     .map(|mib| mib << 20),
                 ip_address: vm.text("guest.ipAddress").and_then(|v| v.parse().ok()),
+                sizing: sizing_of(vm),
             })
         })
         .collect();
     vms.sort_by(|a, b| a.name.cmp(&b.name));
     vms
+}
+
+/// The hot-add settings, recorded ceilings and next-start size of one VM's
+/// properties.
+fn sizing_of(vm: &ObjectContent) -> Sizing {
+    let option = |path: &str| vm.get(path).and_then(|v| v.child_text("value")).map(|v| v.trim().to_owned());
+    let mib = |path: &str| option(path).and_then(|v| v.parse::<u64>().ok()).and_then(|mib| mib.checked_mul(1 << 20));
+    Sizing {
+        cpu_hot_add: vm.text("config.cpuHotAddEnabled") == Some("true"),
+        memory_hot_add: vm.text("config.memoryHotAddEnabled") == Some("true"),
+        max_cpus: option(MAX_CPUS_PATH).and_then(|v| v.parse().ok()),
+        max_memory_bytes: mib(MAX_MEMORY_PATH),
+        next_cpus: option(NEXT_CPUS_PATH).and_then(|v| v.parse().ok()),
+        next_memory_bytes: mib(NEXT_MEMORY_PATH),
+    }
 }
 
 /// Powers `vm` on (`PowerOnVM_Task`) and waits for the task, at most
@@ -184,6 +257,9 @@ pub(crate) async fn wait_for_task(
     started: Instant,
     deadline: Duration,
 ) -> Result<Option<crate::xml::Element>, Error> {
+    // Counted when this returns or is dropped: the task may have changed
+    // the VM either way (the update cache catches up on it).
+    let _ended = session.task_guard();
     let until = started + deadline;
     let spec = prop_set("Task", &["info.state", "info.error", "info.result"]) + &object_set(task, &[]);
     let mut pause = Duration::from_millis(100);

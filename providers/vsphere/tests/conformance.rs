@@ -25,6 +25,7 @@ fn options() -> VCenterOptions {
         templates: vec![TEMPLATE.into(), "template-h0".into()],
         clone_timeout: Duration::from_secs(60),
         task_timeout: Duration::from_secs(30),
+        ..VCenterOptions::default()
     }
 }
 
@@ -103,7 +104,7 @@ async fn vsphere_conforms() {
             // ShutdownGuest: the simulator's guests run Tools and power off.
             soft_stop: true,
             sees_whole_backend: true,
-            resize_live: false,
+            resize_live: true,
             resize_next_start: true,
             migrate_live: true,
             migrate_cold: true,

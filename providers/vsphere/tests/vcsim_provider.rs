@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use vmlet_provider::{ErrorKind, Provider, VmId, VmSpec};
 use vmlet_vsphere::{
-    clone_vm, destroy_vm, list_hosts, list_templates, list_vms, CloneRequest, Session, VCenter, VCenterOptions,
-    VsphereProvider,
+    clone_vm, destroy_vm, list_hosts, list_templates, list_vms, CloneRequest, Hardware, Session, VCenter,
+    VCenterOptions, VsphereProvider,
 };
 
 const NS: &str = "vmlet-vs-provider";
@@ -22,6 +22,7 @@ fn vcenter(h: &common::Harness) -> Arc<VCenter> {
         templates: vec!["template-c0".into(), "template-h0".into()],
         clone_timeout: Duration::from_secs(60),
         task_timeout: Duration::from_secs(30),
+        ..VCenterOptions::default()
     };
     Arc::new(VCenter::new("vcsim", h.config(), options))
 }
@@ -133,9 +134,11 @@ async fn two_vms_with_one_uid_stop_vmlet_from_touching_either() {
         name: "twin-copy",
         host: &host.moref,
         pool: host.resource_pool.as_ref().unwrap(),
+        datastore: None,
+        snapshot: None,
         uid,
-        cpus: 1,
-        memory_mib: 128,
+        hardware: Hardware { cpus: 1, memory_mib: 128, max_cpus: 1, max_memory_mib: 128 },
+        nics: &[],
     };
     let copy = clone_vm(session, &request, Duration::from_secs(30)).await.expect("clone the copy");
     let error = provider.start(&spec.id).await.expect_err("started one of two VMs with one UID");

@@ -12,7 +12,11 @@
 //! snapshot likewise: its back-end name is the one vmlet gives it, and its VM
 //! the one of the pod's namespace it names, by UID. The
 //! new disk goes under the host's first storage root, named after the
-//! namespace, the new VM and the restore's UID.
+//! namespace, the new VM and the restore's UID; on a back end whose images
+//! are its own catalog's ([`vmlet_provider::ImageReference::Catalog`]: a
+//! vSphere template) the snapshot becomes an image of that name there
+//! ([`vmlet_provider::Snapshots::export_snapshot_image`]), which the back end
+//! lets only that namespace's VMs boot.
 
 use super::backup_files::{checked_files, BackupFiles};
 use super::{end, log_line, mib, Outcome};
@@ -31,7 +35,7 @@ use kube::{Api, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
-use vmlet_provider::VmId;
+use vmlet_provider::{restored_image_name, ImageReference, VmId};
 
 /// How long making a disk may take.
 const RESTORE_DEADLINE: Duration = Duration::from_secs(3600);
@@ -103,24 +107,42 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         );
         return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
     }
-    let Some(root) = agent.storage.roots().first().cloned() else {
-        let message = format!("host {} has no storage roots to put the restored disk in", agent.host.name);
-        return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
+    // Where the back end's images are its own catalog's (a vSphere
+    // template), the new VM's image is made there under vmlet's name, and no
+    // host file is written.
+    let catalog = agent.provider.image_reference() == ImageReference::Catalog;
+    let restore_uid = restore.uid().unwrap_or_default();
+    let target = match (&source, catalog) {
+        (DiskSource::Snapshot { .. }, true) => restored_image_name(&namespace, vm_name, &restore_uid),
+        (DiskSource::Backup(_), true) => {
+            let message = format!(
+                "host {} ({}) keeps images in its back end's catalog and cannot make a disk from a backup file",
+                agent.host.name,
+                agent.host.describe(agent.provider.kind())
+            );
+            return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
+        }
+        (_, false) => {
+            let Some(root) = agent.storage.roots().first().cloned() else {
+                let message = format!("host {} has no storage roots to put the restored disk in", agent.host.name);
+                return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
+            };
+            let target =
+                format!("{}/{}", root.trim_end_matches('/'), restored_disk_name(&namespace, vm_name, &restore_uid));
+            if let Err(why) = check_host_file(agent.storage.roots(), agent.storage.resolves_links(), &target).await {
+                let message =
+                    format!("the restored disk {target:?} {why}; check host {}'s storageRoots", agent.host.name);
+                return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
+            }
+            target
+        }
     };
-    let target = format!(
-        "{}/{}",
-        root.trim_end_matches('/'),
-        restored_disk_name(&namespace, vm_name, &restore.uid().unwrap_or_default())
-    );
-    if let Err(why) = check_host_file(agent.storage.roots(), agent.storage.resolves_links(), &target).await {
-        let message = format!("the restored disk {target:?} {why}; check host {}'s storageRoots", agent.host.name);
-        return fail(pod, agent, mine.then_some((&restores, name)), &message).await;
-    }
+    let made = if catalog { "image" } else { "disk" };
     let claim = serde_json::json!({"status": {
         "phase": OperationPhase::Running,
         "jobName": job.name_any(),
         "nodeName": agent.host.name,
-        "message": format!("making disk {target} from {}", source_name(&restore)),
+        "message": format!("making {made} {target} from {}", source_name(&restore)),
     }});
     restores
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&claim))
@@ -128,30 +150,40 @@ pub(super) async fn sync(pod: &Pod, agent: &Arc<Agent>, name: &str, job: &Job) -
         .map_err(kube("write the VirtualMachineRestore status of"))?;
     end(pod, agent, Outcome::Running).await?;
     agent.task_started(&pod_uid);
-    log_line(agent, &pod_uid, &format!("restoring {} ({source}) to disk {target}", source_name(&restore)));
+    log_line(agent, &pod_uid, &format!("restoring {} ({source}) to {made} {target}", source_name(&restore)));
     let agent = Arc::clone(agent);
     let pod = pod.clone();
     let name = name.to_owned();
     tokio::spawn(async move {
+        // The bytes of a disk file made; none for a catalog's image.
         let result = match &source {
             DiskSource::Backup(file) => {
                 let capability = agent.provider.backup().expect("checked before the task started");
-                capability.restore_disk(file, &target, RESTORE_DEADLINE).await
+                capability.restore_disk(file, &target, RESTORE_DEADLINE).await.map(Some)
+            }
+            DiskSource::Snapshot { vm, name } if catalog => {
+                let capability = agent.provider.snapshots().expect("checked before the task started");
+                capability.export_snapshot_image(vm, name, &target, RESTORE_DEADLINE).await.map(|()| None)
             }
             DiskSource::Snapshot { vm, name } => {
                 let capability = agent.provider.snapshots().expect("checked before the task started");
-                capability.export_snapshot_disk(vm, name, &target, RESTORE_DEADLINE).await
+                capability.export_snapshot_disk(vm, name, &target, RESTORE_DEADLINE).await.map(Some)
             }
         };
         let (patch, message, ok) = match result {
-            Ok(bytes) => {
+            Ok(Some(bytes)) => {
                 info!(restore = %name, disk = %target, bytes, "restored disk made");
                 let message = format!("disk {target} made from {source}: {}", mib(bytes));
                 (serde_json::json!({"status": {"disk": target, "bytes": bytes, "message": message}}), message, true)
             }
+            Ok(None) => {
+                info!(restore = %name, image = %target, "restored image made");
+                let message = format!("image {target} made from {source}");
+                (serde_json::json!({"status": {"disk": target, "message": message}}), message, true)
+            }
             Err(e) => {
                 warn!(restore = %name, error = %e, "restore failed");
-                let message = format!("making disk {target} failed: {e}");
+                let message = format!("making {made} {target} failed: {e}");
                 (serde_json::json!({"status": {"phase": OperationPhase::Failed, "message": message}}), message, false)
             }
         };
