@@ -73,6 +73,10 @@ struct World {
     /// Whether the scenario allows a VM without a placement record on a host
     /// (the record was lost on purpose).
     record_may_be_missing: bool,
+    /// What happens in the world while an agent's define runs (a slow back
+    /// end), once: the race the agent's guarded placement write and its
+    /// fresh reads before the power-on must catch.
+    meanwhile: Option<fn(&mut World)>,
 }
 
 impl World {
@@ -89,6 +93,7 @@ impl World {
             due: BTreeSet::new(),
             shutdown_asked: BTreeMap::new(),
             record_may_be_missing: false,
+            meanwhile: None,
         }
     }
 
@@ -304,14 +309,31 @@ impl World {
                 }
                 on_host.expect("running here")
             }
-            StartStep::Start { record } | StartStep::DefineAndStart { record } => {
+            StartStep::Start { record: write_record } | StartStep::DefineAndStart { record: write_record } => {
                 let host = self.host(node);
-                let status = match on_host {
-                    Some(status) => status,
-                    None => host.ensure_defined(&pod_vm.spec).await?,
+                let (status, defined_now) = match on_host {
+                    Some(status) => (status, false),
+                    None => (host.ensure_defined(&pod_vm.spec).await?, true),
                 };
-                if record {
-                    self.set_record(node);
+                if let Some(meanwhile) = self.meanwhile.take() {
+                    meanwhile(self);
+                }
+                // As super::pods::start_vm: the guarded placement write (or a
+                // fresh read) proves the VM still wants this pod, then the
+                // pod watch that the pod is not going away; else a
+                // definition this pass made is removed and nothing starts.
+                let still_wanted =
+                    if write_record { self.record_here(pod, node, record.as_deref()) } else { self.wanted(pod) };
+                let still_wanted = still_wanted.and_then(|()| match self.pods.get(&name) {
+                    Some(now) if now.uid() == pod.uid() && now.metadata.deletion_timestamp.is_none() => Ok(()),
+                    _ => Err("the pod is being deleted"),
+                });
+                if still_wanted.is_err() {
+                    if defined_now {
+                        self.host(node).undefine(&id).await?;
+                    }
+                    self.due.insert(name); // requeued, as an abandoned pass is
+                    return Ok(());
                 }
                 let host = self.host(node);
                 host.start(&id).await?;
@@ -350,6 +372,26 @@ impl World {
         }
         self.due.insert(name); // the agent looks again soon (TRANSITION)
         Ok(())
+    }
+
+    /// The placement write of [`super::pods`] (`record_here`): guarded by
+    /// the VirtualMachine's resourceVersion, so it is decided on the VM as
+    /// it is now (a stale copy costs the agent a conflict and a fresh read).
+    /// Refused when the VM no longer wants `pod` or the record no longer
+    /// names `expected`.
+    fn record_here(&mut self, pod: &Pod, node: &str, expected: Option<&str>) -> Result<(), &'static str> {
+        self.wanted(pod)?;
+        if self.record() != expected {
+            return Err("the placement record changed meanwhile");
+        }
+        self.set_record(node);
+        Ok(())
+    }
+
+    /// The fresh read of [`super::pods`] (`wanted`): whether the
+    /// VirtualMachine as it is now still wants to run through `pod`.
+    fn wanted(&self, pod: &Pod) -> Result<(), &'static str> {
+        unwanted(pod, &self.id().0, &self.vm).map_or(Ok(()), Err)
     }
 
     fn set_record(&mut self, node: &str) {
@@ -541,5 +583,67 @@ async fn a_host_that_stops_answering_keeps_its_pod_running_and_restarts_nothing(
         world.run_until("the condition cleared", |w| !silent(w)).await;
         assert!(world.running_on("host-a"), "{changes:?}");
         assert_eq!(world.host("host-a").calls("start", &id), 1, "{changes:?}: nothing was restarted");
+    }
+}
+
+/// A slow define on host-a, during which `meanwhile` happens: run until the
+/// agent's pass has ended and nothing is due, for each mode.
+async fn raced(changes: Changes, meanwhile: fn(&mut World)) -> World {
+    let mut world = World::new(changes, VmBuilder::new("web").build());
+    world.meanwhile = Some(meanwhile);
+    world.run_until("the raced pass to be over and nothing due", |w| w.meanwhile.is_none() && w.due.is_empty()).await;
+    world
+}
+
+#[tokio::test]
+async fn a_vm_scaled_to_zero_while_it_is_defined_is_undefined_again_and_never_powered_on() {
+    for changes in BOTH {
+        let mut world = raced(changes, |w| w.scale(0)).await;
+        let id = world.id();
+        assert_eq!(world.host("host-a").calls("define", &id), 1, "{changes:?}: the raced define ran");
+        assert_eq!(world.host("host-a").calls("start", &id), 0, "{changes:?}: powered on after the scale to 0");
+        assert!(world.holders().0.is_empty(), "{changes:?}: the late definition was left on {:?}", world.holders().0);
+        assert_eq!(world.record(), None, "{changes:?}: a VM that never ran is recorded somewhere");
+        world.run_until("the pod gone", |w| w.pods.is_empty()).await;
+
+        world.scale(1);
+        world.run_until("running on host-a after the scale to 1", |w| w.running_on("host-a")).await;
+        assert_eq!(world.host("host-a").calls("start", &id), 1, "{changes:?}");
+        assert_eq!(world.holders().0, ["host-a"], "{changes:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_vm_deleted_while_it_is_defined_is_undefined_again_and_never_powered_on() {
+    for changes in BOTH {
+        let world = raced(changes, |w| {
+            w.vm.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+        })
+        .await;
+        let id = world.id();
+        assert_eq!(world.host("host-a").calls("define", &id), 1, "{changes:?}: the raced define ran");
+        assert_eq!(world.host("host-a").calls("start", &id), 0, "{changes:?}: a VM being deleted was powered on");
+        assert!(world.holders().0.is_empty(), "{changes:?}: the late definition was left on {:?}", world.holders().0);
+        assert_eq!(world.record(), None, "{changes:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_pod_deleted_while_its_vm_is_defined_starts_nothing_and_its_replacement_runs_the_vm_once() {
+    for changes in BOTH {
+        let mut world = raced(changes, |w| {
+            let first = w.live_pod().expect("the pod being synced").name_any();
+            w.delete_pod(&first);
+        })
+        .await;
+        let id = world.id();
+        assert_eq!(world.host("host-a").calls("start", &id), 0, "{changes:?}: powered on for a pod being deleted");
+        assert!(world.holders().0.is_empty(), "{changes:?}: the late definition was left on {:?}", world.holders().0);
+        // The placement write came before the pod's deletion was seen, so
+        // the record names host-a: the replacement pod is pinned there.
+        world.run_until("running on host-a through a new pod", |w| w.running_on("host-a")).await;
+        assert_eq!(world.host("host-a").calls("define", &id), 2, "{changes:?}: the raced define and the real one");
+        assert_eq!(world.host("host-a").calls("start", &id), 1, "{changes:?}: powered on once");
+        assert_eq!(world.pods.len(), 1, "{changes:?}: the first pod's deletion finished: {:?}", world.pods.keys());
     }
 }
