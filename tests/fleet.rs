@@ -330,3 +330,92 @@ async fn three_processes_keep_thirty_vms_through_a_stopped_and_a_killed_leader()
         assert_eq!(after.get(vm), Some(pod), "VirtualMachine {vm}'s pod changed");
     }
 }
+
+/// The objects of `deploy/controller.yaml` by kind.
+fn controller_manifest() -> BTreeMap<String, serde_json::Value> {
+    use serde::Deserialize as _;
+    let text = std::fs::read_to_string(common::repo().join("deploy/controller.yaml")).expect("deploy/controller.yaml");
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|document| {
+            let object = serde_json::Value::deserialize(document).expect("a YAML object");
+            (object["kind"].as_str().expect("an object with a kind").to_owned(), object)
+        })
+        .collect()
+}
+
+/// `deploy/controller.yaml`, the controllers as a Deployment, as the API
+/// server and vmlet take it: the API server accepts both objects as
+/// written (server-side dry run), and two replicas run as its containers
+/// would (the Deployment's arguments and ConfigMap config, under the
+/// ServiceAccount it names, with the namespace, listen address and state
+/// directory of the test): one leads and reconciles VMs served by an agent
+/// that runs no controller, its `/metrics` answers the API server's client
+/// (the controller role's reviews), and when it is stopped as a rollout
+/// stops it (SIGTERM) the other takes over.
+#[tokio::test]
+async fn the_controllers_deployment_elects_one_of_its_replicas_under_the_controller_identity() {
+    let mut env = TestEnv::new("fleet-deploy").await;
+    let cluster = common::cluster();
+    let mut dry_run = std::process::Command::new(cluster.bin.join("kubectl"));
+    dry_run.env("KUBECONFIG", &cluster.kubeconfig).args(["apply", "--dry-run=server", "-f"]);
+    dry_run.arg(common::repo().join("deploy/controller.yaml"));
+    let out = common::deadline::output_within(&mut dry_run, Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "the API server refused deploy/controller.yaml: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let manifest = controller_manifest();
+    let pod = &manifest["Deployment"]["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "vmlet-controller", "the identity common::controller_identity runs as");
+    let args: Vec<String> = serde_json::from_value(pod["containers"][0]["args"].clone()).expect("container args");
+    let config_text = manifest["ConfigMap"]["data"]["config.yaml"].as_str().expect("config.yaml in the ConfigMap");
+    let config: serde_json::Value = serde_yaml::from_str(config_text).expect("the ConfigMap's config");
+    assert_eq!((&config["controller"], &config["hosts"]), (&json!(true), &json!([])), "{config}");
+
+    env.start_agent(&[Host::new("a", test_driver_uri("host-a.xml"))]);
+    env.wait_node_ready(&env.node("a")).await;
+    let mut ports = BTreeMap::new();
+    for name in ["replica-1", "replica-2"] {
+        let port = common::free_port_range(1);
+        let mut replica = config.clone();
+        replica["namespace"] = json!(env.ns);
+        replica["leaderElection"]["namespace"] = json!(env.ns);
+        replica["identity"] = json!(env.identity(name));
+        replica["stateDir"] = json!(env.dir.join(format!("{name}-state")));
+        replica["kubeletApi"] = common::kubelet_api_config(port);
+        env.start_controller_replica(name, &replica, &args);
+        ports.insert(name, port);
+    }
+
+    let leader = wait_leader(&env).await;
+    let (leading, following) = if leader == env.identity("replica-1") {
+        ("replica-1", "replica-2")
+    } else {
+        assert_eq!(leader, env.identity("replica-2"), "the election Lease is held by no replica");
+        ("replica-2", "replica-1")
+    };
+    env.wait_for("vmlet_controller_leader 1 at the leader and 0 at the other replica", || async {
+        let gauges = (leader_gauge(ports[leading]).await, leader_gauge(ports[following]).await);
+        (gauges == (Some(1), Some(0))).then_some(())
+    })
+    .await;
+    env.apply_vm("web", vm_on(&env.node("a")));
+    env.wait_vm_phase("web", "Running").await;
+
+    let status = env.terminate_member(leading);
+    assert!(status.success(), "replica {leading} exited with {status} on SIGTERM");
+    let follower = env.identity(following);
+    env.wait_for("the other replica to hold the election Lease", || async {
+        (holder(&env).await.as_deref() == Some(follower.as_str())).then_some(())
+    })
+    .await;
+    env.kubectl(&["scale", "virtualmachine/web", "--replicas=0"]);
+    env.wait_vm_phase("web", "Stopped").await;
+    for log in [format!("{leading}.log"), format!("{following}.log")] {
+        let text = std::fs::read_to_string(env.dir.join(&log)).expect("a replica's log");
+        let forbidden: Vec<&str> = text.lines().filter(|l| l.contains("forbidden")).collect();
+        assert!(forbidden.is_empty(), "{log}: the controller role lacks something:\n{}", forbidden.join("\n"));
+    }
+}

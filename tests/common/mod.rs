@@ -334,6 +334,20 @@ fn kill_vmlet_process(child: Option<Child>) {
 /// API port of its own, the first's + its index.
 pub const MAX_NODES_PER_PROCESS: u16 = 8;
 
+/// The `kubeletApi` section of a test's vmlet listening on
+/// `127.0.0.1:<port>`: served with the cluster's kubelet-serving
+/// certificate (so the API server, and `common::kubelet`, verify it
+/// against the cluster CA), accepting the API server's client certificate.
+pub fn kubelet_api_config(port: u16) -> serde_json::Value {
+    let pki = cluster().kubeconfig.parent().unwrap().join("pki");
+    json!({
+        "listen": format!("127.0.0.1:{port}"),
+        "tlsCertFile": pki.join("kubelet-serving.crt"),
+        "tlsKeyFile": pki.join("kubelet-serving.key"),
+        "clientCaFile": pki.join("ca.crt"),
+    })
+}
+
 /// The first of `count` consecutive ports free on 127.0.0.1 now (each
 /// bound and released once to find out).
 pub fn free_port_range(count: u16) -> u16 {
@@ -455,12 +469,7 @@ impl TestEnv {
     /// ([`agent_identity`]), the controller as kube-system/vmlet-controller
     /// ([`controller_identity`]).
     pub fn start_split(&mut self, hosts: &[Host<'_>]) {
-        let config = self.vmlet_config(hosts, false, "vmlet");
-        std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
-        if self.vmlet_kubeconfig.is_none() {
-            self.vmlet_kubeconfig = Some(agent_identity().clone());
-        }
-        self.restart_vmlet();
+        self.start_agent(hosts);
         let port = self.kubelet_port;
         let mut controller = self.vmlet_config(&[], true, "controller");
         controller["stateDir"] = json!(self.dir.join("controller-state"));
@@ -468,6 +477,19 @@ impl TestEnv {
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
         std::fs::write(self.dir.join("controller.yaml"), serde_yaml::to_string(&controller).unwrap()).unwrap();
         self.start_controller();
+    }
+
+    /// Start vmlet serving `hosts` with `controller: false`, as
+    /// ServiceAccount kube-system/vmlet-agent ([`agent_identity`]) unless
+    /// [`TestEnv::vmlet_kubeconfig`] names another: the hosts' agent of a
+    /// fleet whose controllers run elsewhere. Its log is `<dir>/vmlet.log`.
+    pub fn start_agent(&mut self, hosts: &[Host<'_>]) {
+        let config = self.vmlet_config(hosts, false, "vmlet");
+        std::fs::write(self.dir.join("vmlet.yaml"), serde_yaml::to_string(&config).unwrap()).unwrap();
+        if self.vmlet_kubeconfig.is_none() {
+            self.vmlet_kubeconfig = Some(agent_identity().clone());
+        }
+        self.restart_vmlet();
     }
 
     /// Start the controller process of [`TestEnv::start_split`] (again).
@@ -480,20 +502,44 @@ impl TestEnv {
         kill_vmlet_process(self.controller.take());
     }
 
+    /// Start member `name`, a controller replica as `deploy/controller.yaml`
+    /// runs it: `vmlet <args>` (the Deployment's container arguments, whose
+    /// `--config` value is replaced by `<dir>/<name>.yaml`, where `config`
+    /// is written) as ServiceAccount kube-system/vmlet-controller
+    /// ([`controller_identity`]). The caller makes `config` fit the test
+    /// (namespace, listen address, state directory). Stopped like any
+    /// member ([`TestEnv::terminate_member`], [`TestEnv::kill_member`]).
+    pub fn start_controller_replica(&mut self, name: &str, config: &serde_json::Value, args: &[String]) {
+        let path = self.dir.join(format!("{name}.yaml"));
+        std::fs::write(&path, serde_yaml::to_string(config).unwrap()).unwrap();
+        let at = args.iter().position(|a| a == "--config").expect("the Deployment's args give --config") + 1;
+        let mut args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+        args[at] = path.into_os_string();
+        let child = self.spawn_vmlet_with(&args, &format!("{name}.log"), controller_identity());
+        self.members.push((name.to_owned(), child));
+    }
+
     /// `vmlet run --config <dir>/<config>` as `kubeconfig`'s identity, its
     /// log appended to `<dir>/<log>`.
     fn spawn_vmlet(&self, config: &str, log: &str, kubeconfig: &Path) -> Child {
+        let args = ["run".into(), "--config".into(), self.dir.join(config).into_os_string()];
+        self.spawn_vmlet_with(&args, log, kubeconfig)
+    }
+
+    /// `vmlet <args>` as `kubeconfig`'s identity, its log appended to
+    /// `<dir>/<log>`.
+    fn spawn_vmlet_with(&self, args: &[std::ffi::OsString], log: &str, kubeconfig: &Path) -> Child {
+        let line = args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join(log)).unwrap();
         Command::new(env!("CARGO_BIN_EXE_vmlet"))
-            .args(["run", "--config"])
-            .arg(self.dir.join(config))
+            .args(args)
             .env("KUBECONFIG", kubeconfig)
             .env("VMLET_LOG", "info,vmlet=debug,kube=warn")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .unwrap_or_else(|e| panic!("start vmlet with {config}: {e}"))
+            .unwrap_or_else(|e| panic!("vmlet {line}: {e}"))
     }
 
     /// The config of a vmlet serving `hosts` (labelled `vmlet.io/test=<ns>`,
@@ -520,7 +566,6 @@ impl TestEnv {
         self.nodes = hosts.iter().map(|h| self.node(h.suffix)).collect();
         let port = free_port_range(MAX_NODES_PER_PROCESS);
         self.kubelet_port = port;
-        let pki = cluster().kubeconfig.parent().unwrap().join("pki");
         json!({
             "namespace": self.ns,
             "trustedNamespaces": if self.untrusted { json!([]) } else { json!([self.ns]) },
@@ -528,12 +573,7 @@ impl TestEnv {
             "identity": self.identity(identity),
             "stateDir": self.dir.join("state"),
             "kubeletPort": port,
-            "kubeletApi": {
-                "listen": format!("127.0.0.1:{port}"),
-                "tlsCertFile": pki.join("kubelet-serving.crt"),
-                "tlsKeyFile": pki.join("kubelet-serving.key"),
-                "clientCaFile": pki.join("ca.crt"),
-            },
+            "kubeletApi": kubelet_api_config(port),
             "hosts": hosts_yaml,
         })
     }
