@@ -108,9 +108,13 @@ certs() {
   )
 }
 
+# Written to a temporary file and renamed over the old one: `up` runs again
+# at every test binary's start while others read these files (hack/run-tests.py
+# runs binaries side by side); a truncated file would send their kubectl to
+# localhost:8080.
 kubeconfig() { # file user
   local c=$DIR/pki
-  cat > "$1" <<KC
+  cat > "$1.tmp.$$" <<KC
 apiVersion: v1
 kind: Config
 clusters:
@@ -128,6 +132,7 @@ contexts:
   context: {cluster: local, user: $2, namespace: default}
 current-context: local
 KC
+  mv -f "$1.tmp.$$" "$1"
 }
 
 start() { # name args...

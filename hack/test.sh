@@ -16,8 +16,10 @@
 # test networks' VMLET_LIBVIRT_QEMU_NETWORK{,_PROBE,_GATEWAY} (the isolated
 # libvirt network vmlet-lan on qemu:///system; as root) and
 # VMLET_MIG_LAN_{BRIDGE,PROBE,GATEWAY} (the guest LAN of mig-a and mig-b), and
-# the harness's OS_* / VMLET_NOVA_* variables, then runs
-# `cargo test --workspace --no-fail-fast "$@"`. All stay running afterwards so
+# the harness's OS_* / VMLET_NOVA_* variables, then runs every test binary of
+# the workspace (hack/run-tests.py: three lanes at once, those that need
+# libvirtd apart from those that do not), or `cargo test --workspace --no-fail-fast "$@"` when
+# given arguments. All stay running afterwards so
 # the next run is fast, except with CI=true, where they are stopped on exit.
 # On failure it prints where the logs are and the last lines of each.
 set -euo pipefail
@@ -72,8 +74,23 @@ log "services up in $((SECONDS - SETUP_START))s"
 
 status=0
 TESTS_START=$SECONDS
-# --no-fail-fast: report every failing test binary, not just the first.
-cargo test --workspace --no-fail-fast "$@" || status=$?
+if (($# > 0)); then
+  # --no-fail-fast: report every failing test binary, not just the first.
+  cargo test --workspace --no-fail-fast "$@" || status=$?
+else
+  # Every test binary: built once, then run in three lanes at the same time,
+  # one for those that need no libvirtd and two for those that do
+  # (hack/run-tests.py says which and why), then the doc tests.
+  RUN_DIR=$REPO/target/test-run
+  mkdir -p "$RUN_DIR"
+  if cargo test --workspace --no-run --message-format=json-render-diagnostics >"$RUN_DIR/build.json"; then
+    log "test build took $((SECONDS - TESTS_START))s"
+    hack/run-tests.py "$RUN_DIR/build.json" "$RUN_DIR" || status=$?
+    cargo test --workspace --doc || status=$?
+  else
+    status=$?
+  fi
+fi
 log "cargo test (build and run) took $((SECONDS - TESTS_START))s"
 
 if ((status != 0)); then

@@ -33,8 +33,10 @@ pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     }
 }
 
-/// Default deadline for a condition to hold: generous, CI machines are slow.
-pub const DEADLINE: Duration = Duration::from_secs(180);
+/// Default deadline for a condition to hold: generous, CI machines are slow
+/// (two cores; test binaries run side by side, and a guest emulated by TCG
+/// while another binary's guests run took over 3 minutes to boot).
+pub const DEADLINE: Duration = Duration::from_secs(300);
 
 /// Deadline of `hack/cluster.sh up`: the first run builds the control plane
 /// from Go modules (about 15 minutes on 2 cores); later runs take seconds.
@@ -348,17 +350,26 @@ pub fn kubelet_api_config(port: u16) -> serde_json::Value {
     })
 }
 
+/// Where [`free_port_range`] looks: below Linux's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, 32768–60999 by default), so that no
+/// outgoing connection of any process takes a vmlet's port while it is
+/// down (a test restarts vmlet on the same port; test binaries run side by
+/// side, hack/run-tests.py).
+const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
 /// The first of `count` consecutive ports free on 127.0.0.1 now (each
-/// bound and released once to find out).
+/// bound and released once to find out), at a random place in
+/// [`TEST_PORTS`].
 pub fn free_port_range(count: u16) -> u16 {
-    for _ in 0..100 {
-        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let Some(last) = first.checked_add(count - 1) else { continue };
-        if (first + 1..=last).all(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()) {
+    use rand::RngExt as _;
+    let mut rng = rand::rng();
+    for _ in 0..200 {
+        let first = rng.random_range(TEST_PORTS.start..TEST_PORTS.end - count);
+        if (first..first + count).all(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()) {
             return first;
         }
     }
-    panic!("no {count} consecutive free ports on 127.0.0.1 in 100 tries");
+    panic!("no {count} consecutive free ports on 127.0.0.1 in {TEST_PORTS:?} in 200 tries");
 }
 
 /// How [`TestEnv::write_vmlet_on_vcenter`]'s vmlet trusts the vCenter's
