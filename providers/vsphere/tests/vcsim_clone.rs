@@ -46,22 +46,7 @@ fn unique_uid() -> String {
 
 fn spec(what: &str, image: &str) -> VmSpec {
     let uid = unique_uid();
-    VmSpec {
-        name: format!("{what}-{}", &uid[uid.len() - 8..]),
-        id: VmId(uid),
-        namespace: NS.into(),
-        cpus: 1,
-        memory_bytes: 256 << 20,
-        max_cpus: None,
-        max_memory_bytes: None,
-        image: Some(image.into()),
-        image_backing_chain: None,
-        kernel_boot: None,
-        options: Default::default(),
-        cloud_init: None,
-        disks: vec![],
-        networks: vec![],
-    }
+    common::vm_spec(NS, &format!("{what}-{}", &uid[uid.len() - 8..]), &uid, image)
 }
 
 fn network(name: &str) -> vmlet_provider::NetworkRequest {

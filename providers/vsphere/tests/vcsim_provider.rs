@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use vmlet_provider::{ErrorKind, Provider, VmId, VmSpec};
+use vmlet_provider::{ErrorKind, Provider, VmSpec};
 use vmlet_vsphere::{
     clone_vm, destroy_vm, list_hosts, list_templates, list_vms, CloneRequest, Hardware, Session, VCenter,
     VCenterOptions, VsphereProvider,
@@ -29,21 +29,10 @@ fn vcenter(h: &common::Harness) -> Arc<VCenter> {
 
 fn spec(name: &str, uid: &str, image: &str) -> VmSpec {
     VmSpec {
-        id: VmId(uid.into()),
-        namespace: NS.into(),
-        name: name.into(),
         cpus: 2,
         // Not a multiple of 4 MiB: vSphere's memoryMB must be, so 384 MiB.
         memory_bytes: (381 << 20) + 1,
-        max_cpus: None,
-        max_memory_bytes: None,
-        image: Some(image.into()),
-        image_backing_chain: None,
-        kernel_boot: None,
-        options: Default::default(),
-        cloud_init: None,
-        disks: vec![],
-        networks: vec![],
+        ..common::vm_spec(NS, name, uid, image)
     }
 }
 

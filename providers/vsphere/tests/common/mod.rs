@@ -10,7 +10,30 @@
 
 use std::path::PathBuf;
 
+use vmlet_provider::{VmId, VmSpec};
 use vmlet_vsphere::{Secret, SessionConfig, Thumbprint, Trust};
+
+/// A VM of `namespace` named `name` with UID `uid`, cloned from template
+/// `image`: 1 vCPU, 256 MiB, no ceilings, no networks, disks or cloud-init
+/// (a test changes the fields it is about).
+pub fn vm_spec(namespace: &str, name: &str, uid: &str, image: &str) -> VmSpec {
+    VmSpec {
+        id: VmId(uid.into()),
+        namespace: namespace.into(),
+        name: name.into(),
+        cpus: 1,
+        memory_bytes: 256 << 20,
+        max_cpus: None,
+        max_memory_bytes: None,
+        image: Some(image.into()),
+        image_backing_chain: None,
+        kernel_boot: None,
+        options: Default::default(),
+        cloud_init: None,
+        disks: vec![],
+        networks: vec![],
+    }
+}
 
 /// The simulator as the tests see it.
 pub struct Harness {
