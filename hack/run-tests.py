@@ -5,16 +5,16 @@
 
 BUILD_JSON is the output of `cargo test --workspace --no-run
 --message-format=json-render-diagnostics`: its `compiler-artifact` messages
-name each test executable. Three lanes run at once, each one binary after
+name each test executable. Lanes run at once, each one binary after
 another (the tests inside a binary run in parallel, as under `cargo test`):
 
 - lane "apart": the binaries that need no libvirtd: unit tests of every
   crate but the libvirt provider's, vmlet's tests in APART_TESTS (the
   control plane, libvirt's in-process test driver, the Nova harness, the
   vSphere simulator) and the OpenStack and vSphere providers' tests;
-- lanes "libvirtd-1" and "libvirtd-2": every other binary (real guests on
-  qemu:///system and the two harness hosts), taken from one queue, longest
-  first (ESTIMATED_SECONDS). Two rules keep them apart where they share
+- lanes "libvirtd-1" .. "libvirtd-<LIBVIRTD_LANES>": every other binary
+  (real guests on qemu:///system and the two harness hosts), taken from one
+  queue, longest first (ESTIMATED_SECONDS). Two rules keep them apart where they share
   more than a daemon: ALONE (tests/outage.rs stops libvirtd) runs first,
   while no other libvirtd binary runs; the binaries in MIG_HOSTS (the two
   harness hosts mig-a and mig-b and their LAN) run one at a time. A new test
@@ -45,6 +45,11 @@ MIG_HOSTS = {("vmlet", "migration"), ("vmlet", "networking"), ("vmlet-libvirt", 
 # Rough seconds of the long binaries (a warm CI run), to start them first.
 ESTIMATED_SECONDS = {"console": 125, "provisioner": 95, "qemu": 92, "backup": 75, "migration": 57,
                      "cloud_init": 45, "networking": 38, "snapshot": 35, "conformance": 33}
+# Lanes for the libvirtd binaries. Two were tried: the real guest of
+# tests/backup.rs's data-claim test then never answered an exec in 2 of 3
+# runs (root cause not found; it passed in every run of one binary at a
+# time), so the guests run one binary at a time, beside the "apart" lane.
+LIBVIRTD_LANES = 1
 # How long one test binary may run; then it is killed and counted failed.
 BINARY_DEADLINE = 30 * 60
 
@@ -147,7 +152,7 @@ def main():
     apart = sorted((b for b in found if b.apart), key=lambda b: b.key)
     queue = Queue([b for b in found if not b.apart])
     lanes = {"apart": (lambda: apart.pop(0) if apart else None, lambda _: None)}
-    for lane in ("libvirtd-1", "libvirtd-2"):
+    for lane in [f"libvirtd-{n}" for n in range(1, LIBVIRTD_LANES + 1)]:
         lanes[lane] = (queue.take, queue.done)
     results = []
     started = time.monotonic()

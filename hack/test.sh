@@ -17,8 +17,8 @@
 # libvirt network vmlet-lan on qemu:///system; as root) and
 # VMLET_MIG_LAN_{BRIDGE,PROBE,GATEWAY} (the guest LAN of mig-a and mig-b), and
 # the harness's OS_* / VMLET_NOVA_* variables, then runs every test binary of
-# the workspace (hack/run-tests.py: three lanes at once, those that need
-# libvirtd apart from those that do not), or `cargo test --workspace --no-fail-fast "$@"` when
+# the workspace (hack/run-tests.py: those that need libvirtd beside those
+# that do not), or `cargo test --workspace --no-fail-fast "$@"` when
 # given arguments. All stay running afterwards so
 # the next run is fast, except with CI=true, where they are stopped on exit.
 # On failure it prints where the logs are and the last lines of each.
@@ -78,8 +78,8 @@ if (($# > 0)); then
   # --no-fail-fast: report every failing test binary, not just the first.
   cargo test --workspace --no-fail-fast "$@" || status=$?
 else
-  # Every test binary: built once, then run in three lanes at the same time,
-  # one for those that need no libvirtd and two for those that do
+  # Every test binary: built once, then run in lanes at the same time, one
+  # for those that need no libvirtd and one for those that do
   # (hack/run-tests.py says which and why), then the doc tests.
   RUN_DIR=$REPO/target/test-run
   mkdir -p "$RUN_DIR"

@@ -4,6 +4,7 @@
 
 use super::deadline::{output_within, VIRSH};
 use super::{qemu_uri, TestEnv};
+use futures::FutureExt as _;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::Api;
 use std::process::Command;
@@ -12,11 +13,27 @@ use vmlet::v1alpha1::{OperationPhase, VirtualMachineBackup, VirtualMachineRestor
 /// Write `marker` to the first sector of the guest's disk of `pod`, flushed.
 pub async fn write_marker(env: &TestEnv, pod: &str, marker: &str) {
     let script = r#"printf '%s\n' "$1" | dd of=/dev/vda bs=512 count=1 conv=sync,fsync 2>/dev/null && sync"#;
-    env.wait_for(&format!("the guest of {pod} to write {marker}"), || {
-        let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script, "sh", marker]);
-        async move { out.status.success().then_some(()) }
-    })
-    .await;
+    // The last failed attempt's output, shown if the wait times out (a
+    // guest that never answers and a write that fails look alike otherwise).
+    let last = std::sync::Mutex::new(String::new());
+    let attempts = async {
+        env.wait_for(&format!("the guest of {pod} to write {marker}"), || {
+            let out = env.kubectl_output(&["exec", pod, "--", "sh", "-c", script, "sh", marker]);
+            if !out.status.success() {
+                *last.lock().unwrap() = format!(
+                    "{}: {}{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            async move { out.status.success().then_some(()) }
+        })
+        .await
+    };
+    if std::panic::AssertUnwindSafe(attempts).catch_unwind().await.is_err() {
+        panic!("the guest of {pod} did not write {marker}; the last kubectl exec said: {}", last.lock().unwrap());
+    }
 }
 
 /// Write `mib` MiB of random data to the guest's disk of `pod` from its
