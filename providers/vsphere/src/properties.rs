@@ -27,12 +27,20 @@ impl ObjectContent {
             .collect();
         let missing = objects
             .children_named("missingSet")
-            .filter_map(|m| {
+            .map(|m| {
                 let fault = m.child("fault").and_then(|f| f.child("fault")).map(fault_type).unwrap_or_default();
-                Some((m.child_text("path")?.to_owned(), fault))
+                // A missing object (not one of its paths) may come without a path.
+                (m.child_text("path").unwrap_or_default().to_owned(), fault)
             })
             .collect();
         Some(ObjectContent { obj, props, missing })
+    }
+
+    /// Whether vSphere reported the object itself as deleted
+    /// (`ManagedObjectNotFound` in its `missingSet`, as a read with
+    /// `reportMissingObjectsInResults` does).
+    pub fn is_gone(&self) -> bool {
+        self.missing.iter().any(|(_, fault)| fault == "ManagedObjectNotFound")
     }
 
     /// The value element of `path`.

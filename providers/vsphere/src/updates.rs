@@ -243,8 +243,13 @@ impl Cache {
         Ok(reread)
     }
 
-    /// Replaces the properties of the VMs of a direct read.
-    pub fn replace(&mut self, objects: &[ObjectContent]) {
+    /// Replaces the properties of the VMs `asked` for with those of a
+    /// direct read; an asked VM the read did not return is gone (its
+    /// `leave` is on the way) and leaves the cache now.
+    pub fn replace(&mut self, asked: &[MoRef], objects: &[ObjectContent]) {
+        for vm in asked {
+            self.objects.remove(vm);
+        }
         for object in objects {
             self.objects.insert(object.obj.clone(), object.props.iter().cloned().collect());
         }
@@ -477,7 +482,7 @@ async fn follow(weak: &Weak<VCenter>) -> Option<(FollowError, bool)> {
         };
         if !reread.is_empty() {
             match read_vms(session, &reread).await {
-                Ok(objects) => vcenter.updates.state().cache.replace(&objects),
+                Ok(objects) => vcenter.updates.state().cache.replace(&reread, &objects),
                 Err(error) => {
                     destroy_collector(session, &collector, &logins).await;
                     return Some((error.into(), synced));
@@ -593,10 +598,20 @@ async fn wait(
     }
 }
 
-/// The watched properties of `vms`, read directly.
+/// The watched properties of those of `vms` that still exist, read
+/// directly. A VM deleted since the answer that named it is left out, not
+/// a failure of the whole read: the filter sets
+/// `reportMissingObjectsInResults` (vim25 `PropertyFilterSpec`, API 6.0+),
+/// with which vSphere reports such a VM in a `missingSet` (or, as govmomi's
+/// simulator does, leaves it out) instead of faulting with
+/// `ManagedObjectNotFound`.
 async fn read_vms(session: &Session, vms: &[MoRef]) -> Result<Vec<ObjectContent>, Error> {
     let objects: String = vms.iter().map(|vm| object_set(vm, &[])).collect();
-    properties::retrieve(session, &(prop_set("VirtualMachine", &watched_paths()) + &objects)).await
+    let spec = prop_set("VirtualMachine", &watched_paths())
+        + &objects
+        + "<reportMissingObjectsInResults>true</reportMissingObjectsInResults>";
+    let read = properties::retrieve(session, &spec).await?;
+    Ok(read.into_iter().filter(|object| !object.is_gone()).collect())
 }
 
 #[cfg(test)]
@@ -653,6 +668,27 @@ mod tests {
             truncated: false,
             objects: vec![ObjectUpdate { kind: UpdateKind::Modify, obj: obj.clone(), changes, missing: vec![] }],
         }
+    }
+
+    #[test]
+    fn a_re_read_replaces_the_asked_vms_and_one_vsphere_calls_gone_leaves_the_cache() {
+        let mut cache = Cache::default();
+        cache.apply(&set_of(include_bytes!("../tests/fixtures/updates_enter.xml"))).unwrap();
+        let vm = cache.vms()[0].moref.clone();
+        let others = cache.objects.len() - 1;
+        // A vCenter reports a VM deleted before the re-read in a missingSet
+        // (no path: the object itself), which read_vms leaves out.
+        let answer = br#"<Envelope><Body><RetrievePropertiesExResponse><returnval><objects>
+            <obj type="VirtualMachine">vm-gone</obj>
+            <missingSet><fault><fault xsi:type="ManagedObjectNotFound"><obj type="VirtualMachine">vm-gone</obj></fault>
+            <localizedMessage>The object has already been deleted</localizedMessage></fault></missingSet>
+            </objects></returnval></RetrievePropertiesExResponse></Body></Envelope>"#;
+        let read = properties::objects_of(&parse_response(answer).unwrap().unwrap());
+        assert_eq!(read.len(), 1);
+        assert!(read[0].is_gone(), "{read:?}");
+        cache.replace(std::slice::from_ref(&vm), &[]);
+        assert!(cache.vms().is_empty(), "the asked VM that the read did not return is gone");
+        assert_eq!(cache.objects.len(), others, "the VMs not asked for stay");
     }
 
     #[test]
