@@ -59,6 +59,7 @@ pub async fn discover(
             datacenter: Some(entry.datacenter.clone()),
             // What tenants may clone: only what the administrator listed.
             templates: entry.templates.clone(),
+            library_items: entry.library_items.clone(),
             folder: entry.folder.clone(),
             resource_pool: entry.resource_pool.clone(),
             datastore: entry.datastore.clone(),

@@ -15,6 +15,7 @@
 //!     hosts: [esx-1.example.com]         # these ESXi hosts; or
 //!     clusters: [C0]                     # every host of these clusters; neither: every host of the datacenter
 //!     templates: [ubuntu-24.04]          # the VM templates spec.image may name
+//!     libraryItems: [images/ubuntu-24.04] # and these content library VM templates, as <library>/<item>
 //!     folder: vmlet                      # the VM folder clones go to (default: the template's)
 //!     resourcePool: tenants              # the pool under each host's cluster (default: its root pool)
 //!     datastore: ds-fast                 # where clones' disks go (default: the template's datastore)
@@ -26,7 +27,7 @@
 //!     labels: {tier: gold}               # like hosts[]: labels, taints, maxPods, ratios
 //! ```
 //!
-//! `templates`, `datastores` and `networks` are a security boundary between
+//! `templates`, `libraryItems`, `datastores` and `networks` are a security boundary between
 //! namespaces, as a cloud's `images` and `networks` are: vmlet's vSphere user
 //! may clone any VM onto any datastore and network, a VirtualMachine only a
 //! template, datastore and network listed here (absent: none; `datastore` is
@@ -80,6 +81,10 @@ pub struct VCenterHostsConfig {
     /// The template names VirtualMachines may clone (`spec.image`). Absent: none.
     #[serde(default)]
     pub templates: Vec<String>,
+    /// The content library VM template items VirtualMachines may name in
+    /// `spec.image`, each `<library>/<item>`. Absent: none.
+    #[serde(default)]
+    pub library_items: Vec<String>,
     /// The VM folder clones are made in, by name (unique among the
     /// datacenter's VM folders). Absent: the template's folder.
     #[serde(default)]
@@ -313,6 +318,21 @@ impl VCenterHostsConfig {
                 return invalid(&format!("templates[{j}]"), "is empty; name a VM template".into());
             }
         }
+        for (j, entry) in self.library_items.iter().enumerate() {
+            let parts = entry.split_once('/');
+            if !parts.is_some_and(|(library, item)| !library.is_empty() && !item.is_empty() && !item.contains('/')) {
+                return invalid(
+                    &format!("libraryItems[{j}]"),
+                    format!("{entry:?} is not <library>/<item>; name a content library and one of its items"),
+                );
+            }
+            if self.templates.contains(entry) {
+                return invalid(
+                    &format!("libraryItems[{j}]"),
+                    format!("{entry:?} is also in templates; spec.image must name one thing, so keep one"),
+                );
+            }
+        }
         for (field, value) in
             [("folder", &self.folder), ("resourcePool", &self.resource_pool), ("datastore", &self.datastore)]
         {
@@ -441,6 +461,13 @@ mod tests {
             (b.replace("datacenter: DC0", "datacenter: DC0, hosts: [a], clusters: [b]"), "vcenters[0].clusters:"),
             (b.replace("datacenter: DC0", "datacenter: DC0, hosts: []"), "vcenters[0].hosts:"),
             (b.replace("datacenter: DC0", "datacenter: DC0, templates: ['']"), "vcenters[0].templates[0]:"),
+            (b.replace("datacenter: DC0", "datacenter: DC0, libraryItems: [lib]"), "vcenters[0].libraryItems[0]:"),
+            (b.replace("datacenter: DC0", "datacenter: DC0, libraryItems: [lib/a/b]"), "vcenters[0].libraryItems[0]:"),
+            (b.replace("datacenter: DC0", "datacenter: DC0, libraryItems: [a/b, /b]"), "vcenters[0].libraryItems[1]:"),
+            (
+                b.replace("datacenter: DC0", "datacenter: DC0, templates: [lib/t], libraryItems: [lib/t]"),
+                "vcenters[0].libraryItems[0]:",
+            ),
             (b.replace("datacenter: DC0", "datacenter: DC0, cpuAllocationRatio: 0"), "vcenters[0].cpuAllocationRatio:"),
             (b.replace("datacenter: DC0", "datacenter: DC0, folder: ''"), "vcenters[0].folder:"),
             (b.replace("datacenter: DC0", "datacenter: DC0, resourcePool: ''"), "vcenters[0].resourcePool:"),

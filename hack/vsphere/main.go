@@ -4,7 +4,9 @@
 // Inventory (a vCenter, "VPX"): datacenter DC0 with cluster DC0_C0 of three
 // hosts and one standalone host DC0_H0; in each resource pool VM0 is a
 // template (renamed template-c0 / template-h0), and DC0_C0_RP0_VM1 carries
-// extraConfig vmlet.io.uid=-uid (a VM vmlet owns).
+// extraConfig vmlet.io.uid=-uid (a VM vmlet owns). The content library
+// vmlet-lib (on LocalDS_0) holds the VM template item ubuntu-lib, made from
+// template-c0 (served by the simulator's vAPI REST side under /rest).
 //
 // TLS: a CA made at start signs the server certificate (127.0.0.1,
 // localhost). ca.pem and the SHA-256 thumbprint of the server certificate
@@ -38,6 +40,10 @@ import (
 	"github.com/vmware/govmomi/find"
 	"github.com/vmware/govmomi/object"
 	"github.com/vmware/govmomi/simulator"
+	"github.com/vmware/govmomi/vapi/library"
+	"github.com/vmware/govmomi/vapi/rest"
+	_ "github.com/vmware/govmomi/vapi/simulator" // the vAPI REST endpoints (content library)
+	"github.com/vmware/govmomi/vapi/vcenter"
 	"github.com/vmware/govmomi/vim25/types"
 )
 
@@ -62,6 +68,7 @@ func main() {
 	}
 	model.Service.Listen = &url.URL{Host: *listen, User: url.UserPassword(*username, *password)}
 	model.Service.TLS = &tls.Config{Certificates: []tls.Certificate{cert}}
+	model.Service.RegisterEndpoints = true // the vAPI REST side (content library)
 	server := model.Service.NewServer()
 	defer server.Close()
 
@@ -111,6 +118,9 @@ func furnish(ctx context.Context, u *url.URL, uid string) error {
 			return fmt.Errorf("rename %s: %w", name, err)
 		}
 	}
+	if err := furnishLibrary(ctx, client, finder, u.User); err != nil {
+		return fmt.Errorf("content library: %w", err)
+	}
 	vm, err := finder.VirtualMachine(ctx, "DC0_C0_RP0_VM1")
 	if err != nil {
 		return err
@@ -120,6 +130,48 @@ func furnish(ctx context.Context, u *url.URL, uid string) error {
 	}}
 	reconfigure := func(ctx context.Context) (*object.Task, error) { return vm.Reconfigure(ctx, spec) }
 	return wait(ctx, reconfigure)
+}
+
+// furnishLibrary makes the local content library vmlet-lib on LocalDS_0
+// with the VM template item ubuntu-lib, a copy of template-c0.
+func furnishLibrary(ctx context.Context, client *govmomi.Client, finder *find.Finder, user *url.Userinfo) error {
+	rc := rest.NewClient(client.Client)
+	if err := rc.Login(ctx, user); err != nil {
+		return err
+	}
+	defer func() { _ = rc.Logout(ctx) }()
+	ds, err := finder.Datastore(ctx, "LocalDS_0")
+	if err != nil {
+		return err
+	}
+	lib := library.Library{
+		Name:    "vmlet-lib",
+		Type:    "LOCAL",
+		Storage: []library.StorageBacking{{DatastoreID: ds.Reference().Value, Type: "DATASTORE"}},
+	}
+	id, err := library.NewManager(rc).CreateLibrary(ctx, lib)
+	if err != nil {
+		return err
+	}
+	source, err := finder.VirtualMachine(ctx, "template-c0")
+	if err != nil {
+		return err
+	}
+	folders, err := finder.DefaultFolder(ctx)
+	if err != nil {
+		return err
+	}
+	pool, err := finder.ResourcePool(ctx, "DC0_C0/Resources")
+	if err != nil {
+		return err
+	}
+	_, err = vcenter.NewManager(rc).CreateTemplate(ctx, vcenter.Template{
+		Library:   id,
+		Name:      "ubuntu-lib",
+		SourceVM:  source.Reference().Value,
+		Placement: &vcenter.Placement{Folder: folders.Reference().Value, ResourcePool: pool.Reference().Value},
+	})
+	return err
 }
 
 func wait(ctx context.Context, start func(context.Context) (*object.Task, error)) error {

@@ -8,6 +8,8 @@
 //! | fault `InvalidArgument`, `InvalidRequest`, `InvalidName`, `InvalidProperty`, `InvalidType` | `InvalidInput` |
 //! | fault `InvalidState`, `InvalidPowerState`, `TaskInProgress`, `ConcurrentAccess`, `AlreadyExists` | `Conflict` |
 //! | fault `HostNotConnected`, `HostCommunication`, `Timedout`, `RequestCanceled`; connect failure, HTTP timeout, HTTP 5xx without a fault, a task past its deadline | `Transient` |
+//! | vAPI REST (content library) HTTP 401 or 403 | `PermissionDenied` |
+//! | vAPI REST HTTP 404 | `NotFound` |
 //! | any other fault or an unreadable response | `Permanent` |
 //!
 //! Messages carry vSphere's own message (a fault's `faultstring` or a task's
@@ -113,6 +115,8 @@ impl Error {
             Error::Transport { source, .. } if source.is_builder() => ErrorKind::Permanent,
             Error::Transport { .. } | Error::TaskTimeout { .. } => ErrorKind::Transient,
             Error::Response { status, .. } if *status >= 500 => ErrorKind::Transient,
+            Error::Response { status: 401 | 403, .. } => ErrorKind::PermissionDenied,
+            Error::Response { status: 404, .. } => ErrorKind::NotFound,
             Error::Response { .. } => ErrorKind::Permanent,
             Error::Fault { fault, .. } => kind_of_fault(fault),
         }

@@ -18,10 +18,12 @@
 
 mod error;
 mod hosts;
+mod library;
 mod lifecycle;
 mod placement;
 mod properties;
 mod provider;
+mod rest;
 mod session;
 mod snapshots;
 mod soap;
@@ -32,6 +34,7 @@ mod xml;
 
 pub use error::{kind_of_fault, Error};
 pub use hosts::{list_hosts, ConnectionState, Host};
+pub use library::{deploy_library_item, find_library_item, mark_as_template, LibraryDeploy, LibraryItem};
 pub use lifecycle::{
     clone_vm, destroy_vm, list_templates, reconfigure_hardware, reconfigure_live, reconfigure_size, record_next_start,
     relocate_vm, shutdown_guest, CloneRequest, Hardware, NicBacking, NicNetwork, Template,

@@ -70,20 +70,41 @@ pub async fn list_templates(session: &Session) -> Result<Vec<Template>, Error> {
     Ok(templates_from_objects(&properties::retrieve(session, &spec).await?))
 }
 
+/// The VMs named `name`, templates or not, each with whether it is a
+/// template (`config.template`), sorted by datacenter.
+///
+/// Errors: those of [`Session`] calls.
+pub(crate) async fn vms_named(session: &Session, name: &str) -> Result<Vec<(Template, bool)>, Error> {
+    let spec = templates_spec(&session.service_content().root_folder);
+    let objects = properties::retrieve(session, &spec).await?;
+    Ok(vms_from_objects(&objects, |vm| vm.text("name") == Some(name)))
+}
+
 fn templates_from_objects(objects: &[ObjectContent]) -> Vec<Template> {
+    vms_from_objects(objects, |_| true).into_iter().filter(|(_, template)| *template).map(|(t, _)| t).collect()
+}
+
+/// The VMs of a [`templates_spec`] read that `wanted` keeps, with whether
+/// each is a template, sorted by datacenter and name.
+fn vms_from_objects(objects: &[ObjectContent], wanted: impl Fn(&ObjectContent) -> bool) -> Vec<(Template, bool)> {
     let by_ref: HashMap<&MoRef, &ObjectContent> = objects.iter().map(|o| (&o.obj, o)).collect();
-    let mut templates: Vec<Template> = objects
+    let mut vms: Vec<(Template, bool)> = objects
         .iter()
-        .filter(|o| o.obj.kind == "VirtualMachine" && o.text("config.template") == Some("true"))
-        .map(|vm| Template {
-            name: vm.text("name").unwrap_or_default().to_owned(),
-            moref: vm.obj.clone(),
-            folder: vm.moref("parent"),
-            datacenter: datacenter_of(vm, &by_ref).unwrap_or_default(),
+        .filter(|o| o.obj.kind == "VirtualMachine" && wanted(o))
+        .map(|vm| {
+            (
+                Template {
+                    name: vm.text("name").unwrap_or_default().to_owned(),
+                    moref: vm.obj.clone(),
+                    folder: vm.moref("parent"),
+                    datacenter: datacenter_of(vm, &by_ref).unwrap_or_default(),
+                },
+                vm.text("config.template") == Some("true"),
+            )
         })
         .collect();
-    templates.sort_by(|a, b| (&a.datacenter, &a.name).cmp(&(&b.datacenter, &b.name)));
-    templates
+    vms.sort_by(|(a, _), (b, _)| (&a.datacenter, &a.name).cmp(&(&b.datacenter, &b.name)));
+    vms
 }
 
 /// A VM's size and the ceilings a live resize may grow it to. CPU hot-add

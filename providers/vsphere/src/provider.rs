@@ -31,6 +31,7 @@ use crate::vms::{power_off, power_on, PowerState, Vm, UID_KEY};
 use crate::Error;
 
 mod clone;
+mod library;
 mod migration;
 mod resize;
 mod snapshots;
@@ -367,8 +368,9 @@ impl Provider for VsphereProvider {
         })
     }
 
-    /// Clones the template `spec.image` (one of `vcenters[].templates`) onto
-    /// this host, powered off, with `vmlet.io.uid`, the spec's size and
+    /// Clones the template `spec.image` (one of `vcenters[].templates`, or
+    /// the template deployed from one of `vcenters[].libraryItems`:
+    /// `provider/library.rs`) onto this host, powered off, with `vmlet.io.uid`, the spec's size and
     /// hot-add ceilings, in the configured folder, pool and datastore, its
     /// network cards on `spec.networks`, linked to the template's current
     /// snapshot if it has one (see `placement`), unless the
@@ -404,7 +406,12 @@ impl Provider for VsphereProvider {
                 ),
             ));
         }
-        self.clone_here(spec, template).await?;
+        if self.vcenter.options.library_items.iter().any(|item| item == template) {
+            let deployed = self.library_template(template).await?;
+            self.clone_here(spec, &deployed).await?;
+        } else {
+            self.clone_here(spec, template).await?;
+        }
         Ok(status_of(&self.find_here(OP, &spec.id).await?))
     }
 

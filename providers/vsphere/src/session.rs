@@ -123,6 +123,9 @@ pub struct Session {
     /// How many tasks this session started and saw end ([`crate::vms`]'s
     /// `wait_for_task`), so that the update cache knows when it must catch up.
     tasks_ended: watch::Sender<u64>,
+    /// The vAPI REST session of the same user (`crate::rest`), made on
+    /// first use.
+    pub(crate) rest: crate::rest::RestSession,
 }
 
 impl fmt::Debug for Session {
@@ -180,6 +183,7 @@ impl Session {
             login: Mutex::new(()),
             logins: watch::Sender::new(0),
             tasks_ended: watch::Sender::new(0),
+            rest: crate::rest::RestSession::default(),
         };
         session.login().await?;
         Ok(session)
@@ -193,6 +197,17 @@ impl Session {
     /// The configured SDK URL.
     pub fn url(&self) -> &str {
         &self.config.url
+    }
+
+    /// The connection settings (the REST side logs in with the same user).
+    pub(crate) fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    /// The HTTP client with the pinned trust, and the verifier that tells a
+    /// thumbprint mismatch apart from other transport errors.
+    pub(crate) fn http(&self) -> (&reqwest::Client, Option<&PinnedVerifier>) {
+        (&self.http, self.pinned.as_deref())
     }
 
     /// Ends the session (`SessionManager.Logout`). Later calls log in again.

@@ -263,3 +263,57 @@ async fn a_vm_with_ceilings_is_cloned_with_hot_add_and_grows_live_within_them() 
     assert_eq!((status.cpus, status.memory_bytes, status.next_start), (2, 256 << 20, None));
     remove(&p, &plain).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_content_library_item_is_deployed_once_as_a_template_and_cloned_for_each_vm() {
+    let Some(h) = common::harness("a_content_library_item_is_deployed_once_as_a_template") else { return };
+    let session = session(&h).await;
+    let mut configured = options(&["template-c0"]);
+    configured.library_items = vec!["vmlet-lib/ubuntu-lib".into(), "vmlet-lib/no-such-item".into()];
+    let vcenter = Arc::new(VCenter::new("vcsim", h.config(), configured));
+    let here = VsphereProvider::new(vcenter.clone(), HOST);
+    let there = VsphereProvider::new(vcenter, "DC0_C0_H1");
+
+    // Two VMs of the item defined at once on two hosts: one deploy (the
+    // harness's library vmlet-lib on LocalDS_0, item ubuntu-lib), two clones.
+    let (a, b) = (spec("lib-a", "vmlet-lib/ubuntu-lib"), spec("lib-b", "vmlet-lib/ubuntu-lib"));
+    let (made_a, made_b) = tokio::join!(here.ensure_defined(&a), there.ensure_defined(&b));
+    made_a.expect("define from the library item on DC0_C0_H0");
+    made_b.expect("define from the library item on DC0_C0_H1");
+    let deployed: Vec<_> = list_templates(&session)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|t| t.name == "vmlet-library_vmlet-lib_ubuntu-lib")
+        .collect();
+    assert_eq!(deployed.len(), 1, "one template deployed from the item: {deployed:?}");
+    assert_eq!(deployed[0].datacenter, "DC0");
+    let hosts = list_hosts(&session).await.unwrap();
+    for (spec, host) in [(&a, HOST), (&b, "DC0_C0_H1")] {
+        let vm = vm_with(&session, &spec.id).await;
+        let on = hosts.iter().find(|x| Some(&x.moref) == vm.host.as_ref()).map(|x| x.name.as_str());
+        assert_eq!(on, Some(host), "{vm:?}");
+        assert_eq!((&vm.power_state, vm.cpus), (&PowerState::PoweredOff, Some(1)), "{vm:?}");
+    }
+    here.start(&a.id).await.expect("start the library VM");
+    assert_eq!(vm_with(&session, &a.id).await.power_state, PowerState::PoweredOn);
+
+    // Defined again: the same VM, no second clone or deploy.
+    here.ensure_defined(&a).await.expect("define again");
+    vm_with(&session, &a.id).await;
+
+    // A listed item the library lacks: refused naming spec.image, nothing made.
+    let missing = spec("lib-missing", "vmlet-lib/no-such-item");
+    let error = here.ensure_defined(&missing).await.expect_err("an item the library lacks");
+    assert_eq!(error.kind, ErrorKind::InvalidInput, "{error}");
+    assert!(
+        error.message.starts_with(
+            "spec.image: vCenter vcsim has no content library \"vmlet-lib\" with an item \"no-such-item\""
+        ),
+        "{error}"
+    );
+    assert!(list_vms(&session).await.unwrap().iter().all(|v| v.uid != missing.id.0));
+
+    remove(&here, &a).await;
+    remove(&there, &b).await;
+}

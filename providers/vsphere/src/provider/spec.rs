@@ -36,7 +36,8 @@ impl VsphereProvider {
                 format!("spec.disks[{}]: the vSphere provider attaches no data disks yet; remove it", disk.name),
             ));
         }
-        let allowed = &self.vcenter.options.templates;
+        let options = &self.vcenter.options;
+        let allowed: Vec<&str> = options.templates.iter().chain(&options.library_items).map(String::as_str).collect();
         let template = spec.image.as_deref().filter(|i| !i.is_empty()).ok_or_else(|| {
             invalid(format!("spec.image: name the template to clone, one of [{}]", allowed.join(", ")))
         })?;
@@ -44,10 +45,11 @@ impl VsphereProvider {
         // made for a VM of this VM's own namespace (`provider/snapshots.rs`);
         // another namespace's is refused like any other name.
         let restored = vmlet_provider::is_restored_image_of(&spec.namespace, template);
-        if !restored && !allowed.iter().any(|t| t == template) {
+        if !restored && !allowed.contains(&template) {
             return Err(invalid(format!(
                 "spec.image: template {template:?} is not one this vCenter allows (allowed: [{}]); use one of them, or \
-                 ask vmlet's administrator to add it to vcenters[].templates",
+                 ask vmlet's administrator to add it to vcenters[].templates (or, as <library>/<item>, to \
+                 vcenters[].libraryItems)",
                 allowed.join(", ")
             )));
         }

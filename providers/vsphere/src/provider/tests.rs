@@ -36,14 +36,19 @@ fn a_powered_off_vm_is_off_for_an_unknown_reason_and_suspended_is_paused() {
 }
 
 fn provider(templates: &[&str]) -> VsphereProvider {
+    provider_with(templates, &[])
+}
+
+fn provider_with(templates: &[&str], library_items: &[&str]) -> VsphereProvider {
     let config = SessionConfig::new(
         "https://127.0.0.1:1/sdk",
         crate::Trust::Thumbprint("00".repeat(32).parse().unwrap()),
         "u",
         crate::Secret::new("p"),
     );
+    let owned = |names: &[&str]| names.iter().map(|t| (*t).to_owned()).collect();
     let options =
-        VCenterOptions { templates: templates.iter().map(|t| (*t).to_owned()).collect(), ..Default::default() };
+        VCenterOptions { templates: owned(templates), library_items: owned(library_items), ..Default::default() };
     VsphereProvider::new(Arc::new(VCenter::new("vc1", config, options)), "DC0_C0_H0")
 }
 
@@ -75,8 +80,25 @@ fn a_template_the_config_does_not_allow_is_refused_naming_the_field_and_the_allo
     assert_eq!(
         error.message,
         "spec.image: template \"DC0_C0_RP0_VM1\" is not one this vCenter allows (allowed: [template-c0, \
-         template-h0]); use one of them, or ask vmlet's administrator to add it to vcenters[].templates"
+         template-h0]); use one of them, or ask vmlet's administrator to add it to vcenters[].templates (or, as \
+         <library>/<item>, to vcenters[].libraryItems)"
     );
+}
+
+#[test]
+fn a_listed_library_item_is_allowed_and_its_deployed_template_is_not_a_name_of_its_own() {
+    let p = provider_with(&["template-c0"], &["vmlet-lib/ubuntu-lib"]);
+    assert_eq!(p.check_spec(&spec("vmlet-lib/ubuntu-lib")).unwrap(), "vmlet-lib/ubuntu-lib");
+    // The template vmlet deploys the item as is cloned through the item's
+    // entry only; named directly (or another item of the library) it is
+    // refused as any unlisted name.
+    let deployed = library::library_template_name("vmlet-lib/ubuntu-lib");
+    assert_eq!(deployed, "vmlet-library_vmlet-lib_ubuntu-lib");
+    for image in [deployed.as_str(), "vmlet-lib/other", "vmlet-lib"] {
+        let error = p.check_spec(&spec(image)).unwrap_err();
+        assert_eq!(error.kind, ErrorKind::InvalidInput, "{image}");
+        assert!(error.message.contains("(allowed: [template-c0, vmlet-lib/ubuntu-lib])"), "{}", error.message);
+    }
 }
 
 #[test]

@@ -21,6 +21,12 @@ pub struct VCenterOptions {
     /// user may clone any VM of the vCenter; a tenant only these). Empty:
     /// no VM can be defined.
     pub templates: Vec<String>,
+    /// The content library items `spec.image` may name besides
+    /// `templates`, each `<library>/<item>` (a VM template item,
+    /// `vm-template`): a boundary like `templates`. vmlet deploys an item
+    /// once per datacenter as the template [`library_template_name`] and
+    /// clones that.
+    pub library_items: Vec<String>,
     /// The VM folder clones are made in, by name in the datacenter; `None`:
     /// the template's folder.
     pub folder: Option<String>,
@@ -47,6 +53,7 @@ impl Default for VCenterOptions {
         VCenterOptions {
             datacenter: None,
             templates: Vec::new(),
+            library_items: Vec::new(),
             folder: None,
             resource_pool: None,
             datastore: None,
@@ -87,6 +94,9 @@ pub struct VCenter {
     pub(super) session: OnceCell<Session>,
     pub(super) options: VCenterOptions,
     pub(crate) updates: crate::updates::Updates,
+    /// Held while a library item is deployed, so that the VMs of one item
+    /// wait for one deploy.
+    pub(super) library_deploys: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for VCenter {
@@ -100,7 +110,14 @@ impl VCenter {
     /// [`Provider::backend_host`]) reached with `config`; nothing is
     /// connected yet.
     pub fn new(name: impl Into<String>, config: SessionConfig, options: VCenterOptions) -> VCenter {
-        VCenter { name: name.into(), config, session: OnceCell::new(), options, updates: Default::default() }
+        VCenter {
+            name: name.into(),
+            config,
+            session: OnceCell::new(),
+            options,
+            updates: Default::default(),
+            library_deploys: Default::default(),
+        }
     }
 
     /// Its name in vmlet's config.
