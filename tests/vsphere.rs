@@ -96,6 +96,21 @@ async fn a_vm_is_cloned_from_a_template_onto_an_esxi_node_powered_off_and_on_and
     assert_eq!(clone.name, format!("{}_web", env.ns));
     assert_eq!((clone.cpus, clone.memory_bytes), (Some(1), Some(256 << 20)), "the spec's size");
 
+    // vSphere gives vmlet no serial console or guest agent: kubectl logs,
+    // exec and attach are refused at once (501 with the reason), never hang.
+    let pod_name = pod.metadata.name.clone().unwrap();
+    for (args, lacking) in [
+        (vec!["logs", pod_name.as_str()], "has no serial console, so it keeps no console log"),
+        (vec!["exec", pod_name.as_str(), "--", "true"], "has no guest agent to run commands in the guest"),
+        (vec!["attach", pod_name.as_str()], "has no serial console to attach to"),
+    ] {
+        let out = env.kubectl_output(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "kubectl {args:?} succeeded: {out:?}");
+        let reason = format!("the vsphere provider of host {node} {lacking}");
+        assert!(stderr.contains(&reason), "kubectl {args:?}: want {reason:?} in {stderr}");
+    }
+
     // Scale 0: powered off, the same VM; resized while off; scale 1:
     // powered on again with the new size (a ReconfigVM_Task before the
     // power-on), on the same host, and still the only VM with the UID.

@@ -47,12 +47,7 @@ pub fn text(status: StatusCode, message: impl Into<String>) -> Response {
 pub fn lacks(entry: &crate::api::PodEntry, what: &str) -> Response {
     text(
         StatusCode::NOT_IMPLEMENTED,
-        format!(
-            "the {} provider of host {} has no {what} (libvirt's test driver has neither a console nor a guest \
-             agent; a qemu host with qemu-guest-agent in the guest has both)",
-            entry.provider.kind(),
-            entry.node
-        ),
+        format!("the {} provider of host {} has no {what}", entry.provider.kind(), entry.node),
     )
 }
 
