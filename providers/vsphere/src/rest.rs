@@ -18,7 +18,7 @@ use reqwest::header::{HeaderValue, CONTENT_TYPE};
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
 
-use crate::session::{Secret, Session};
+use crate::session::{transport_error, Secret, Session};
 use crate::tls::PinnedVerifier;
 use crate::Error;
 
@@ -138,14 +138,7 @@ async fn send(
     url: &str,
     pinned: Option<&PinnedVerifier>,
 ) -> Result<Value, Error> {
-    let transport = |source: reqwest::Error| match pinned.and_then(PinnedVerifier::take_mismatch) {
-        Some((expected, actual)) => Error::ThumbprintMismatch {
-            url: url.to_owned(),
-            expected: expected.to_string(),
-            actual: actual.to_string(),
-        },
-        None => Error::Transport { operation, url: url.to_owned(), source: source.without_url() },
-    };
+    let transport = |source| transport_error(pinned, operation, url, source);
     let response = request.send().await.map_err(transport)?;
     let status = response.status();
     let bytes = response.bytes().await.map_err(transport)?;

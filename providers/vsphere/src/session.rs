@@ -332,6 +332,25 @@ impl Drop for TaskGuard<'_> {
     }
 }
 
+/// The error of a request to `url` that got no HTTP answer:
+/// [`Error::ThumbprintMismatch`] when `pinned` refused the server's
+/// certificate, else [`Error::Transport`].
+pub(crate) fn transport_error(
+    pinned: Option<&PinnedVerifier>,
+    operation: &'static str,
+    url: &str,
+    source: reqwest::Error,
+) -> Error {
+    match pinned.and_then(PinnedVerifier::take_mismatch) {
+        Some((expected, actual)) => Error::ThumbprintMismatch {
+            url: url.to_owned(),
+            expected: expected.to_string(),
+            actual: actual.to_string(),
+        },
+        None => Error::Transport { operation, url: url.to_owned(), source: source.without_url() },
+    }
+}
+
 /// POSTs one method envelope (within `timeout` when given, else the
 /// client's); returns the response element and the session cookie the
 /// server set, if any.
@@ -361,14 +380,7 @@ async fn post(
         value.set_sensitive(true);
         request = request.header(COOKIE, value);
     }
-    let transport = |source: reqwest::Error| match pinned.and_then(PinnedVerifier::take_mismatch) {
-        Some((expected, actual)) => Error::ThumbprintMismatch {
-            url: url.to_owned(),
-            expected: expected.to_string(),
-            actual: actual.to_string(),
-        },
-        None => Error::Transport { operation, url: url.to_owned(), source: source.without_url() },
-    };
+    let transport = |source| transport_error(pinned, operation, url, source);
     let response = request.send().await.map_err(transport)?;
     let status = response.status().as_u16();
     let session_cookie = response

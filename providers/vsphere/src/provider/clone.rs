@@ -96,13 +96,7 @@ impl VsphereProvider {
     ) -> Result<Placement> {
         const OP: &str = "define VM";
         let options = &self.vcenter.options;
-        let config_error = |field: &str, why: String| {
-            ProviderError::new(
-                OP,
-                ErrorKind::Permanent,
-                format!("vcenters[].{field} of vCenter {}: {why}; fix vmlet's configuration", self.vcenter.name),
-            )
-        };
+        let config_error = |field: &str, why: String| self.config_error(field, why);
         let inventory = read_datacenter(session, datacenter).await.map_err(provider_error(OP))?;
         let folder = match &options.folder {
             Some(name) => inventory.vm_folder(name).map_err(|why| config_error("folder", why))?.clone(),
@@ -114,17 +108,7 @@ impl VsphereProvider {
                 )
             })?,
         };
-        let root = host.resource_pool.as_ref().ok_or_else(|| {
-            ProviderError::new(
-                OP,
-                ErrorKind::Permanent,
-                format!("vSphere reports no resource pool for host {}", self.host),
-            )
-        })?;
-        let pool = match &options.resource_pool {
-            Some(name) => inventory.pool(name, root).map_err(|why| config_error("resourcePool", why))?.clone(),
-            None => root.clone(),
-        };
+        let pool = self.pool_of(&inventory, host)?;
         let datastore = match self.datastore_of(spec)? {
             None => None,
             Some(name) => Some(inventory.datastore(name).map_err(|why| {
@@ -174,6 +158,35 @@ impl VsphereProvider {
             nics.push(NicBacking { kind: nic.kind.clone(), key: nic.key, network });
         }
         Ok(Placement { folder, pool, datastore, snapshot: facts.snapshot, nics })
+    }
+}
+
+impl VsphereProvider {
+    /// `Permanent`: the `vcenters[]` field `field` does not fit the
+    /// inventory (`why`).
+    pub(super) fn config_error(&self, field: &str, why: String) -> ProviderError {
+        ProviderError::new(
+            "define VM",
+            ErrorKind::Permanent,
+            format!("vcenters[].{field} of vCenter {}: {why}; fix vmlet's configuration", self.vcenter.name),
+        )
+    }
+
+    /// The pool a VM made on `host` goes to: `resourcePool` under the
+    /// host's compute resource, default its root pool. Errors: `Permanent`
+    /// when vSphere names no root pool or the configured one is missing.
+    pub(super) fn pool_of(&self, inventory: &crate::Datacenter, host: &Host) -> Result<crate::MoRef> {
+        let root = host.resource_pool.as_ref().ok_or_else(|| {
+            ProviderError::new(
+                "define VM",
+                ErrorKind::Permanent,
+                format!("vSphere reports no resource pool for host {}", self.host),
+            )
+        })?;
+        match &self.vcenter.options.resource_pool {
+            Some(name) => Ok(inventory.pool(name, root).map_err(|why| self.config_error("resourcePool", why))?.clone()),
+            None => Ok(root.clone()),
+        }
     }
 }
 

@@ -120,29 +120,13 @@ impl VsphereProvider {
     async fn library_placement(&self, session: &Session, host: &Host, datacenter: &str) -> Result<LibraryPlace> {
         const OP: &str = "define VM";
         let options = &self.vcenter.options;
-        let config_error = |field: &str, why: String| {
-            ProviderError::new(
-                OP,
-                ErrorKind::Permanent,
-                format!("vcenters[].{field} of vCenter {}: {why}; fix vmlet's configuration", self.vcenter.name),
-            )
-        };
+        let config_error = |field: &str, why: String| self.config_error(field, why);
         let inventory = read_datacenter(session, datacenter).await.map_err(provider_error(OP))?;
         let folder = inventory
             .vm_folder(options.folder.as_deref().unwrap_or("vm"))
             .map_err(|why| config_error("folder", why))?
             .clone();
-        let root = host.resource_pool.as_ref().ok_or_else(|| {
-            ProviderError::new(
-                OP,
-                ErrorKind::Permanent,
-                format!("vSphere reports no resource pool for host {}", self.host),
-            )
-        })?;
-        let pool = match &options.resource_pool {
-            Some(name) => inventory.pool(name, root).map_err(|why| config_error("resourcePool", why))?.clone(),
-            None => root.clone(),
-        };
+        let pool = self.pool_of(&inventory, host)?;
         let datastore = match &options.datastore {
             Some(name) => Some(inventory.datastore(name).map_err(|why| config_error("datastore", why))?.clone()),
             None => None,
