@@ -54,12 +54,14 @@ async fn main() {
     env.apply_vm("web", common::guest_vm_spec(&guest));
     let vm = env.wait_vm_phase("web", "Running").await;
     let id = VmId(vm.metadata.uid.unwrap());
+    // The VM's pod has a generated name (web-xxxxx).
+    let pod = env.pod_of("web").await;
     let pods: Api<Pod> = env.pods();
     env.wait_for("the guest agent", || {
-        let pods = pods.clone();
+        let (pods, pod) = (pods.clone(), pod.clone());
         async move {
             let params = AttachParams::default().stdin(false).stdout(true).stderr(false);
-            let mut process = pods.exec("web", ["true"], &params).await.ok()?;
+            let mut process = pods.exec(&pod, ["true"], &params).await.ok()?;
             let status = process.take_status()?.await?;
             (status.status.as_deref() == Some("Success")).then_some(())
         }
@@ -76,7 +78,7 @@ async fn main() {
     let t = vec!["true".to_owned()];
     for _ in 0..runs {
         let start = Instant::now();
-        exec_via_api(&pods, "web", &["true"]).await;
+        exec_via_api(&pods, &pod, &["true"]).await;
         via_api.push(start.elapsed());
         let start = Instant::now();
         exec_direct(&provider, &id, &t).await;
@@ -89,7 +91,7 @@ async fn main() {
     let bytes = mib * 1024 * 1024;
     let command = format!("head -c {bytes} /dev/zero");
     let start = Instant::now();
-    let out = exec_via_api(&pods, "web", &["sh", "-c", &command]).await;
+    let out = exec_via_api(&pods, &pod, &["sh", "-c", &command]).await;
     let elapsed = start.elapsed();
     assert_eq!(out.len(), bytes, "stdout came back whole");
     println!(

@@ -60,6 +60,8 @@ pub struct Watches {
     vms_listed: Listed,
     /// Set once the pod watch has completed its first list.
     pods_listed: Listed,
+    /// Bumped after each VirtualMachine watch event reached `vms`.
+    vm_changes: Arc<watch::Sender<u64>>,
     routes: Arc<Routes>,
 }
 
@@ -137,6 +139,7 @@ impl Watches {
             nodes,
             vms_listed: Listed::new("VirtualMachine"),
             pods_listed: Listed::new("Pod"),
+            vm_changes: Arc::new(watch::Sender::new(0)),
             routes: Arc::new(Routes::default()),
         };
         for host in &config.hosts {
@@ -231,6 +234,30 @@ impl Watches {
         });
     }
 
+    /// The cached VirtualMachine `key` once `wanted` holds of it, waiting
+    /// for later watch events at most `patience`; `None` when it does not
+    /// get there in time (or is not cached). Lets a caller that must not act
+    /// on a cache that only lags (e.g. a pod seen before its VM's claim of
+    /// it) wait for the watch instead of reading the API server.
+    pub async fn vm_when(
+        &self,
+        key: &ObjectRef<VirtualMachine>,
+        patience: Duration,
+        wanted: impl Fn(&VirtualMachine) -> bool,
+    ) -> Option<Arc<VirtualMachine>> {
+        let mut changes = self.vm_changes.subscribe();
+        let until = tokio::time::Instant::now() + patience;
+        loop {
+            changes.borrow_and_update();
+            if let Some(vm) = self.vms.get(key).filter(|vm| wanted(vm)) {
+                return Some(vm);
+            }
+            if tokio::time::timeout_at(until, changes.changed()).await.is_err() {
+                return None;
+            }
+        }
+    }
+
     /// A controller over the VirtualMachine cache, once the watch has listed
     /// every VM (`None` if `shutdown` comes first). Every controller over the
     /// shared caches starts here, never from `Controller::for_stream` on the
@@ -254,6 +281,7 @@ impl Watches {
     /// A VirtualMachine watch event, after the store has applied it: route it,
     /// and at the end of a list release the controllers waiting for it.
     fn on_vm_event(&self, event: &watcher::Event<VirtualMachine>) {
+        self.vm_changes.send_modify(|n| *n = n.wrapping_add(1));
         for vm in touched(event) {
             self.route_vm(vm);
         }
@@ -528,5 +556,43 @@ mod readiness {
         watches.on_pod_event(&watcher::Event::Init, &|_| true);
         watches.on_pod_event(&watcher::Event::InitDone, &|_| true);
         assert!(listing.await.unwrap(), "the end of the list starts the controller");
+    }
+
+    /// A pod's agent that saw its VM in the cache without the claim of the
+    /// pod waits for the watch event that brings it, not for the API
+    /// server; a claim that never comes ends the wait after its patience.
+    #[tokio::test]
+    async fn a_wait_for_the_vm_cache_ends_at_the_event_that_satisfies_it_or_at_its_patience() {
+        let config =
+            Config::from_yaml("hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}]", &["libvirt"])
+                .unwrap();
+        let (watches, mut writers) = Watches::new(&config);
+        let unclaimed = VmBuilder::new("web").build();
+        let claimed = VmBuilder::new("web").pod_name("web-1").build();
+        let apply = |writers: &mut Writers, vm: &VirtualMachine| {
+            let event = watcher::Event::Apply(vm.clone());
+            writers.vms.apply_watcher_event(&event);
+            watches.on_vm_event(&event);
+        };
+        apply(&mut writers, &unclaimed);
+        let key = ObjectRef::from_obj(&unclaimed);
+        let claims_web_1 =
+            |vm: &VirtualMachine| vm.status.as_ref().and_then(|s| s.pod_name.as_deref()) == Some("web-1");
+
+        let waiting = {
+            let (watches, key) = (watches.clone(), key.clone());
+            tokio::spawn(async move { watches.vm_when(&key, Duration::from_secs(60), claims_web_1).await })
+        };
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished(), "the cache does not claim the pod yet");
+        apply(&mut writers, &claimed);
+        // Within the patience only the event can end it with the VM.
+        let seen = waiting.await.unwrap().expect("the claim arrived by the watch");
+        assert_eq!(seen.status.as_ref().unwrap().pod_name.as_deref(), Some("web-1"));
+
+        let never = watches.vm_when(&key, Duration::from_millis(300), |vm| vm.spec.replicas == 0).await;
+        assert!(never.is_none(), "a condition the cache never meets ends at the patience");
     }
 }

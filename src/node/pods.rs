@@ -361,6 +361,10 @@ pub const PLACED_ELSEWHERE: &str = "PlacedOnAnotherHost";
 /// recorded here already is read fresh instead. When any of these says no, a
 /// domain defined by this very pass (never started) is undefined again and
 /// nothing is powered on.
+/// How long [`start_vm`] waits for the VirtualMachine watch to catch up
+/// with a pod before it reads the VirtualMachine from the API server.
+const CACHE_CATCH_UP: Duration = Duration::from_millis(500);
+
 async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error> {
     let provider = &agent.provider;
     let here_name = agent.host.name.as_str();
@@ -379,8 +383,17 @@ async fn start_vm(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Started, Error
     }
 
     // The cache's "yes" is enough before a define (the guarded placement
-    // write checks again); its "no" may only be lag, so it is checked fresh.
+    // write checks again); its "no" may only be lag (the pod's event came
+    // before its VM's claim of it): the watch gets a moment to say yes,
+    // then the API server is asked.
     let cached = match cached.filter(|c| unwanted(pod, &vm.spec.id.0, c).is_none()) {
+        Some(cached) => Some(cached),
+        None => {
+            let key = ObjectRef::new(&vm.spec.name).within(&vm.spec.namespace);
+            agent.watches.vm_when(&key, CACHE_CATCH_UP, |c| unwanted(pod, &vm.spec.id.0, c).is_none()).await
+        }
+    };
+    let cached = match cached {
         Some(cached) => cached,
         None => {
             let vms: Api<VirtualMachine> = Api::namespaced(agent.client.clone(), &vm.spec.namespace);

@@ -1,8 +1,10 @@
 //! [`GuestExec`] through qemu-guest-agent (`virDomainQemuAgentCommand`).
 //!
 //! A command runs as `guest-exec` with `capture-output`; vmlet then polls
-//! `guest-exec-status` every [`POLL_INTERVAL`] until the process exited, for at
-//! most [`EXEC_TIMEOUT`]. The agent hands out the captured output only when the
+//! `guest-exec-status` at once, then after [`POLL_FIRST`], doubling the pause
+//! up to [`POLL_INTERVAL`], until the process exited, for at most
+//! [`EXEC_TIMEOUT`]. A short command is seen exited within a few ms of its
+//! end; a long one costs an agent call per [`POLL_INTERVAL`]. The agent hands out the captured output only when the
 //! process has exited, so stdout and stderr arrive at the end, each in one piece
 //! (the agent keeps at most 16 MiB of each and flags the rest as truncated).
 //!
@@ -28,7 +30,11 @@ use crate::error::{from_libvirt, is_operation_invalid};
 use crate::provider::{Host, LibvirtProvider};
 use crate::xml::AGENT_CHANNEL;
 
-/// How often `guest-exec-status` is asked.
+/// The first pause between two `guest-exec-status` calls; each next pause
+/// doubles, up to [`POLL_INTERVAL`].
+pub(crate) const POLL_FIRST: Duration = Duration::from_millis(1);
+
+/// The longest pause between two `guest-exec-status` calls.
 pub(crate) const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
 /// How long a command may run before vmlet stops waiting (the process keeps
@@ -199,6 +205,7 @@ impl LibvirtProvider {
         tracing::debug!(vm.uid = %id, guest.pid = pid, "guest command started");
 
         let deadline = Instant::now() + EXEC_TIMEOUT;
+        let mut pause = POLL_FIRST;
         let exited = loop {
             let status = self.agent(id, json!({ "execute": "guest-exec-status", "arguments": { "pid": pid } })).await?;
             if let Some(exited) = exited_from_status(&status)? {
@@ -221,7 +228,8 @@ impl LibvirtProvider {
                     ),
                 ));
             }
-            tokio::time::sleep(POLL_INTERVAL).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(POLL_INTERVAL);
         };
 
         // With a tty, stderr goes to stdout, as for containers.
