@@ -335,7 +335,9 @@ fn write_vmlet_config(dir: &std::path::Path, ns: &str, nodes: &[String], vms: us
         })
         .collect();
     // Self-signed kubelet API: the bench uses no logs or exec.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // Below the ephemeral range: a port picked there may be taken by an
+    // outgoing connection before vmlet listens on it (it was, at N=10,000).
+    let port = common::free_port_range(1);
     let config = json!({
         "namespace": ns,
         "stateDir": dir.join("state"),
