@@ -90,6 +90,7 @@ pub async fn exec(
         Err(response) => return *response,
     };
     tracing::info!(pod.namespace = %path["namespace"], pod.name = %path["pod"], node.name = %entry.node, ?command, "exec");
+    let pod = format!("{}/{}", &path["namespace"], &path["pod"]);
     streams::upgrade(req.map(Body::new), opts, move |io| async move {
         let _slot = slot;
         let Some(guest) = entry.provider.guest_exec() else {
@@ -97,8 +98,16 @@ pub async fn exec(
         };
         match guest.exec(&vm, &command, io).await {
             Ok(0) => Outcome::Success,
-            Ok(code) => Outcome::ExitCode(code),
-            Err(e) => outcome_from_error(e),
+            Ok(code) => {
+                tracing::debug!(pod = %pod, exit_code = code, "exec: the command exited non-zero");
+                Outcome::ExitCode(code)
+            }
+            Err(e) => {
+                // The client sees this too; the log keeps it for whoever
+                // reads why a guest "never answered".
+                tracing::info!(pod = %pod, error.kind = ?e.kind, error = %e, "exec failed");
+                outcome_from_error(e)
+            }
         }
     })
     .await
