@@ -95,36 +95,59 @@ pub async fn check_free(leases: &Api<Lease>, nodes: &[String], identity: &str) -
 
 /// Create or renew the Lease of node `name` (owned by the Node with `node_uid`),
 /// holder `identity`, duration `duration_seconds`, renewTime now; a Lease
-/// another live process holds is left alone ([`Renewal::HeldElsewhere`]). A
-/// conflict (someone else wrote it meanwhile) is returned; the next tick
-/// retries with a fresh read.
+/// another live process holds is left alone ([`Renewal::HeldElsewhere`]).
+///
+/// `last` is the Lease as this process last wrote it: like the kubelet's
+/// heartbeat, a renewal writes over it without reading first (one request,
+/// not two), guarded by its resourceVersion. When someone else wrote the
+/// Lease meanwhile that write is refused (409) and the Lease is read fresh, so
+/// another holder is still seen; when it is gone (404) it is created again
+/// ([`Renewal::Created`]). `last` is left holding what was written, or `None`
+/// after an error. Errors: a read, create or write the API server refused; the
+/// next tick retries with a fresh read.
 pub async fn renew(
     leases: &Api<Lease>,
+    last: &mut Option<Lease>,
     name: &str,
     identity: &str,
     node_uid: &str,
     duration_seconds: i32,
 ) -> Result<Renewal, kube::Error> {
-    let now = MicroTime(Timestamp::now());
+    let (renewal, written) = renew_from(leases, last.take(), name, identity, node_uid, duration_seconds).await?;
+    *last = written;
+    Ok(renewal)
+}
+
+async fn renew_from(
+    leases: &Api<Lease>,
+    last: Option<Lease>,
+    name: &str,
+    identity: &str,
+    node_uid: &str,
+    duration_seconds: i32,
+) -> Result<(Renewal, Option<Lease>), kube::Error> {
+    if let Some(last) = last {
+        match leases
+            .replace(name, &PostParams::default(), &renewed(last, name, identity, node_uid, duration_seconds))
+            .await
+        {
+            Ok(written) => return Ok((Renewal::Renewed, Some(written))),
+            // Written by someone else, or deleted: decide from a fresh read.
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
     match leases.get_opt(name).await? {
-        Some(mut lease) => {
+        Some(lease) => {
             if let Some(holder) = held_elsewhere(&lease, identity, SystemTime::now()) {
-                return Ok(Renewal::HeldElsewhere(holder));
+                return Ok((Renewal::HeldElsewhere(holder), None));
             }
-            // Owned by the Node as it is now (a re-registered Node has a new UID).
-            lease.metadata.owner_references = Some(vec![owner(name, node_uid)]);
-            let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-            if spec.holder_identity.as_deref() != Some(identity) {
-                spec.acquire_time = Some(now.clone());
-                spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
-            }
-            spec.holder_identity = Some(identity.to_owned());
-            spec.lease_duration_seconds = Some(duration_seconds);
-            spec.renew_time = Some(now);
-            leases.replace(name, &PostParams::default(), &lease).await?;
-            Ok(Renewal::Renewed)
+            let lease = renewed(lease, name, identity, node_uid, duration_seconds);
+            let written = leases.replace(name, &PostParams::default(), &lease).await?;
+            Ok((Renewal::Renewed, Some(written)))
         }
         None => {
+            let now = MicroTime(Timestamp::now());
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(name.to_owned()),
@@ -140,10 +163,27 @@ pub async fn renew(
                     ..LeaseSpec::default()
                 }),
             };
-            leases.create(&PostParams::default(), &lease).await?;
-            Ok(Renewal::Created)
+            let written = leases.create(&PostParams::default(), &lease).await?;
+            Ok((Renewal::Created, Some(written)))
         }
     }
+}
+
+/// `lease` held by `identity` from now for `duration_seconds`, owned by the
+/// Node as it is now (a re-registered Node has a new UID); a change of holder
+/// counts a transition and sets `acquireTime`.
+fn renewed(mut lease: Lease, name: &str, identity: &str, node_uid: &str, duration_seconds: i32) -> Lease {
+    let now = MicroTime(Timestamp::now());
+    lease.metadata.owner_references = Some(vec![owner(name, node_uid)]);
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    if spec.holder_identity.as_deref() != Some(identity) {
+        spec.acquire_time = Some(now.clone());
+        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+    }
+    spec.holder_identity = Some(identity.to_owned());
+    spec.lease_duration_seconds = Some(duration_seconds);
+    spec.renew_time = Some(now);
+    lease
 }
 
 fn owner(name: &str, node_uid: &str) -> OwnerReference {

@@ -408,6 +408,7 @@ async fn heartbeat(
 
     let mut node_uid = None;
     let mut last_status: Option<Instant> = None;
+    let mut last_lease = None;
     // The back end's last failure, while it fails: (reason, message).
     let mut failing: Option<(&'static str, String)> = None;
     loop {
@@ -464,7 +465,7 @@ async fn heartbeat(
                     Err(e) => warn!(error = %e, "node status write failed"),
                 }
             }
-            match lease::renew(&leases, &host.name, &config.identity, uid, lease_seconds).await {
+            match lease::renew(&leases, &mut last_lease, &host.name, &config.identity, uid, lease_seconds).await {
                 // The garbage collector removes the Lease of a deleted
                 // Node: a Lease that had to be created again is the
                 // first sign. Then register at once, within one lease
