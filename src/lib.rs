@@ -17,6 +17,7 @@ pub mod failure;
 pub mod identity;
 pub mod metrics;
 pub mod node;
+pub mod pod_index;
 pub mod quantity;
 pub mod storage;
 pub mod streams;

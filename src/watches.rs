@@ -22,6 +22,7 @@
 //! fields, which nothing in vmlet reads.
 
 use crate::config::Config;
+use crate::pod_index::PodIndex;
 use crate::v1alpha1::{VirtualMachine, VM_LABEL};
 use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
@@ -63,6 +64,9 @@ pub struct Watches {
     /// Bumped after each VirtualMachine watch event reached `vms`.
     vm_changes: Arc<watch::Sender<u64>>,
     routes: Arc<Routes>,
+    /// The pods of `pods` by node and by VirtualMachine, updated after the
+    /// store at each pod event.
+    index: Arc<Mutex<PodIndex>>,
 }
 
 /// How long a controller waits for a watch's first list before it says so
@@ -141,6 +145,7 @@ impl Watches {
             pods_listed: Listed::new("Pod"),
             vm_changes: Arc::new(watch::Sender::new(0)),
             routes: Arc::new(Routes::default()),
+            index: Arc::default(),
         };
         for host in &config.hosts {
             let rx = watches.subscribe_node(&host.name);
@@ -294,6 +299,16 @@ impl Watches {
     /// [`Watches::on_vm_event`]). A change that removed a pod from the store
     /// (see `only_kept`) concerns nobody here.
     fn on_pod_event(&self, event: &watcher::Event<Pod>, keep: &dyn Fn(&Pod) -> bool) {
+        {
+            let mut index = self.index.lock().expect("pod index poisoned");
+            match event {
+                watcher::Event::Apply(pod) => index.apply(pod),
+                watcher::Event::Delete(pod) => index.remove(&ObjectRef::from_obj(pod)),
+                // The store takes a list whole at its end: so does the index.
+                watcher::Event::InitDone => index.rebuild(self.pods.state()),
+                watcher::Event::Init | watcher::Event::InitApply(_) => {}
+            }
+        }
         for pod in touched(event).into_iter().filter(|p| keep(p)) {
             self.route_pod(pod);
         }
@@ -350,22 +365,27 @@ impl Watches {
 
     /// The pods in the store bound to node `node`.
     pub fn pods_on(&self, node: &str) -> Vec<Arc<Pod>> {
-        self.pods.state().into_iter().filter(|p| node_of(p) == Some(node)).collect()
+        let refs = self.index.lock().expect("pod index poisoned").on_node(node);
+        refs.iter().filter_map(|r| self.pods.get(r)).filter(|p| node_of(p) == Some(node)).collect()
+    }
+
+    /// The pods in the store labelled as VirtualMachine `name`'s in
+    /// `namespace` (label `vmlet.io/vm`, whoever controls them).
+    fn pods_labelled(&self, namespace: &str, name: &str) -> Vec<Arc<Pod>> {
+        let refs = self.index.lock().expect("pod index poisoned").of_vm(namespace, name);
+        refs.iter()
+            .filter_map(|r| self.pods.get(r))
+            .filter(|p| p.labels().get(VM_LABEL).map(String::as_str) == Some(name))
+            .collect()
     }
 
     /// The pods of the VirtualMachine `name` in `namespace` (label
     /// `vmlet.io/vm=<name>`, controlled by a VirtualMachine with `uid`), in the
     /// store: the live one and any still terminating.
     pub fn pods_of_vm(&self, namespace: &str, name: &str, uid: &str) -> Vec<Arc<Pod>> {
-        self.pods
-            .state()
-            .into_iter()
-            .filter(|p| {
-                p.namespace().as_deref() == Some(namespace)
-                    && p.labels().get(VM_LABEL).map(String::as_str) == Some(name)
-                    && crate::identity::vm_owner(p).is_some_and(|o| o.uid == uid)
-            })
-            .collect()
+        let mut pods = self.pods_labelled(namespace, name);
+        pods.retain(|p| crate::identity::vm_owner(p).is_some_and(|o| o.uid == uid));
+        pods
     }
 
     fn route_pod(&self, pod: &Pod) {
@@ -383,14 +403,11 @@ impl Watches {
 
     fn route_vm(&self, vm: &VirtualMachine) {
         self.send_vm(ObjectRef::from_obj(vm));
-        let namespace = vm.namespace().unwrap_or_default();
-        let name = vm.name_any();
+        let pods = self.pods_labelled(&vm.namespace().unwrap_or_default(), &vm.name_any());
         let nodes = self.routes.nodes.lock().expect("routes poisoned");
-        for pod in self.pods.state() {
-            if pod.namespace().as_deref() == Some(namespace.as_str()) && pod.labels().get(VM_LABEL) == Some(&name) {
-                if let Some(tx) = node_of(&pod).and_then(|n| nodes.get(n)) {
-                    let _ = tx.unbounded_send(ObjectRef::from_obj(&*pod));
-                }
+        for pod in pods {
+            if let Some(tx) = node_of(&pod).and_then(|n| nodes.get(n)) {
+                let _ = tx.unbounded_send(ObjectRef::from_obj(&*pod));
             }
         }
     }
