@@ -363,6 +363,18 @@ impl Watches {
         }
     }
 
+    /// Queue the pods bound to `node` whose VirtualMachine (controlling owner)
+    /// has one of the UIDs `vms`, for its agent now.
+    pub fn requeue_vms_on(&self, node: &str, vms: &HashSet<String>) {
+        if let Some(tx) = self.routes.nodes.lock().expect("routes poisoned").get(node) {
+            for pod in self.pods_on(node) {
+                if crate::identity::vm_owner(&pod).is_some_and(|owner| vms.contains(&owner.uid)) {
+                    let _ = tx.unbounded_send(ObjectRef::from_obj(&*pod));
+                }
+            }
+        }
+    }
+
     /// The pods in the store bound to node `node`.
     pub fn pods_on(&self, node: &str) -> Vec<Arc<Pod>> {
         let refs = self.index.lock().expect("pod index poisoned").on_node(node);
@@ -415,6 +427,16 @@ impl Watches {
     fn send_vm(&self, vm_ref: ObjectRef<VirtualMachine>) {
         let mut queues = self.routes.vms.lock().expect("routes poisoned");
         queues.retain(|tx| tx.unbounded_send(vm_ref.clone()).is_ok());
+    }
+}
+
+#[cfg(test)]
+impl Watches {
+    /// Feed a pod watch event as the pod watch does: the store, then the
+    /// routes (every pod kept).
+    pub(crate) fn feed_pod(&self, writers: &mut Writers, event: watcher::Event<Pod>) {
+        writers.pods.apply_watcher_event(&event);
+        self.on_pod_event(&event, &|_| true);
     }
 }
 

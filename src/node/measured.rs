@@ -148,6 +148,10 @@ impl Provider for Measured {
         self.inner.image_reference()
     }
 
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<vmlet_provider::Change>> {
+        self.inner.changes()
+    }
+
     fn console(&self) -> Option<&dyn Console> {
         self.inner.console().map(|_| &self.console as &dyn Console)
     }

@@ -45,9 +45,10 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, instrument, warn};
-use vmlet_provider::{HostInfo, Provider, VmId};
+use vmlet_provider::{Change, HostInfo, Provider, VmId};
 
 /// Shared state of one host's agent.
 pub struct Agent {
@@ -82,6 +83,10 @@ pub struct Agent {
     /// VMs (by UID) a restore in place writes under now, and the restore's
     /// name: this agent does not start them meanwhile.
     restoring: Arc<Mutex<HashMap<String, String>>>,
+    /// Whether the back end pushes its VMs' changes
+    /// ([`Provider::changes`]): then a running VM is read again only at
+    /// [`POD_RESYNC_PUSHED`], not polled.
+    pushed: bool,
 }
 
 /// A VM held stopped while a restore in place writes under it
@@ -190,6 +195,8 @@ pub async fn run(
     // From here on every call of the host's provider is timed
     // (`vmlet_provider_call_duration_seconds`), whoever makes it.
     let provider = measured::Measured::wrap(provider, &host.name);
+    // Subscribed before anything is read: no change falls between.
+    let changes = provider.changes();
     let Some(info) = probe(&*provider, &Api::all(client.clone()), &host.name, &shutdown).await else { return };
     match provider.list().await {
         Ok(vms) => info!(count = vms.len(), "found vmlet VMs on the host; they are adopted, not changed"),
@@ -214,6 +221,7 @@ pub async fn run(
         namespace: config.namespace.clone(),
         tasks: Mutex::default(),
         restoring: Arc::default(),
+        pushed: changes.is_some(),
     });
 
     hosts.add(HostHandle {
@@ -250,11 +258,14 @@ pub async fn run(
     // Every pod of the node is looked at again every POD_RESYNC, whatever
     // its last pass asked for, as the kubelet's sync loop does
     // (`--sync-frequency`): a change whose trigger never reached the queue
-    // is acted on within that period rather than never.
+    // is acted on within that period rather than never. A back end that
+    // pushes its changes is swept less often: its pushes are the triggers.
+    let sweep_every = if agent.pushed { POD_RESYNC_PUSHED } else { POD_RESYNC };
+    let followed = follow_changes(changes, watches.clone(), host.name.clone(), shutdown.clone());
     let resync = {
         let (watches, name, shutdown) = (watches.clone(), host.name.clone(), shutdown.clone());
         async move {
-            let mut every = tokio::time::interval(POD_RESYNC);
+            let mut every = tokio::time::interval(sweep_every);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             every.tick().await;
             loop {
@@ -265,7 +276,7 @@ pub async fn run(
             }
         }
     };
-    let loops = tokio::spawn(async move { tokio::join!(pods, recorder, resync) });
+    let loops = tokio::spawn(async move { tokio::join!(pods, recorder, resync, followed) });
 
     // When the host answers again after an outage, its pods are synced at
     // once (their conditions clear) instead of at each one's backoff.
@@ -317,6 +328,48 @@ async fn record_consoles(
     }
 }
 
+/// Queue the pods of node `node` whose VMs the back end says changed
+/// ([`Provider::changes`]), until `shutdown` or until the back end stops
+/// sending; nothing when it pushes nothing. Changes that came together are
+/// routed together (one look over the node's pods per batch). A missed change
+/// ([`Change::All`], or a receiver that lagged) queues every pod of the node.
+async fn follow_changes(
+    changes: Option<broadcast::Receiver<Change>>,
+    watches: Watches,
+    node: String,
+    shutdown: CancellationToken,
+) {
+    let Some(mut changes) = changes else { return };
+    loop {
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            change = changes.recv() => change,
+        };
+        let (mut vms, mut all) = (HashSet::new(), false);
+        let mut next = Some(first);
+        while let Some(received) = next {
+            match received {
+                Ok(Change::Vm(id)) => {
+                    vms.insert(id.0);
+                }
+                Ok(Change::All) | Err(RecvError::Lagged(_)) => all = true,
+                Err(RecvError::Closed) => return,
+            }
+            next = match changes.try_recv() {
+                Ok(change) => Some(Ok(change)),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Lagged(missed)) => Some(Err(RecvError::Lagged(missed))),
+                Err(TryRecvError::Closed) => Some(Err(RecvError::Closed)),
+            };
+        }
+        if all {
+            watches.requeue_node(&node);
+        } else {
+            watches.requeue_vms_on(&node, &vms);
+        }
+    }
+}
+
 async fn cancelled(token: CancellationToken) {
     token.cancelled().await
 }
@@ -353,6 +406,12 @@ async fn probe(
 /// How often every pod of a node is synced again, whatever its last pass
 /// asked for (the kubelet's `--sync-frequency` default).
 const POD_RESYNC: Duration = Duration::from_secs(60);
+
+/// [`POD_RESYNC`] for a back end that pushes its VMs' changes
+/// ([`Provider::changes`]); also how often such a running VM is read again.
+/// A safety net for a change the back end did not tell, as Nova's periodic
+/// power-state sync is (every 10 min by default).
+pub(crate) const POD_RESYNC_PUSHED: Duration = Duration::from_secs(300);
 
 /// `call`, a call of the heartbeat to the `kind` back end, given at most
 /// `deadline`; past it the call is dropped and answers `Transient` (the
@@ -502,6 +561,64 @@ async fn heartbeat(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_pushed_change_queues_the_pods_of_that_vm_on_this_node_and_a_missed_one_queues_all() {
+        use futures::StreamExt;
+        use kube::runtime::{reflector::ObjectRef, watcher};
+        let config = Config::from_yaml(
+            "hosts: [{name: host-a, provider: libvirt, uri: 'test:///default'}, \
+             {name: host-b, provider: libvirt, uri: 'test:///default'}]",
+            &["libvirt"],
+        )
+        .unwrap();
+        let (watches, mut writers) = Watches::new(&config);
+        let mut queue_a = watches.node_triggers("host-a");
+        let bound = |name: &str, node: &str| {
+            let (vm, mut pod) = crate::testing::vm_and_pod("ns", name);
+            pod.spec.as_mut().unwrap().node_name = Some(node.into());
+            (VmId(vm.metadata.uid.unwrap()), pod)
+        };
+        let (web, web_pod) = bound("web", "host-a");
+        let (_, db_pod) = bound("db", "host-a");
+        let (mail, mail_pod) = bound("mail", "host-b");
+        watches.feed_pod(&mut writers, watcher::Event::Init);
+        for pod in [&web_pod, &db_pod, &mail_pod] {
+            watches.feed_pod(&mut writers, watcher::Event::InitApply(pod.clone()));
+        }
+        watches.feed_pod(&mut writers, watcher::Event::InitDone);
+        // The list's own routing: both of host-a's pods, once each.
+        let listed: HashSet<String> =
+            [queue_a.next().await.unwrap(), queue_a.next().await.unwrap()].into_iter().map(|r| r.name).collect();
+        assert_eq!(listed, HashSet::from(["web-x7k2p".to_owned(), "db-x7k2p".to_owned()]));
+
+        let (tx, rx) = broadcast::channel(16);
+        let shutdown = CancellationToken::new();
+        let follow = tokio::spawn(follow_changes(Some(rx), watches.clone(), "host-a".into(), shutdown.clone()));
+        async fn next(
+            queue: &mut crate::watches::Triggers<k8s_openapi::api::core::v1::Pod>,
+        ) -> ObjectRef<k8s_openapi::api::core::v1::Pod> {
+            let next = tokio::time::timeout(Duration::from_secs(10), queue.next()).await;
+            next.expect("queued within 10 s").expect("queue open")
+        }
+
+        // web's VM changed: web's pod is queued, and nothing else (host-b's
+        // mail is another agent's, even when its change comes here).
+        tx.send(Change::Vm(mail)).unwrap();
+        tx.send(Change::Vm(web)).unwrap();
+        assert_eq!(next(&mut queue_a).await, ObjectRef::from_obj(&web_pod));
+        assert!(queue_a.try_recv().is_err(), "only web's pod was queued");
+
+        // Changes were missed: every pod of the node.
+        tx.send(Change::All).unwrap();
+        let all: HashSet<String> =
+            [next(&mut queue_a).await, next(&mut queue_a).await].into_iter().map(|r| r.name).collect();
+        assert_eq!(all, listed);
+
+        // The back end stops sending: the follower ends.
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(10), follow).await.expect("ended").unwrap();
+    }
 
     #[tokio::test]
     async fn a_back_end_that_hangs_answers_transient_at_the_deadline_and_one_that_answers_passes_through() {

@@ -51,10 +51,13 @@ const ADDRESS_RESYNC: Duration = Duration::from_secs(5);
 const ADDRESS_PENDING: Duration = Duration::from_secs(2);
 
 /// When to read a VM in `status` again: in transition soon, running every
-/// [`RESYNC`], or sooner while it has network interfaces
-/// ([`ADDRESS_RESYNC`], [`ADDRESS_PENDING`] until one has an address).
-fn resync_after(status: &VmStatus) -> Duration {
+/// [`RESYNC`] (every [`super::POD_RESYNC_PUSHED`] when its back end
+/// `pushed` its changes), or sooner while it has network interfaces
+/// ([`ADDRESS_RESYNC`], [`ADDRESS_PENDING`] until one has an address: a
+/// guest's addresses are not pushed).
+fn resync_after(status: &VmStatus, pushed: bool) -> Duration {
     match (status.power, status.network_interfaces, status.addresses.is_empty()) {
+        (PowerState::Running, 0, _) if pushed => super::POD_RESYNC_PUSHED,
         (PowerState::Running, 0, _) => RESYNC,
         (PowerState::Running, _, true) => ADDRESS_PENDING,
         (PowerState::Running, _, false) => ADDRESS_RESYNC,
@@ -236,7 +239,7 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
                 }
             })
             .await?;
-            Ok(Action::requeue(resync_after(&status)))
+            Ok(Action::requeue(resync_after(&status, agent.pushed)))
         }
         Ok(Started::Abandoned(why)) => {
             info!(vm.uid = %vm.spec.id, why, "not starting the VM");

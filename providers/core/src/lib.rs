@@ -381,6 +381,16 @@ pub struct HostInfo {
     pub storage_roots: Vec<String>,
 }
 
+/// A hint from a back end that pushes changes ([`Provider::changes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// The VM with this identity may have changed: read it again.
+    Vm(VmId),
+    /// Changes may have been missed (the back end's connection was opened
+    /// again): read every VM of the host again.
+    All,
+}
+
 /// One hypervisor host's VMs. Every operation is idempotent: calling it again
 /// after success (or after a crash half-way) converges to the same result and
 /// never creates a second VM. Implementations run blocking backend calls off the
@@ -453,6 +463,17 @@ pub trait Provider: Send + Sync + 'static {
     /// What [`VmSpec::image`] names on this backend; host paths by default.
     fn image_reference(&self) -> ImageReference {
         ImageReference::HostPath
+    }
+
+    /// The VMs whose state changed on this host, as the back end pushes them
+    /// (power on or off, pause, crash, define, undefine), for a back end that
+    /// pushes changes; `None` (the default) for one the core must poll with
+    /// [`Provider::get`]. Each call subscribes anew. A receiver that lagged
+    /// behind (`RecvError::Lagged`) and [`Change::All`] both mean "changes may
+    /// have been missed: look at every VM of the host again". A change is a
+    /// hint to read the VM; it carries no state of its own.
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<Change>> {
+        None
     }
 
     /// The serial-console capability, if this backend (and host) has one.

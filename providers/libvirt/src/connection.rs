@@ -1,11 +1,12 @@
 //! A libvirt connection that reopens itself after the daemon went away.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use virt::connect::Connect;
 use vmlet_provider::Result;
 
 use crate::error::from_libvirt;
+use crate::events::DomainEvents;
 
 /// One libvirt URI and the connection currently open to it.
 ///
@@ -17,6 +18,9 @@ use crate::error::from_libvirt;
 pub(crate) struct Connection {
     uri: String,
     state: Mutex<State>,
+    /// Where each connection opened sends its domains' lifecycle events;
+    /// `None` when the driver has none (then the core polls).
+    events: Option<Arc<DomainEvents>>,
 }
 
 /// The open connection, if any, and a counter that tells reopened ones apart.
@@ -31,7 +35,30 @@ impl Connection {
     /// event loop cannot be started.
     pub(crate) fn open(uri: &str) -> Result<Connection> {
         let conn = open_watched(uri).map_err(|e| from_libvirt("connect to libvirt", e))?;
-        Ok(Connection { uri: uri.to_owned(), state: Mutex::new(State { generation: 0, conn: Some(conn) }) })
+        Ok(Connection {
+            uri: uri.to_owned(),
+            state: Mutex::new(State { generation: 0, conn: Some(conn) }),
+            events: None,
+        })
+    }
+
+    /// [`Connection::open`], and send the lifecycle events of this and every
+    /// reopened connection to `events` ([`DomainEvents::listen`]). A driver
+    /// that has no events is logged and left without (see
+    /// [`Connection::events`]). Errors: those of `open`.
+    pub(crate) fn open_with_events(uri: &str, events: Arc<DomainEvents>) -> Result<Connection> {
+        let mut connection = Connection::open(uri)?;
+        let conn = connection.live()?.1;
+        match events.listen(&conn) {
+            Ok(()) => connection.events = Some(events),
+            Err(e) => tracing::info!(libvirt.uri = %uri, error = %e, "no domain events from this driver; polling"),
+        }
+        Ok(connection)
+    }
+
+    /// Where this connection's domain lifecycle events go, if it has them.
+    pub(crate) fn events(&self) -> Option<&Arc<DomainEvents>> {
+        self.events.as_ref()
     }
 
     /// The URI this connection opens.
@@ -78,6 +105,13 @@ impl Connection {
         state.conn = None;
         let conn = open_watched(&self.uri).map_err(|e| from_libvirt("reconnect to libvirt", e))?;
         tracing::info!(libvirt.uri = %self.uri, "libvirt connection reopened");
+        if let Some(events) = &self.events {
+            if let Err(e) = events.listen(&conn) {
+                tracing::warn!(libvirt.uri = %self.uri, error = %e, "domain events lost on the reopened connection");
+            }
+            // Whatever changed while the old one was down was not pushed.
+            events.missed();
+        }
         state.generation += 1;
         state.conn = Some(conn.clone());
         Ok((state.generation, conn))

@@ -36,6 +36,13 @@ impl UuidCache {
         self.by_id.lock().unwrap_or_else(PoisonError::into_inner).insert(id, uuid);
     }
 
+    /// The identity whose domain has `uuid`, if the cache knows it (a scan of
+    /// the cache: one host holds few domains).
+    pub(crate) fn id_of(&self, uuid: &str) -> Option<VmId> {
+        let by_id = self.by_id.lock().unwrap_or_else(PoisonError::into_inner);
+        by_id.iter().find(|(_, known)| known.as_str() == uuid).map(|(id, _)| id.clone())
+    }
+
     pub(crate) fn remove(&self, id: &VmId) {
         self.by_id.lock().unwrap_or_else(PoisonError::into_inner).remove(id);
     }

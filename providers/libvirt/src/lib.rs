@@ -62,6 +62,7 @@ mod console;
 mod domains;
 mod error;
 mod event_loop;
+mod events;
 mod exec;
 mod host_images;
 mod in_flight;

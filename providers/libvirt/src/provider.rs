@@ -17,6 +17,7 @@ use crate::cloud_init::{remove_seed, require_local_host, seed_path, write_seed, 
 use crate::connection::Connection;
 use crate::domains::{find, identity_of, scan, status_of, UuidCache};
 use crate::error::{from_libvirt, is_no_domain, is_no_storage_pool, is_operation_invalid, is_unsupported_flags};
+use crate::events::DomainEvents;
 use crate::in_flight::InFlight;
 use crate::kvm_probe::{self, Verdict};
 use crate::networks::{self, OfferedNetwork};
@@ -104,7 +105,7 @@ pub(crate) struct MigrationSettings {
 /// The shared state behind a [`LibvirtProvider`].
 pub(crate) struct Host {
     pub(crate) connection: Connection,
-    pub(crate) uuids: UuidCache,
+    pub(crate) uuids: Arc<UuidCache>,
     /// The driver behind the URI (and for QEMU the accelerator), chosen at
     /// connect time.
     pub(crate) kind: DomainKind,
@@ -153,9 +154,11 @@ impl LibvirtProvider {
     /// `/dev/kvm` missing or not usable).
     pub async fn connect_with(uri: &str, accelerator: AcceleratorSetting) -> Result<LibvirtProvider> {
         let uri = uri.to_owned();
+        let uuids = Arc::new(UuidCache::default());
+        let cache = uuids.clone();
         let (connection, kind, hostname) = tokio::task::spawn_blocking(move || {
             virt::error::clear_error_callback();
-            let connection = Connection::open(&uri)?;
+            let connection = Connection::open_with_events(&uri, DomainEvents::new(uuids.clone()))?;
             let local = is_local_uri(connection.uri());
             let kind = connection.with(|conn| domain_kind(conn, accelerator, local))?;
             let hostname = connection.with(|conn| Ok(conn.hostname().ok()))?;
@@ -174,7 +177,7 @@ impl LibvirtProvider {
         Ok(LibvirtProvider {
             host: Arc::new(Host {
                 connection,
-                uuids: UuidCache::default(),
+                uuids: cache,
                 kind,
                 calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_IN_FLIGHT)),
                 agent_calls: tokio::sync::Semaphore::new(MAX_AGENT_CALLS_IN_FLIGHT),
@@ -1049,6 +1052,13 @@ impl Provider for LibvirtProvider {
     }
 
     /// The serial console on QEMU; `None` on the test driver, which has none.
+    /// The domain lifecycle events of this host's connection (define,
+    /// undefine, start, stop, pause, resume, crash), on every driver that has
+    /// them (QEMU and the test driver do; see `events.rs`).
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<vmlet_provider::Change>> {
+        self.host.connection.events().map(|events| events.subscribe())
+    }
+
     fn console(&self) -> Option<&dyn Console> {
         self.host.kind.is_qemu().then_some(self as &dyn Console)
     }

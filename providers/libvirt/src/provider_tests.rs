@@ -580,3 +580,63 @@ async fn a_vm_whose_agent_calls_wait_takes_one_host_permit_and_others_get_theirs
     drop(first);
     let _second = second.await.unwrap();
 }
+
+/// The next change `changes` pushes within 10 s (the test driver queues its
+/// events on libvirt's event loop, which delivers them within milliseconds).
+async fn next_change(changes: &mut tokio::sync::broadcast::Receiver<vmlet_provider::Change>) -> vmlet_provider::Change {
+    tokio::time::timeout(Duration::from_secs(10), changes.recv())
+        .await
+        .expect("a change within 10 s")
+        .expect("the channel is open and did not lag")
+}
+
+/// The changes pushed before `marker`'s: libvirt delivers a connection's
+/// events in order, so once the change of `marker` (a VM vmlet knows, whose
+/// power `flip` changes) arrives, every earlier event has been delivered.
+async fn changes_before(
+    changes: &mut tokio::sync::broadcast::Receiver<vmlet_provider::Change>,
+    marker: &VmId,
+    flip: impl std::future::Future<Output = vmlet_provider::Result<()>>,
+) -> Vec<vmlet_provider::Change> {
+    flip.await.expect("flip the marker VM's power");
+    let mut before = Vec::new();
+    loop {
+        match next_change(changes).await {
+            vmlet_provider::Change::Vm(id) if id == *marker => return before,
+            change => before.push(change),
+        }
+    }
+}
+
+#[tokio::test]
+async fn power_changes_are_pushed_even_when_made_behind_vmlets_back() {
+    use vmlet_provider::Change;
+    let provider = host("host-a").await;
+    let marker = vm("ns", "marker");
+    provider.ensure_defined(&marker).await.expect("define the marker");
+    let mut changes = provider.changes().expect("the test driver has domain events");
+
+    let spec = vm("ns", "pushed");
+    let status = provider.ensure_defined(&spec).await.expect("define");
+    provider.start(&spec.id).await.expect("start");
+    let before = changes_before(&mut changes, &marker.id, provider.start(&marker.id)).await;
+    assert!(before.contains(&Change::Vm(spec.id.clone())), "its start was pushed: {before:?}");
+    assert!(before.iter().all(|c| *c == Change::Vm(spec.id.clone())), "only its own changes: {before:?}");
+
+    // Another tool stops the domain: the core hears of it without polling.
+    provider
+        .host
+        .connection
+        .with(|conn| {
+            conn.lookup_domain_by_uuid_string(&status.backend_id).unwrap().destroy().unwrap();
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(next_change(&mut changes).await, Change::Vm(spec.id.clone()), "destroyed behind vmlet's back");
+    assert_eq!(provider.get(&spec.id).await.unwrap().unwrap().power, PowerState::Off);
+
+    // A domain that is not vmlet's is nobody's business here.
+    define_foreign_domain(&provider, "foreign-pushed");
+    let before = changes_before(&mut changes, &marker.id, provider.destroy(&marker.id)).await;
+    assert_eq!(before, vec![], "nothing is pushed for a foreign domain");
+}
