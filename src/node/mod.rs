@@ -278,13 +278,16 @@ pub async fn run(
     };
     let loops = tokio::spawn(async move { tokio::join!(pods, recorder, resync, followed) });
 
-    // When the host answers again after an outage, its pods are synced at
-    // once (their conditions clear) instead of at each one's backoff.
-    let recovered = || {
-        agent.backoff.reset();
+    // When the host stops answering, and when it answers again after an
+    // outage, its pods are synced at once (their conditions say so, then
+    // clear) instead of at each one's next sync or backoff.
+    let answering = |answers: bool| {
+        if answers {
+            agent.backoff.reset();
+        }
         watches.requeue_node(&host.name);
     };
-    heartbeat(&client, &config, &host, &*provider, info, &shutdown, recovered).await;
+    heartbeat(&client, &config, &host, &*provider, info, &shutdown, answering).await;
     let _ = loops.await;
     info!("node agent stopped");
 }
@@ -447,8 +450,8 @@ async fn node_exists(nodes: &Api<Node>, name: &str, uid: &str) -> bool {
 }
 
 /// Register the Node, then renew its Lease and refresh its status until
-/// shutdown; finally report NotReady. `recovered` runs when the host answers
-/// again after it did not.
+/// shutdown; finally report NotReady. `answering(false)` runs when the host
+/// stops answering, `answering(true)` when it answers again after it did not.
 async fn heartbeat(
     client: &Client,
     config: &Config,
@@ -456,7 +459,7 @@ async fn heartbeat(
     provider: &dyn Provider,
     mut info: HostInfo,
     shutdown: &CancellationToken,
-    recovered: impl Fn(),
+    answering: impl Fn(bool),
 ) {
     let nodes: Api<Node> = Api::all(client.clone());
     let leases: Api<Lease> = Api::namespaced(client.clone(), lease::NAMESPACE);
@@ -486,7 +489,7 @@ async fn heartbeat(
                     if failing.take().is_some() {
                         info!("host answers again");
                         last_status = None;
-                        recovered();
+                        answering(true);
                     }
                     if let Ok(fresh) = within(tick, "probe host", provider.kind(), provider.host_info()).await {
                         if fresh != info {
@@ -499,6 +502,12 @@ async fn heartbeat(
                     let now = (crate::failure::handling(e.kind).reason.as_str(), e.to_string());
                     if failing.as_ref() != Some(&now) {
                         warn!(error = %e, "the host's back end fails; reporting the node NotReady until it answers");
+                        if failing.is_none() {
+                            // A back end that pushes its changes pushes no
+                            // outage: its pods learn of it now, not at their
+                            // next sync minutes away.
+                            answering(false);
+                        }
                         failing = Some(now);
                         last_status = None;
                     }
