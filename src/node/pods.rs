@@ -50,6 +50,10 @@ const ADDRESS_RESYNC: Duration = Duration::from_secs(5);
 /// again: a booting guest takes its DHCP lease within seconds.
 const ADDRESS_PENDING: Duration = Duration::from_secs(2);
 
+/// How often a running VM is read again while its size moves towards its
+/// pod's after a live resize (a guest's balloon takes seconds).
+const CONVERGING: Duration = Duration::from_secs(2);
+
 /// When to read a VM in `status` again: in transition soon, running every
 /// [`RESYNC`] (every [`super::POD_RESYNC_PUSHED`] when its back end
 /// `pushed` its changes), or sooner while it has network interfaces
@@ -239,7 +243,10 @@ async fn start(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
                 }
             })
             .await?;
-            Ok(Action::requeue(resync_after(&status, agent.pushed)))
+            // A live resize the guest is still taking in (its balloon moving
+            // towards the new size) pushes no event when it is done.
+            let converging = matches!(resize, Some(Shown::Synced)) && running != pods_size(vm);
+            Ok(Action::requeue(if converging { CONVERGING } else { resync_after(&status, agent.pushed) }))
         }
         Ok(Started::Abandoned(why)) => {
             info!(vm.uid = %vm.spec.id, why, "not starting the VM");
