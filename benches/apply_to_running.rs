@@ -30,7 +30,10 @@
 //! VMs are Running (VmRSS, and the peak so far, VmHWM, from /proc/<pid>/status,
 //! in MiB) and per VM (RSS all Running minus RSS before the first VM, / N, in
 //! KiB), vmlet's and kube-apiserver's CPU over `VMLET_BENCH_IDLE_SECONDS`
-//! (default 60) with every VM Running and idle, the time from deleting all
+//! (default 60) with every VM Running and idle, the test driver's own share
+//! of the memory (the same N domains defined and started in a bare `virsh -c
+//! test:///default`, `apply_to_running/test_driver.rs`: on a real host they
+//! live in libvirtd) and vmlet's own per VM beside it, the time from deleting all
 //! VMs until no VirtualMachine is left (finalizers released) next to the
 //! create→all-Running time, and the peak RSS of the whole run. Last, vmlet
 //! against the baseline: p50 ratio (target ≤ 2×) and throughput ratio
@@ -56,6 +59,8 @@ mod measure;
 mod process;
 #[path = "apply_to_running/requests.rs"]
 mod requests;
+#[path = "apply_to_running/test_driver.rs"]
+mod test_driver;
 
 use common::deadline::{self, kill_and_reap, wait_within};
 use common::ClusterEnv;
@@ -241,17 +246,18 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     timeline.print("VMs", settings.concurrency);
     requests.print_per_object(settings.vms);
     print_placement(&vms, &nodes).await;
+    let mut per_vm_kib = None;
     if let (Some(now), Some(peak)) = (process::status_mib(pid, "VmRSS"), process::status_mib(pid, "VmHWM")) {
         println!("  vmlet RSS:             {now:.1} MiB now (VmRSS, all Running), {peak:.1} MiB peak (VmHWM)");
         if let Some(empty) = rss_empty {
-            let per_vm_kib = (now - empty) * 1024.0 / timeline.reached().max(1) as f64;
-            println!(
-                "  vmlet memory per VM:   {per_vm_kib:.1} KiB ((RSS all Running - RSS no VMs) / {})",
-                timeline.reached()
-            );
+            let kib = (now - empty) * 1024.0 / timeline.reached().max(1) as f64;
+            println!("  vmlet memory per VM:   {kib:.1} KiB ((RSS all Running - RSS no VMs) / {})", timeline.reached());
+            per_vm_kib = Some(kib);
         }
     }
     print_idle_cpu(pid, settings.idle).await;
+    // After the idle window, which it would disturb.
+    print_test_driver_share(timeline.reached(), per_vm_kib);
 
     // Teardown through the product: delete every VM and wait until all are gone.
     let deleted = delete_all_until_gone(&vms, settings.timeout).await;
@@ -274,6 +280,26 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     under_test.stop_vmlet();
     drop(under_test);
     VmletOutcome { timeline, requests, deleted, log }
+}
+
+/// The test driver's own memory for `vms` running domains, measured in a
+/// bare virsh ([`test_driver`]), and what is left of vmlet's `per_vm_kib`
+/// beside it: vmlet's own memory per VM.
+fn print_test_driver_share(vms: usize, per_vm_kib: Option<f64>) {
+    if vms == 0 {
+        return;
+    }
+    match test_driver::rss_for_domains(vms, Duration::from_secs(600)) {
+        Some((empty, full)) => {
+            let driver_kib = (full - empty) * 1024.0 / vms as f64;
+            let own = per_vm_kib.map_or("unknown".to_owned(), |kib| format!("{:.1} KiB", kib - driver_kib));
+            println!(
+                "  test driver's share:   {driver_kib:.1} KiB per domain (the same {vms} domains in a bare virsh: \
+                 {empty:.1} → {full:.1} MiB); vmlet's own per VM: {own}"
+            );
+        }
+        None => println!("  test driver's share:   not measured (virsh missing, failed or took over 600 s)"),
+    }
 }
 
 /// CPU use of vmlet (`pid`) and of the API server over `window` with every
