@@ -71,9 +71,12 @@ pub struct Watches {
 
 /// Passes of one VirtualMachine controller that run at once (see
 /// [`Watches::vm_controller`]). A pass is a few API requests (and, in the
-/// release loop, a few provider calls): 16 of them keep well ahead of what
-/// the API server serves.
-pub const VM_PASSES_IN_FLIGHT: u16 = 16;
+/// release loop, a few provider calls). 16 were too few: at 2,000 VMs
+/// created at once the controller fell behind the creates, and since the
+/// queue is not first-in first-out, some VMs waited 30 s (p95 31 s against
+/// 7.7 s unbounded). With 64, 10,000 VMs ran within 6.7 s of their create
+/// (p95) and were all deleted with no Lease renewal missed.
+pub const VM_PASSES_IN_FLIGHT: u16 = 64;
 
 /// How long a controller waits for a watch's first list before it says so
 /// (and again at each such interval).

@@ -16,15 +16,16 @@ use std::time::Duration;
 use crate::process;
 
 /// RSS of the bare process before and after it holds `n` running domains,
-/// in MiB; `None` when virsh is missing, fails, or takes longer than
-/// `limit` (it is then killed).
+/// in MiB; `None` when virsh (or coreutils' `stdbuf`) is missing, fails, or
+/// takes longer than `limit` (it is then killed).
 pub fn rss_for_domains(n: usize, limit: Duration) -> Option<(f64, f64)> {
     let dir = tempfile::tempdir().ok()?;
     for i in 0..n {
         std::fs::write(dir.path().join(format!("{i}.xml")), domain_xml(i)).ok()?;
     }
-    let mut virsh = Command::new("virsh")
-        .args(["-q", "-c", "test:///default"])
+    // Line-buffered: virsh's answers must reach the pipe as they are made.
+    let mut virsh = Command::new("stdbuf")
+        .args(["-oL", "virsh", "-c", "test:///default"])
         .current_dir(dir.path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
