@@ -203,8 +203,15 @@ down() {
     fi
     rm -f "$DIR/run/$n.pid"
   done
+  # 30 s of grace each; what outlives it is killed, so the next `up` finds the
+  # ports free (an apiserver still draining once held 6443 into the next CI run).
   for pid in "${pids[@]}"; do
     for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    if kill -0 "$pid" 2>/dev/null; then
+      log "pid $pid still running 30 s after SIGTERM: sending SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    fi
   done
   if [[ ${1:-} == --wipe ]]; then rm -rf "$DIR"; fi
 }
