@@ -73,14 +73,19 @@ GO
 
 certs() {
   local c=$DIR/pki
-  [[ -f $c/done && -f $c/kubelet-serving.crt ]] && return 0
+  [[ -f $c/done && -f $c/front-proxy-client.crt ]] && return 0
   mkdir -p "$c"
   (
     cd "$c"
     # Each file is made only when missing, so certs added later join an existing CA.
     [[ -f ca.crt ]] || openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout ca.key -out ca.crt -subj "/CN=vmlet-local-ca" 2>/dev/null
-    sign() { # name subject [san]: a v3 cert (rustls refuses v1), server+client use
+    # The front proxy's own CA: the API server's aggregator proves itself to
+    # aggregated API servers (metrics-server) with a client cert from it, and
+    # they take the user from its X-Remote-* headers only under that cert.
+    [[ -f front-proxy-ca.crt ]] || openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout front-proxy-ca.key -out front-proxy-ca.crt -subj "/CN=vmlet-local-front-proxy-ca" 2>/dev/null
+    sign() { # name subject [san]: a v3 cert (rustls refuses v1), server+client use; signed by $CA (default ca)
       [[ -f $1.crt ]] && return 0
+      local ca=${CA:-ca}
       openssl req -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.csr" -subj "$2" 2>/dev/null
       {
         echo "basicConstraints=critical,CA:FALSE"
@@ -92,7 +97,7 @@ certs() {
           echo "extendedKeyUsage=clientAuth"
         fi
       } > "$1.ext"
-      openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -out "$1.crt" -extfile "$1.ext" 2>/dev/null
+      openssl x509 -req -in "$1.csr" -CA "$ca.crt" -CAkey "$ca.key" -CAcreateserial -days 3650 -out "$1.crt" -extfile "$1.ext" 2>/dev/null
     }
     sign apiserver "/CN=kube-apiserver" "IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
     sign admin "/O=system:masters/CN=admin"
@@ -102,6 +107,7 @@ certs() {
     # vmlet's kubelet API serving cert: the API server verifies kubelets against
     # this CA (--kubelet-certificate-authority).
     sign kubelet-serving "/O=system:nodes/CN=vmlet-kubelet-serving" "IP:127.0.0.1,DNS:localhost"
+    CA=front-proxy-ca sign front-proxy-client "/CN=front-proxy-client"
     [[ -f sa.key ]] || openssl genrsa -out sa.key 2048 2>/dev/null
     [[ -f sa.pub ]] || openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
     touch done
@@ -166,6 +172,10 @@ up() {
     --service-account-key-file "$c/sa.pub" --service-account-signing-key-file "$c/sa.key" \
     --service-account-issuer https://kubernetes.default.svc \
     --service-cluster-ip-range 10.0.0.0/24 \
+    --requestheader-client-ca-file "$c/front-proxy-ca.crt" --requestheader-allowed-names front-proxy-client \
+    --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
+    --requestheader-extra-headers-prefix X-Remote-Extra- \
+    --proxy-client-cert-file "$c/front-proxy-client.crt" --proxy-client-key-file "$c/front-proxy-client.key" \
     --allow-privileged=true --enable-priority-and-fairness=false
   running kube-controller-manager || start kube-controller-manager \
     --kubeconfig "$DIR/controller-manager.kubeconfig" \
