@@ -3,7 +3,7 @@
 #
 #   hack/cluster.sh build   build etcd + kube-* + kubectl into the cache (idempotent)
 #   hack/cluster.sh up      build if needed, generate certs, start all, wait for /readyz
-#   hack/cluster.sh down    stop what `up` started
+#   hack/cluster.sh down    stop what `up` started, and metrics-server (hack/metrics-server.sh)
 #   hack/cluster.sh env     print `export KUBECONFIG=... PATH=...` for a shell to eval
 #
 # Binaries are built from the k8s.io/kubernetes Go module and go.etcd.io/etcd/server/v3
@@ -73,7 +73,7 @@ GO
 
 certs() {
   local c=$DIR/pki
-  [[ -f $c/done && -f $c/front-proxy-client.crt ]] && return 0
+  [[ -f $c/done && -f $c/metrics-server.crt ]] && return 0
   mkdir -p "$c"
   (
     cd "$c"
@@ -108,6 +108,11 @@ certs() {
     # this CA (--kubelet-certificate-authority).
     sign kubelet-serving "/O=system:nodes/CN=vmlet-kubelet-serving" "IP:127.0.0.1,DNS:localhost"
     CA=front-proxy-ca sign front-proxy-client "/CN=front-proxy-client"
+    # metrics-server (hack/metrics-server.sh): its identity towards the API
+    # server and the kubelets, and its serving cert under the name the
+    # aggregator checks, <service>.<namespace>.svc.
+    sign metrics-server "/CN=system:metrics-server"
+    sign metrics-server-serving "/CN=metrics-server" "DNS:metrics-server.kube-system.svc,DNS:localhost,IP:127.0.0.1"
     [[ -f sa.key ]] || openssl genrsa -out sa.key 2048 2>/dev/null
     [[ -f sa.pub ]] || openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
     touch done
@@ -203,6 +208,9 @@ up() {
 }
 
 down() {
+  # metrics-server (hack/metrics-server.sh) first, while the API server can
+  # still take its APIService away; its certs and pid file live here too.
+  "$(dirname "$0")/metrics-server.sh" down
   # Only what this cluster directory started (pid files): other clusters built
   # from the same cache keep running.
   local pids=()

@@ -16,7 +16,8 @@
 # test networks' VMLET_LIBVIRT_QEMU_NETWORK{,_PROBE,_GATEWAY} (the isolated
 # libvirt network vmlet-lan on qemu:///system; as root) and
 # VMLET_MIG_LAN_{BRIDGE,PROBE,GATEWAY} (the guest LAN of mig-a and mig-b), and
-# the harness's OS_* / VMLET_NOVA_* variables, then runs every test binary of
+# the harness's OS_* / VMLET_NOVA_* variables, starts metrics-server
+# (hack/metrics-server.sh up: built once from its Go module), then runs every test binary of
 # the workspace (hack/run-tests.py: those that need libvirtd beside those
 # that do not), or `cargo test --workspace --no-fail-fast "$@"` when
 # given arguments. All stay running afterwards so
@@ -31,7 +32,7 @@ log() { echo "test.sh: $*" >&2; }
 
 if [[ ${CI:-} == true ]]; then
   # Stop what this run started, whatever happens.
-  trap 'log "CI=true: stopping the control plane, libvirtd, the two libvirt hosts, the Nova harness and the vSphere simulator"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true; "$REPO/hack/hosts.sh" down || true; "$REPO/hack/nova.sh" down || true; "$REPO/hack/vsphere.sh" down || true' EXIT
+  trap 'log "CI=true: stopping the control plane (metrics-server with it), libvirtd, the two libvirt hosts, the Nova harness and the vSphere simulator"; "$REPO/hack/cluster.sh" down || true; "$REPO/hack/libvirtd.sh" down || true; "$REPO/hack/hosts.sh" down || true; "$REPO/hack/nova.sh" down || true; "$REPO/hack/vsphere.sh" down || true' EXIT
 fi
 
 if [[ $(id -u) != 0 ]] && ! virsh -c "$(hack/libvirtd.sh uri)" version >/dev/null 2>&1; then
@@ -50,6 +51,11 @@ if [[ ${CI:-} == true ]]; then
 fi
 hack/cluster.sh up
 eval "$(hack/cluster.sh env)" # KUBECONFIG, PATH (kubectl), VMLET_CLUSTER_LOGS
+# metrics.k8s.io for `kubectl top` (tests/cluster.rs): built once (a few
+# minutes), then started in seconds. Started here as well as by the test, so
+# that no run begins with an APIService whose server is gone (discovery then
+# fails for every kubectl and namespace deletion).
+hack/metrics-server.sh up
 hack/libvirtd.sh up
 # VMLET_LIBVIRT_QEMU_URI and, where `up` made it (as root), the test network:
 # VMLET_LIBVIRT_QEMU_NETWORK, VMLET_LIBVIRT_QEMU_NETWORK_PROBE, VMLET_LIBVIRT_QEMU_NETWORK_GATEWAY
