@@ -1,5 +1,6 @@
 //! The walking skeleton on the real control plane with libvirt's test driver:
-//! nodes, leases, scheduling, scale, delete and API validation.
+//! nodes, leases, scheduling, scale, delete, API validation, and `kubectl top`
+//! through a real metrics-server.
 
 mod common;
 
@@ -10,6 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::ResourceExt;
 use serde_json::json;
+use std::collections::BTreeMap;
 
 fn two_hosts() -> [Host<'static>; 2] {
     [Host::new("a", test_driver_uri("host-a.xml")), Host::new("b", test_driver_uri("host-b.xml"))]
@@ -721,5 +723,126 @@ async fn each_node_of_one_process_answers_stats_summary_for_its_own_vms_only() {
         assert!(sample(&text, &defined).is_some_and(|n| n >= 1.0), "{defined} missing or 0:\n{text}");
         let depth = format!("vmlet_workqueue_depth{{controller=\"pod\",node=\"{node}\"}}");
         assert!(sample(&text, &depth).is_some(), "{depth} missing:\n{text}");
+    }
+}
+
+const MIB: u64 = 1 << 20;
+
+/// The rows of `kubectl top ... --no-headers` output by their first column.
+fn top_rows(out: &str) -> BTreeMap<String, Vec<String>> {
+    out.lines()
+        .filter_map(|l| {
+            let mut fields = l.split_whitespace().map(str::to_owned);
+            Some((fields.next()?, fields.collect()))
+        })
+        .collect()
+}
+
+/// A `kubectl top` memory figure (`<n>Mi`) in MiB.
+fn mebibytes(quantity: &str) -> u64 {
+    quantity.strip_suffix("Mi").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("memory {quantity:?}: not <n>Mi"))
+}
+
+/// A `kubectl top` CPU figure (`<n>m`) in millicores.
+fn millicores(quantity: &str) -> u64 {
+    quantity.strip_suffix('m').and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("cpu {quantity:?}: not <n>m"))
+}
+
+/// `kubectl top` through a real metrics-server (hack/metrics-server.sh): it
+/// scrapes each Node's `/metrics/resource` at the node's InternalIP and
+/// status port as `system:metrics-server`, verifying vmlet's serving cert,
+/// and the API server's aggregator serves what it keeps. Each host's row
+/// carries its own VMs, with the figures its `/stats/summary` reports.
+#[tokio::test]
+async fn kubectl_top_shows_each_hosts_own_vms_through_metrics_server() {
+    common::metrics_server();
+    let mut env = TestEnv::new("top").await;
+    env.start_vmlet(&two_hosts());
+    let (a, b) = (env.node("a"), env.node("b"));
+    env.wait_node_ready(&a).await;
+    env.wait_node_ready(&b).await;
+    // Other memory sizes on each host: each node's figure can only be the
+    // sum of its own VMs'. The test driver reports a VM's memory as used.
+    let pinned = |node: &str, memory: &str| json!({"resources": {"cpu": 1, "memory": memory}, "nodeSelector": {"kubernetes.io/hostname": node}});
+    env.apply_vm("a1", pinned(&a, "256Mi"));
+    env.apply_vm("b1", pinned(&b, "512Mi"));
+    env.apply_vm("b2", pinned(&b, "256Mi"));
+    let mut node_of = BTreeMap::new();
+    for vm in ["a1", "b1", "b2"] {
+        let status = env.wait_vm_phase(vm, "Running").await.status.unwrap();
+        node_of.insert(status.pod_name.unwrap(), status.node_name.unwrap());
+    }
+
+    // What each node's listener reports, in MiB, by pod and node name.
+    let mut reported = BTreeMap::new();
+    for (i, node) in [(0, &a), (1, &b)] {
+        let port = env.kubelet_port_of(i);
+        let own = node_of.values().filter(|n| *n == node).count();
+        let summary = env
+            .wait_for(&format!("{node}'s /stats/summary to list its {own} VMs"), || async {
+                let (status, body) = common::kubelet::get(port, "/stats/summary", Caller::ApiServer).await?;
+                let summary: serde_json::Value = serde_json::from_str(&body).ok().filter(|_| status == 200)?;
+                (summary["pods"].as_array()?.len() == own).then_some(summary)
+            })
+            .await;
+        reported.insert(node.clone(), summary["node"]["memory"]["workingSetBytes"].as_u64().unwrap() / MIB);
+        for pod in summary["pods"].as_array().unwrap() {
+            let name = pod["podRef"]["name"].as_str().unwrap().to_owned();
+            assert_eq!(node_of.get(&name), Some(node), "{node} reports {name}");
+            reported.insert(name, pod["memory"]["workingSetBytes"].as_u64().unwrap() / MIB);
+        }
+    }
+    assert_eq!((reported[&a], reported[&b]), (256, 768), "{reported:?}");
+
+    // metrics-server keeps a node or pod once it has two scrapes of it (one
+    // every 10 s): until then `kubectl top` says the metrics are not there.
+    let mut node_cpu = BTreeMap::new();
+    for node in [&a, &b] {
+        let row = env
+            .wait_for(&format!("`kubectl top node {node}` to show its figures"), || {
+                let out = env.kubectl_output(&["top", "node", node, "--no-headers"]);
+                async move { out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned()) }
+            })
+            .await;
+        let rows = top_rows(&row);
+        let fields = rows.get(node).unwrap_or_else(|| panic!("no row for {node}: {row}"));
+        // NAME CPU(cores) CPU(%) MEMORY(bytes) MEMORY(%)
+        node_cpu.insert(node, millicores(&fields[0]));
+        assert_eq!(mebibytes(&fields[2]), reported[node], "{node}: {row}");
+    }
+    let pods = env
+        .wait_for("`kubectl top pod` to show the three VM pods", || {
+            let out = env.kubectl_output(&["top", "pod", "--no-headers"]);
+            let rows = out.status.success().then(|| top_rows(&String::from_utf8_lossy(&out.stdout)));
+            async move { rows.filter(|rows| rows.len() == 3) }
+        })
+        .await;
+    let (mut memory_per_node, mut cpu_per_node) = (BTreeMap::new(), BTreeMap::<&String, u64>::new());
+    for (pod, fields) in &pods {
+        let node = node_of.get(pod).unwrap_or_else(|| panic!("`kubectl top pod` shows {pod}, no VM's pod: {pods:?}"));
+        // The test driver's CPU counter runs with the clock: about a core.
+        let cpu = millicores(&fields[0]);
+        assert!(cpu > 0, "{pod}: {fields:?}");
+        *cpu_per_node.entry(node).or_default() += cpu;
+        let memory = mebibytes(&fields[1]);
+        assert_eq!(memory, reported[pod], "{pod}: {fields:?}");
+        *memory_per_node.entry(node).or_default() += memory;
+    }
+    assert_eq!(memory_per_node, BTreeMap::from([(&a, 256), (&b, 768)]), "each node's pods add up to its row");
+    for (node, pods_cpu) in cpu_per_node {
+        // Rates over windows of other scrapes: close, not equal.
+        let cpu = node_cpu[node];
+        assert!(cpu.abs_diff(pods_cpu) <= pods_cpu / 10 + 10, "{node}: {cpu}m, its pods {pods_cpu}m: {pods:?}");
+    }
+
+    // metrics-server's identity reads nodes/metrics and no other part of the
+    // kubelet API: its role grants no nodes/stats or nodes/proxy.
+    let port = env.kubelet_port_of(0);
+    let (status, text) = common::kubelet::get(port, "/metrics/resource", Caller::Cert("metrics-server")).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    for path in ["/stats/summary", "/pods"] {
+        let (status, body) = common::kubelet::get(port, path, Caller::Cert("metrics-server")).await.unwrap();
+        assert_eq!(status, 403, "{path}: {body}");
+        assert!(body.contains("user=system:metrics-server"), "{path}: {body}");
     }
 }

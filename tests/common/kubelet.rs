@@ -1,7 +1,7 @@
 //! Plain HTTPS requests to a test vmlet's kubelet API on 127.0.0.1, its
 //! serving certificate checked against the cluster CA, as the API server's
-//! kubelet client (its client certificate, in `system:masters`) or with a
-//! bearer token.
+//! kubelet client (its client certificate, in `system:masters`), with
+//! another client certificate of the cluster CA, or with a bearer token.
 
 use http_body_util::BodyExt;
 use rustls::pki_types::pem::PemObject;
@@ -15,6 +15,9 @@ use std::time::Duration;
 pub enum Caller<'a> {
     /// The API server's kubelet client certificate (`pki/kubelet-client.*`).
     ApiServer,
+    /// The client certificate `pki/<name>.crt` (key `pki/<name>.key`), e.g.
+    /// `metrics-server`, whose identity is its subject.
+    Cert(&'a str),
     /// A bearer token, and no client certificate.
     Bearer(&'a str),
 }
@@ -42,14 +45,21 @@ pub async fn connect(port: u16, caller: Caller<'_>) -> Option<tokio_rustls::clie
         .with_safe_default_protocol_versions()
         .ok()?
         .with_root_certificates(roots);
-    let config = match caller {
-        Caller::ApiServer => {
-            let chain: Vec<_> =
-                CertificateDer::pem_file_iter(pki().join("kubelet-client.crt")).ok()?.collect::<Result<_, _>>().ok()?;
-            let key = PrivateKeyDer::from_pem_file(pki().join("kubelet-client.key")).ok()?;
+    let cert = match caller {
+        Caller::ApiServer => Some("kubelet-client"),
+        Caller::Cert(name) => Some(name),
+        Caller::Bearer(_) => None,
+    };
+    let config = match cert {
+        Some(name) => {
+            let chain: Vec<_> = CertificateDer::pem_file_iter(pki().join(format!("{name}.crt")))
+                .ok()?
+                .collect::<Result<_, _>>()
+                .ok()?;
+            let key = PrivateKeyDer::from_pem_file(pki().join(format!("{name}.key"))).ok()?;
             builder.with_client_auth_cert(chain, key).ok()?
         }
-        Caller::Bearer(_) => builder.with_no_client_auth(),
+        None => builder.with_no_client_auth(),
     };
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
     tokio_rustls::TlsConnector::from(Arc::new(config))

@@ -194,6 +194,24 @@ pub fn cluster() -> &'static ClusterEnv {
     })
 }
 
+/// Deadline of `hack/metrics-server.sh up`: the first run builds
+/// metrics-server from its Go module (minutes on 2 cores); later runs reuse
+/// the running one in seconds.
+const METRICS_SERVER_UP: Duration = Duration::from_secs(30 * 60);
+
+/// Bring metrics-server up beside the control plane, once per test binary
+/// (`hack/metrics-server.sh up`, idempotent: a running one is reused), so
+/// that the metrics.k8s.io API (`kubectl top`) serves vmlet's nodes.
+pub fn metrics_server() {
+    static UP: OnceLock<()> = OnceLock::new();
+    UP.get_or_init(|| {
+        cluster();
+        let script = repo().join("hack/metrics-server.sh");
+        let up = run_echoing(Command::new(&script).arg("up"), METRICS_SERVER_UP).unwrap_or_else(|t| panic!("{t}"));
+        assert!(up.status.success(), "{}", failed("hack/metrics-server.sh up", &up));
+    });
+}
+
 /// The kubeconfig vmlet processes of the tests run with (unless a test sets
 /// [`TestEnv::vmlet_kubeconfig`]): ServiceAccount kube-system/vmlet with the
 /// agent's and the controller's ClusterRoles of `deploy/rbac.yaml`, not the
