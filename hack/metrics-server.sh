@@ -27,7 +27,9 @@
 #   watch nodes and pods) plus those of an aggregated API server (read the
 #   authentication ConfigMap, TokenReview and SubjectAccessReview). It dials
 #   each Node's InternalIP at its status port (vmlet: one port per node) and
-#   checks the kubelet's serving cert against the cluster CA.
+#   checks the kubelet's serving cert against the cluster CA. It leaves the
+#   benchmarks' nodes (labelled vmlet.io/bench, vmlet.io/bench-baseline)
+#   alone: a scrape of each every 10 s would be part of what they measure.
 #
 # The binary is cached in $VMLET_CACHE (default ~/.cache/vmlet) keyed by
 # version; its pid file, log and kubeconfig are in the cluster directory
@@ -187,21 +189,29 @@ up() {
     die "the API server runs without --requestheader-client-ca-file (started by an older hack/cluster.sh): restart it with hack/cluster.sh down && hack/cluster.sh up"
   kubeconfig
   rbac
+  local c=$DIR/pki
+  local args=(--bind-address 127.0.0.1 --secure-port "$PORT"
+    --tls-cert-file "$c/metrics-server-serving.crt" --tls-private-key-file "$c/metrics-server-serving.key"
+    --kubeconfig "$KUBECONFIG_FILE"
+    --authentication-kubeconfig "$KUBECONFIG_FILE" --authorization-kubeconfig "$KUBECONFIG_FILE"
+    --kubelet-certificate-authority "$c/ca.crt"
+    --kubelet-client-certificate "$c/metrics-server.crt" --kubelet-client-key "$c/metrics-server.key"
+    --kubelet-preferred-address-types InternalIP --kubelet-use-node-status-port
+    --metric-resolution 10s --kubelet-request-timeout 5s
+    --node-selector '!vmlet.io/bench,!vmlet.io/bench-baseline')
+  # One started with other flags (an older revision of this script) is
+  # replaced; the APIService stays, the new one answers in a second.
+  if running && [[ $(cat "$DIR/run/metrics-server.args" 2>/dev/null) != "${args[*]}" ]]; then
+    log "running with other flags: restarting it"
+    stop
+  fi
   if ! running; then
     mkdir -p "$DIR/logs" "$DIR/run"
-    local c=$DIR/pki
     # setsid: a test's deadline that kills its command's process group leaves
     # this server alone; 9>&-: the lock is not inherited.
-    setsid "$BIN" --bind-address 127.0.0.1 --secure-port "$PORT" \
-      --tls-cert-file "$c/metrics-server-serving.crt" --tls-private-key-file "$c/metrics-server-serving.key" \
-      --kubeconfig "$KUBECONFIG_FILE" \
-      --authentication-kubeconfig "$KUBECONFIG_FILE" --authorization-kubeconfig "$KUBECONFIG_FILE" \
-      --kubelet-certificate-authority "$c/ca.crt" \
-      --kubelet-client-certificate "$c/metrics-server.crt" --kubelet-client-key "$c/metrics-server.key" \
-      --kubelet-preferred-address-types InternalIP --kubelet-use-node-status-port \
-      --metric-resolution 10s --kubelet-request-timeout 5s \
-      </dev/null >"$LOG" 2>&1 9>&- &
+    setsid "$BIN" "${args[@]}" </dev/null >"$LOG" 2>&1 9>&- &
     echo $! >"$PIDFILE"
+    echo "${args[*]}" >"$DIR/run/metrics-server.args"
     log "started (pid $!), log $LOG"
   fi
   until answers; do
@@ -229,6 +239,11 @@ down() {
   if [[ -n $KUBECTL ]] && k get --raw /readyz >/dev/null 2>&1; then
     k delete apiservice "$APISERVICE" --ignore-not-found >/dev/null || log "could not delete APIService $APISERVICE"
   fi
+  stop
+}
+
+# SIGTERM to what `up` started, SIGKILL after 30 s.
+stop() {
   running || { rm -f "$PIDFILE"; return 0; }
   local pid
   pid=$(<"$PIDFILE")
