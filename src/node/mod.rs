@@ -473,6 +473,7 @@ async fn heartbeat(
     let mut last_lease = None;
     // The back end's last failure, while it fails: (reason, message).
     let mut failing: Option<(&'static str, String)> = None;
+    let mut first_beat = true;
     loop {
         if node_uid.is_none() {
             match registration::register(&nodes, &desired).await {
@@ -554,9 +555,10 @@ async fn heartbeat(
                 Err(e) => warn!(error = %e, "lease renewal failed"),
             }
         }
+        let pause = next_beat(tick, &mut first_beat);
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep(tick) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
     }
     if node_uid.is_some() {
@@ -567,9 +569,37 @@ async fn heartbeat(
     }
 }
 
+/// The pause after a heartbeat of period `tick`: a uniformly random part of
+/// it after the first beat, so that the heartbeats of hosts that started
+/// together (every host of a process) spread over the period instead of
+/// all writing their Leases in the same instant; after that `tick` less up to
+/// 10%, as the kubelet jitters its Lease renewal (`wait.JitterUntil`), but
+/// never later than `tick`, so a hold is renewed at least as often as
+/// configured. Clears `first`.
+fn next_beat(tick: Duration, first: &mut bool) -> Duration {
+    let part: f64 = if std::mem::take(first) { rand::random() } else { 1.0 - 0.1 * rand::random::<f64>() };
+    tick.mul_f64(part)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heartbeats_spread_over_the_period_and_never_come_later_than_it() {
+        let tick = Duration::from_secs(10);
+        let mut first = true;
+        let firsts: Vec<Duration> = (0..200).map(|_| next_beat(tick, &mut true)).collect();
+        assert!(firsts.iter().all(|d| *d <= tick));
+        // Spread: both halves of the period are used.
+        assert!(firsts.iter().any(|d| *d < tick / 2) && firsts.iter().any(|d| *d > tick / 2));
+        next_beat(tick, &mut first);
+        assert!(!first);
+        for _ in 0..200 {
+            let d = next_beat(tick, &mut first);
+            assert!(d <= tick && d >= tick.mul_f64(0.9), "{d:?}");
+        }
+    }
 
     #[tokio::test]
     async fn a_pushed_change_queues_the_pods_of_that_vm_on_this_node_and_a_missed_one_queues_all() {
