@@ -1,10 +1,13 @@
 //! Pods the controller created that its pod watch has not shown yet, so that
 //! a pass which finds the VM's `status.podName` but not the pod in the cache
 //! waits for the watch (whose event runs the pass again) instead of reading
-//! the pod from the API server. client-go's controller "expectations" for
-//! creations. An entry is trusted for [`EXPECTED_FOR`] only: a pod deleted
-//! before the watch ever showed it is then read from the API server, as
-//! without this.
+//! the pod from the API server; and pods it asked the API server to delete,
+//! so that a pass that still finds such a pod without its
+//! `deletionTimestamp` (the watch lags behind the delete) does not delete it
+//! again. client-go's controller "expectations" for creations and
+//! deletions. An entry is trusted for [`EXPECTED_FOR`] only: a pod deleted
+//! before the watch ever showed it is then read from the API server, and a
+//! delete that the watch never showed is made again, as without this.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -17,10 +20,16 @@ pub const EXPECTED_FOR: Duration = Duration::from_secs(10);
 /// pass has named another pod in the VM's status.
 pub const TAKEN_FOR: Duration = Duration::from_secs(60);
 
-/// `namespace/name` of a created pod → when it was created; and of a name
-/// whose create found a pod there already → when.
+/// What the controller wrote and its watch has not shown yet.
 #[derive(Default)]
-pub struct Expected(Mutex<HashMap<String, Instant>>, Mutex<HashMap<String, Instant>>);
+pub struct Expected {
+    /// `namespace/name` of a created pod → when it was created.
+    created: Mutex<HashMap<String, Instant>>,
+    /// `namespace/name` whose create found a pod there already → when.
+    taken: Mutex<HashMap<String, Instant>>,
+    /// UID of a pod whose delete the API server accepted → when.
+    deleted: Mutex<HashMap<String, Instant>>,
+}
 
 impl Expected {
     /// Remember that pod `name` of `namespace` was created just now.
@@ -29,7 +38,7 @@ impl Expected {
     }
 
     fn at(&self, namespace: &str, name: &str, when: Instant) {
-        let mut map = self.0.lock().expect("expected poisoned");
+        let mut map = self.created.lock().expect("expected poisoned");
         // Entries of pods never seen are dropped as they age, not kept.
         map.retain(|_, created| created.elapsed() < EXPECTED_FOR);
         map.insert(format!("{namespace}/{name}"), when);
@@ -38,7 +47,7 @@ impl Expected {
     /// Whether pod `name` of `namespace`, which the watch cache does not
     /// hold, was created less than [`EXPECTED_FOR`] ago.
     pub fn pending(&self, namespace: &str, name: &str) -> bool {
-        let map = self.0.lock().expect("expected poisoned");
+        let map = self.created.lock().expect("expected poisoned");
         map.get(&format!("{namespace}/{name}")).is_some_and(|created| created.elapsed() < EXPECTED_FOR)
     }
 
@@ -46,7 +55,7 @@ impl Expected {
     /// (the name it had written in the VM's `status.podName`) found a pod
     /// there already: someone else made it, and it is never the VM's pod.
     pub fn taken(&self, namespace: &str, name: &str) {
-        let mut map = self.1.lock().expect("taken poisoned");
+        let mut map = self.taken.lock().expect("taken poisoned");
         map.retain(|_, when| when.elapsed() < TAKEN_FOR);
         map.insert(format!("{namespace}/{name}"), Instant::now());
     }
@@ -54,20 +63,50 @@ impl Expected {
     /// Whether pod `name` of `namespace` was found taken by another's pod
     /// less than [`TAKEN_FOR`] ago ([`Expected::taken`]).
     pub fn is_taken(&self, namespace: &str, name: &str) -> bool {
-        let map = self.1.lock().expect("taken poisoned");
+        let map = self.taken.lock().expect("taken poisoned");
         map.get(&format!("{namespace}/{name}")).is_some_and(|when| when.elapsed() < TAKEN_FOR)
     }
 
     /// Forget pod `name` of `namespace`: the watch showed it.
     pub fn seen(&self, namespace: &str, name: &str) {
-        let mut map = self.0.lock().expect("expected poisoned");
+        let mut map = self.created.lock().expect("expected poisoned");
         map.remove(&format!("{namespace}/{name}"));
+    }
+
+    /// Remember that the API server accepted the delete of the pod with UID
+    /// `uid` just now.
+    pub fn deleted(&self, uid: &str) {
+        let mut map = self.deleted.lock().expect("deleted poisoned");
+        map.retain(|_, when| when.elapsed() < EXPECTED_FOR);
+        map.insert(uid.to_owned(), Instant::now());
+    }
+
+    /// Whether the pod with UID `uid`, which the watch cache shows without a
+    /// `deletionTimestamp`, was deleted less than [`EXPECTED_FOR`] ago
+    /// ([`Expected::deleted`]): its delete is then on its way through the
+    /// watch, and a second one would only cost a request (and an Event).
+    pub fn deleting(&self, uid: &str) -> bool {
+        let map = self.deleted.lock().expect("deleted poisoned");
+        map.get(uid).is_some_and(|when| when.elapsed() < EXPECTED_FOR)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pod_deleted_a_moment_ago_is_not_deleted_again_but_another_is() {
+        let expected = Expected::default();
+        assert!(!expected.deleting("uid-1"));
+        expected.deleted("uid-1");
+        assert!(expected.deleting("uid-1"));
+        assert!(!expected.deleting("uid-2"), "a replacement pod has its own UID");
+        // An old entry is trusted no longer: a delete the watch never showed
+        // is made again.
+        expected.deleted.lock().unwrap().insert("uid-3".into(), Instant::now() - EXPECTED_FOR);
+        assert!(!expected.deleting("uid-3"));
+    }
 
     #[test]
     fn a_name_found_taken_is_never_adopted_while_remembered() {
@@ -96,6 +135,6 @@ mod tests {
         expected.at("ns", "web-old", long_ago);
         assert!(!expected.pending("ns", "web-old"), "read from the API server after EXPECTED_FOR");
         expected.created("ns", "web-new");
-        assert_eq!(expected.0.lock().unwrap().len(), 1, "the aged entry was dropped");
+        assert_eq!(expected.created.lock().unwrap().len(), 1, "the aged entry was dropped");
     }
 }

@@ -151,8 +151,20 @@ async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action,
             .as_ref()
             .and_then(|s| s.pod_name.as_deref())
             .is_some_and(|n| ctx.expected.is_taken(&namespace, n));
-        let current =
-            if taken { None } else { current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))? };
+        // The designated pod, when the cache lacks it, is read from the API
+        // server only if this controller created it a moment ago: otherwise
+        // the listed and watched cache not holding it means it is gone (a
+        // mass delete read each VM's deleted pod once more, to a 404).
+        let unseen = vm
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_name.as_deref())
+            .is_some_and(|n| !owned.iter().any(|p| p.name_any() == n) && !ctx.expected.pending(&namespace, n));
+        let current = if taken || unseen {
+            None
+        } else {
+            current_pod(&vm, &owned, &pods).await.map_err(|e| kube_err("get pod", e))?
+        };
         return cleanup(&vm, &owned, current.as_deref(), &pods, &vms, &ctx).await;
     }
 
@@ -660,12 +672,18 @@ async fn resize_pod(
 }
 
 async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachine, why: &str) -> Result<bool, Error> {
+    let uid = pod.uid().unwrap_or_default();
+    if ctx.expected.deleting(&uid) {
+        // Deleted by an earlier pass; the watch has not shown it yet.
+        return Ok(false);
+    }
     let params = DeleteParams {
         preconditions: Some(Preconditions { uid: pod.uid(), resource_version: None }),
         ..DeleteParams::default()
     };
     match pods.delete(&pod.name_any(), &params).await {
         Ok(_) => {
+            ctx.expected.deleted(&uid);
             info!(pod.name = %pod.name_any(), why, "deleted pod");
             ctx.events.publish(vm, Reason::DeletedPod, &format!("{why} (pod {})", pod.name_any()));
             Ok(true)
