@@ -43,7 +43,12 @@
 //! hosts, 1..=999, default 3), `VMLET_BENCH_CONCURRENCY` (create calls in flight,
 //! default 8), `VMLET_BENCH_IDLE_SECONDS` (the idle CPU window, 0 to skip),
 //! `VMLET_BENCH_TIMEOUT` (seconds each wait may take, default 900:
-//! the baseline's pods Running, the VMs Running, the VMs gone). Every external
+//! the baseline's pods Running, the VMs Running, the VMs gone),
+//! `VMLET_BENCH_HEAPTRACK` (a file: vmlet runs with heaptrack's preload library
+//! writing its raw trace there, to be read with
+//! `heaptrack_interpret < FILE | gzip > trace.gz` and `heaptrack_print trace.gz`;
+//! the RSS figures are then heaptrack's as well as vmlet's). It also prints the
+//! API requests per VM that deleting them cost. Every external
 //! command runs under a deadline (tests/support/deadline.rs). Exits 1 after
 //! cleaning up when a run did not reach Running for all N within the timeout
 //! (printing how many did) or the VMs were not gone in time.
@@ -139,7 +144,7 @@ async fn main() {
     );
     let (baseline, baseline_requests) = baseline::run(cluster, &client, &baseline_ns, &settings).await;
     baseline.print("pods", concurrency);
-    baseline_requests.print_per_object(n);
+    baseline_requests.print_per_object("API requests/object", n);
 
     println!("vmlet: {n} VMs (1 CPU, {VM_MEMORY} each) on {hosts} test-driver hosts, namespace {ns}");
     let vmlet = run_vmlet(cluster, &client, &ns, &settings).await;
@@ -211,15 +216,22 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     let config_path = write_vmlet_config(&dir, ns, &nodes, settings.vms);
     let log = dir.join("vmlet.log");
     let log_file = std::fs::File::create(&log).expect("create vmlet log");
-    let child = Command::new(env!("CARGO_BIN_EXE_vmlet"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_vmlet"));
+    command
         .args(["run", "--config"])
         .arg(&config_path)
         .env("KUBECONFIG", &cluster.kubeconfig)
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
-        .stderr(log_file)
-        .spawn()
-        .expect("start vmlet");
+        .stderr(log_file);
+    if let Some(raw) = std::env::var_os("VMLET_BENCH_HEAPTRACK") {
+        // heaptrack's preload library in vmlet alone (not in cargo, kubectl or
+        // this bench), writing its raw trace to the file named.
+        let preload = heaptrack_preload().expect("VMLET_BENCH_HEAPTRACK: libheaptrack_preload.so not found");
+        println!("  vmlet under heaptrack: raw trace {}", raw.to_string_lossy());
+        command.env("LD_PRELOAD", preload).env("DUMP_HEAPTRACK_OUTPUT", raw);
+    }
+    let child = command.spawn().expect("start vmlet");
     let pid = child.id();
     under_test.vmlet = Some(child);
     println!("  vmlet: {} (pid {pid}), log {}", env!("CARGO_BIN_EXE_vmlet"), log.display());
@@ -244,7 +256,7 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
         measure::create_until_running(&vms, objects, settings.concurrency, settings.timeout, vm_is_running).await;
     let requests = Requests::read(client).await.since(&before);
     timeline.print("VMs", settings.concurrency);
-    requests.print_per_object(settings.vms);
+    requests.print_per_object("API requests/object", settings.vms);
     print_placement(&vms, &nodes).await;
     let mut per_vm_kib = None;
     if let (Some(now), Some(peak)) = (process::status_mib(pid, "VmRSS"), process::status_mib(pid, "VmHWM")) {
@@ -260,7 +272,9 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     print_test_driver_share(timeline.reached(), per_vm_kib);
 
     // Teardown through the product: delete every VM and wait until all are gone.
+    let before_delete = Requests::read(client).await;
     let deleted = delete_all_until_gone(&vms, settings.timeout).await;
+    Requests::read(client).await.since(&before_delete).print_per_object("delete requests/VM", timeline.reached());
     match (deleted, timeline.span()) {
         (Ok(took), Some(created)) => println!(
             "  delete all → gone:     {} for {} VMs ({:.2}× the {} from first create to last Running)",
@@ -453,6 +467,14 @@ async fn delete_all_until_gone(vms: &Api<VirtualMachine>, limit: Duration) -> Re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(left)
+}
+
+/// heaptrack's preload library, where Debian's `heaptrack` package puts it.
+fn heaptrack_preload() -> Option<std::path::PathBuf> {
+    ["/usr/lib/x86_64-linux-gnu/heaptrack/libheaptrack_preload.so", "/usr/lib/heaptrack/libheaptrack_preload.so"]
+        .into_iter()
+        .map(std::path::PathBuf::from)
+        .find(|path| path.exists())
 }
 
 /// Six random hex digits for the namespace name.

@@ -60,9 +60,10 @@ impl Requests {
         self.0.values().sum()
     }
 
-    /// Print these requests per object: the total and each kind that cost at
-    /// least 0.05 requests per object, most first.
-    pub fn print_per_object(&self, objects: usize) {
+    /// Print these requests per object under `label` (e.g. "API requests/object"):
+    /// the total and each kind that cost at least 0.05 requests per object,
+    /// most first.
+    pub fn print_per_object(&self, label: &str, objects: usize) {
         if self.0.is_empty() || objects == 0 {
             return;
         }
@@ -75,6 +76,6 @@ impl Requests {
             .collect();
         rows.sort_by(|a, b| b.1.total_cmp(&a.1));
         let listed = rows.iter().map(|(kind, n)| format!("{kind} {n:.2}")).collect::<Vec<_>>().join(", ");
-        println!("  API requests/object:   {:.1} ({listed})", per_object(self.total()));
+        println!("  {:<22} {:.1} ({listed})", format!("{label}:"), per_object(self.total()));
     }
 }
