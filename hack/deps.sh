@@ -17,7 +17,8 @@ BUILD=(libvirt-dev pkg-config openssl)
 # Testing: a real libvirtd with QEMU, the guest image build (cpio, kmod), tmux
 # for `kubectl attach -it`, for hack/hosts.sh's two hosts in namespaces ip
 # (iproute2), unshare and nsenter (util-linux), mount, and genisoimage, with
-# which the libvirt provider writes cloud-init seed images. The test networks
+# which the libvirt provider writes cloud-init seed images; curl, with which the
+# service scripts (nova, vsphere, metrics-server) wait for their endpoints. The test networks
 # (hack/libvirtd.sh's libvirt network vmlet-lan, hack/hosts.sh's shared guest
 # LAN) need dnsmasq-base: libvirt starts dnsmasq for a network's DHCP, and
 # hosts.sh runs one itself (only a Recommends of libvirt-daemon-system, so
@@ -26,7 +27,7 @@ BUILD=(libvirt-dev pkg-config openssl)
 # `virsh net-start` fails: "cannot execute binary /usr/sbin/iptables"); the
 # package's iptables-nft works here. It is libvirt-daemon-system's
 # `iptables | firewalld` dependency, named so apt never picks firewalld.
-TEST=(libvirt-daemon-system libvirt-clients qemu-system-x86 qemu-utils tmux kmod cpio iproute2 procps util-linux mount
+TEST=(libvirt-daemon-system libvirt-clients qemu-system-x86 qemu-utils tmux kmod cpio iproute2 procps util-linux mount curl
   genisoimage dnsmasq-base iptables)
 
 case ${1:-test} in
