@@ -12,6 +12,7 @@
 use kube::{Resource, ResourceExt};
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Object UID → resourceVersion of the loop's last write of it.
 #[derive(Default)]
@@ -43,6 +44,37 @@ impl Written {
     }
 }
 
+/// Keys (object UIDs) a loop acted on lately: a write whose effect the watch
+/// has not shown yet (a delete, a finalizer released), so that a pass that
+/// still sees the object as it was does not make the write again. An entry is
+/// trusted for the period given at construction only, and dropped with age,
+/// so a write the watch never showed (the object gone meanwhile) is neither
+/// kept forever nor skipped for good.
+pub struct Recent {
+    within: Duration,
+    at: Mutex<HashMap<String, Instant>>,
+}
+
+impl Recent {
+    /// Entries trusted for `within`.
+    pub fn new(within: Duration) -> Recent {
+        Recent { within, at: Mutex::default() }
+    }
+
+    /// Remember that the loop acted on `key` just now.
+    pub fn mark(&self, key: &str) {
+        let mut map = self.at.lock().expect("recent poisoned");
+        map.retain(|_, when| when.elapsed() < self.within);
+        map.insert(key.to_owned(), Instant::now());
+    }
+
+    /// Whether the loop acted on `key` less than the period ago.
+    pub fn contains(&self, key: &str) -> bool {
+        let map = self.at.lock().expect("recent poisoned");
+        map.get(key).is_some_and(|when| when.elapsed() < self.within)
+    }
+}
+
 fn revision(object: &impl Resource) -> Option<u64> {
     object.resource_version()?.parse().ok()
 }
@@ -57,6 +89,19 @@ mod tests {
         let mut vm = VmBuilder::new("web").build();
         vm.metadata.resource_version = Some(version.into());
         vm
+    }
+
+    #[test]
+    fn a_recent_mark_is_trusted_for_its_period_only() {
+        let recent = Recent::new(Duration::from_secs(10));
+        assert!(!recent.contains("uid-1"));
+        recent.mark("uid-1");
+        assert!(recent.contains("uid-1") && !recent.contains("uid-2"));
+        // An old mark counts no longer, and the next mark drops it.
+        recent.at.lock().unwrap().insert("uid-3".into(), Instant::now() - Duration::from_secs(11));
+        assert!(!recent.contains("uid-3"));
+        recent.mark("uid-4");
+        assert!(!recent.at.lock().unwrap().contains_key("uid-3"));
     }
 
     #[test]

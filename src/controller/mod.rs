@@ -685,7 +685,13 @@ async fn delete_pod(pod: &Pod, pods: &Api<Pod>, ctx: &Context, vm: &VirtualMachi
         Ok(_) => {
             ctx.expected.deleted(&uid);
             info!(pod.name = %pod.name_any(), why, "deleted pod");
-            ctx.events.publish(vm, Reason::DeletedPod, &format!("{why} (pod {})", pod.name_any()));
+            // Not for a VM being deleted, as Kubernetes' controllers say
+            // nothing of the dependents a deletion takes along: the event
+            // would go to an object about to vanish, and the pod's own
+            // events (stopped, destroyed) and the VM's `Undefined` tell it.
+            if vm.metadata.deletion_timestamp.is_none() {
+                ctx.events.publish(vm, Reason::DeletedPod, &format!("{why} (pod {})", pod.name_any()));
+            }
             Ok(true)
         }
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(false),

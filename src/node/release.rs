@@ -13,6 +13,7 @@ use crate::controller::release_finalizer;
 use crate::events::{EventSink, Reason};
 use crate::v1alpha1::{DeletionPolicy, VirtualMachine, FINALIZER};
 use crate::watches::{Triggers, Watches};
+use crate::written::Recent;
 use futures::StreamExt;
 use kube::runtime::controller::Action;
 use kube::{Api, Client, ResourceExt};
@@ -31,7 +32,14 @@ pub struct Releaser {
     events: EventSink,
     /// Root of vmlet's state (console history, removed with the VM).
     state_dir: PathBuf,
+    /// UIDs of VMs whose finalizer this loop released: the pass that the
+    /// watch runs before it shows the release (a status write in between)
+    /// does not patch once more.
+    released: Recent,
 }
+
+/// How long a released finalizer is trusted to show up in the watch.
+const RELEASED_FOR: Duration = Duration::from_secs(10);
 
 /// Run the release loop until `shutdown`, fed by `triggers` (subscribed from
 /// `watches` before they started).
@@ -49,6 +57,7 @@ pub async fn run(
         hosts,
         watches: watches.clone(),
         state_dir,
+        released: Recent::new(RELEASED_FOR),
     });
     let Some(controller) = watches.vm_controller(&shutdown).await else { return };
     controller
@@ -83,6 +92,10 @@ async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<A
     if !deleting || vm.spec.deletion_policy != DeletionPolicy::Delete {
         return Ok(Action::await_change());
     }
+    let uid = vm.uid().unwrap_or_default();
+    if releaser.released.contains(&uid) {
+        return Ok(Action::await_change());
+    }
     // The record names a host of another process: that process releases it.
     if let Some(node) = super::placement::recorded_node(&vm) {
         if releaser.hosts.get(node).is_none() {
@@ -90,12 +103,11 @@ async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<A
         }
     }
     let namespace = vm.namespace().unwrap_or_default();
-    let uid = vm.uid().unwrap_or_default();
     if !releaser.watches.pods_of_vm(&namespace, &vm.name_any(), &uid).is_empty() {
         // The pod sync stops the VM first; come back when its pods are gone.
         return Ok(Action::requeue(Duration::from_secs(2)));
     }
-    let id = VmId(uid);
+    let id = VmId(uid.clone());
     // Wherever a host of this process holds it (normally the recorded one
     // alone); the recorded host not answering holds the finalizer back.
     let backend_name = vmlet_provider::backend_name(&namespace, &vm.name_any());
@@ -121,5 +133,6 @@ async fn reconcile(vm: Arc<VirtualMachine>, releaser: Arc<Releaser>) -> Result<A
     }
     let vms: Api<VirtualMachine> = Api::namespaced(releaser.client.clone(), &namespace);
     release_finalizer(&vms, &vm).await.map_err(|e| Error::Kube("remove finalizer", e))?;
+    releaser.released.mark(&uid);
     Ok(Action::await_change())
 }
