@@ -21,7 +21,8 @@
 //!    `bench-<random>-h000`, `-h001`, … labelled `vmlet.io/bench=<namespace>`,
 //!    whose inventories are generated under target/bench/<namespace>/ with room
 //!    for twice their even share of the VMs (kube-scheduler spreads them). N
-//!    one-CPU 64Mi VirtualMachines are created, then all deleted at once.
+//!    one-CPU 64Mi VirtualMachines are created, then deleted as they were
+//!    created (one call each, the same number in flight).
 //!
 //! Printed for each run: the time the create calls took; create→Running
 //! latency per object (p50/p95/max, from a watch); throughput (objects Running
@@ -273,7 +274,8 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
 
     // Teardown through the product: delete every VM and wait until all are gone.
     let before_delete = Requests::read(client).await;
-    let deleted = delete_all_until_gone(&vms, settings.timeout).await;
+    let names = (0..settings.vms).map(|i| format!("vm-{i:04}")).collect();
+    let deleted = delete_all_until_gone(&vms, names, settings.concurrency, settings.timeout).await;
     Requests::read(client).await.since(&before_delete).print_per_object("delete requests/VM", timeline.reached());
     match (deleted, timeline.span()) {
         (Ok(took), Some(created)) => println!(
@@ -441,19 +443,41 @@ async fn print_placement(vms: &Api<VirtualMachine>, nodes: &[String]) {
     println!("  placement:             {line}");
 }
 
-/// Delete every VirtualMachine of `vms` in one call and poll (every 200 ms, one
-/// item per list) until none is left, for up to `limit`. Returns the time
-/// from the call until then, or how many were left at the limit. A delete
-/// call that fails (with thousands of objects the API server may close it
-/// before it answers, having deleted some) is made again.
-async fn delete_all_until_gone(vms: &Api<VirtualMachine>, limit: Duration) -> Result<Duration, usize> {
+/// Delete the VirtualMachines `names` of `vms` as they were created: one call
+/// each, `concurrency` in flight (the API server serves one `deletecollection`
+/// with a single worker by default, `--delete-collection-workers`, which would
+/// measure that worker instead), printing how long the calls took; then poll
+/// (every 200 ms, one item per list) until none is left, for up to `limit`.
+/// Returns the time from the first call until then, or how many were left at
+/// the limit. A VM already gone counts as deleted.
+async fn delete_all_until_gone(
+    vms: &Api<VirtualMachine>,
+    names: Vec<String>,
+    concurrency: usize,
+    limit: Duration,
+) -> Result<Duration, usize> {
     let started = Instant::now();
-    while let Err(e) = vms.delete_collection(&DeleteParams::default(), &ListParams::default()).await {
-        if started.elapsed() >= limit {
-            panic!("delete VMs: {e}");
+    let count = names.len();
+    use futures::{StreamExt as _, TryStreamExt as _};
+    let deletes = futures::stream::iter(names)
+        .map(|name| {
+            let vms = vms.clone();
+            async move {
+                match vms.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+        })
+        .buffer_unordered(concurrency)
+        .try_collect::<Vec<()>>();
+    match tokio::time::timeout(limit, deletes).await {
+        Ok(Ok(_)) => {
+            println!("  delete calls:          {} for {count} VMs ({concurrency} in flight)", ms(started.elapsed()))
         }
-        eprintln!("  delete VMs: {e}; calling again");
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        Ok(Err(e)) => panic!("a delete call failed: {e}"),
+        Err(_) => return Err(count),
     }
     let mut left = usize::MAX;
     while started.elapsed() < limit {
