@@ -6,6 +6,7 @@
 //! reached only through [`vmlet_provider::Provider`]; this crate names none.
 
 pub mod api;
+pub mod api_client;
 pub mod bootstrap;
 pub mod clouds;
 pub mod conditions;

@@ -183,8 +183,10 @@ fn offered_network(network: &vmlet::config::NetworkConfig) -> Option<vmlet_libvi
 }
 
 async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
-    let client = kube::Client::try_default()
+    let kube_config = kube::Config::infer()
         .await
+        .context("reading the Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
+    let client = vmlet::api_client::client(kube_config)
         .context("connecting to the Kubernetes API server (KUBECONFIG or in-cluster)")?;
     let shutdown = CancellationToken::new();
     // The compute hosts of the configured clouds join the hosts as nodes.
