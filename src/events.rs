@@ -26,9 +26,11 @@ pub enum Reason {
     Started,
     /// The agent asked the guest to shut down.
     ShuttingDown,
-    /// The agent powered the VM off (after the grace period, or `Hard`).
+    /// The agent powered the VM off (after the grace period, or `Hard`);
+    /// the pod's deletion completes without a `Stopped` after it.
     Destroyed,
-    /// The VM is off; the pod's deletion is complete.
+    /// The VM is off (it shut down, or was off already); the pod's
+    /// deletion is complete.
     Stopped,
     /// The agent removed the VM's definition from its host.
     Undefined,

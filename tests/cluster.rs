@@ -126,15 +126,54 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     assert_eq!((stopped.replicas, stopped.ready_replicas), (0, 0));
     assert_eq!(stopped.pod_name, None, "a stopped VM names no pod");
 
+    env.kubectl(&["patch", "virtualmachine/web", "--type=merge", "-p", r#"{"spec":{"powerOffMode":"Hard"}}"#]);
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
     let restarted = env.wait_vm_phase("web", "Running").await.status.unwrap();
     assert_eq!(restarted.node_name.as_deref(), Some(node.as_str()), "started again on the same host");
     assert_eq!(restarted.provider_id.as_deref(), Some(provider_id.as_str()), "the same domain (UUID) runs again");
     assert_ne!(restarted.pod_name.as_deref(), Some(pod_name.as_str()), "each start has a pod of its own");
 
+    // The stop asked the guest and saw it off: ShuttingDown, then Stopped.
+    let stop_events = env
+        .wait_for("the stopped pod's Stopped event", || {
+            let reasons = event_reasons(&env, &pod_name);
+            async move { reasons.iter().any(|r| r == "Stopped").then_some(reasons) }
+        })
+        .await;
+    assert!(stop_events.iter().any(|r| r == "ShuttingDown"), "{stop_events:?}");
+    assert!(!stop_events.iter().any(|r| r == "Destroyed"), "{stop_events:?}");
+
+    // A delete with powerOffMode Hard (which the pod of the start above
+    // carries) cuts power: one Destroyed on the pod (no Stopped to say it
+    // again), Undefined on the VM.
+    let last_pod = restarted.pod_name.unwrap();
     env.kubectl(&["delete", "virtualmachine/web", "--wait=true", "--timeout=120s"]);
     assert!(env.vms().get_opt("web").await.unwrap().is_none());
     env.wait_vm_pods_gone("web").await;
+    // Events are written in the background; Undefined comes last of them.
+    env.wait_for("the deleted VM's Undefined event", || {
+        let reasons = event_reasons(&env, "web");
+        async move { reasons.iter().any(|r| r == "Undefined").then_some(()) }
+    })
+    .await;
+    let delete_events = event_reasons(&env, &last_pod);
+    assert!(delete_events.iter().any(|r| r == "Destroyed"), "{delete_events:?}");
+    assert!(!delete_events.iter().any(|r| r == "Stopped" || r == "ShuttingDown"), "{delete_events:?}");
+}
+
+/// The reasons of the Events about the object named `name` in the test's
+/// namespace.
+fn event_reasons(env: &TestEnv, name: &str) -> Vec<String> {
+    let selector = format!("involvedObject.name={name}");
+    let out = env.kubectl(&[
+        "get",
+        "events",
+        "--field-selector",
+        &selector,
+        "-o",
+        "jsonpath={range .items[*]}{.reason}{\"\\n\"}{end}",
+    ]);
+    out.lines().map(str::to_owned).collect()
 }
 
 /// deploy/admission.yaml (applied with the CRDs): the API server adds the

@@ -67,6 +67,13 @@ pub struct Agent {
     shutdown_sent: Mutex<HashMap<String, Instant>>,
     /// Evicted pods (by UID) whose VM is held running; the Event was sent.
     held: Mutex<HashSet<String>>,
+    /// Deleted pods (by UID) whose VM this agent destroyed lately: their
+    /// `Destroyed` Event already said the VM is off, so no `Stopped` follows.
+    destroyed: crate::written::Recent,
+    /// Pods (by UID) whose deletion this agent completed lately (grace
+    /// period 0): a pass over the deleted pod the watch still shows does
+    /// nothing (no second delete, no second Event).
+    finished: crate::written::Recent,
     /// Per-pod backoff of failed passes.
     backoff: crate::failure::Backoff,
     /// This agent's last write per pod and per VirtualMachine
@@ -215,6 +222,8 @@ pub async fn run(
             .with_trusted_namespaces(&config.trusted_namespaces),
         shutdown_sent: Mutex::default(),
         held: Mutex::default(),
+        destroyed: crate::written::Recent::new(DESTROYED_WITHIN),
+        finished: crate::written::Recent::new(Duration::from_secs(10)),
         backoff: Default::default(),
         written: Default::default(),
         state_dir: config.state_dir.clone(),
@@ -405,6 +414,11 @@ async fn probe(
         }
     }
 }
+
+/// How long a destroy of a deleted pod's VM is remembered: the pass that
+/// sees the VM off (at once for libvirt; a back end whose power-off is a
+/// task may take minutes) then says nothing more than the `Destroyed` Event.
+const DESTROYED_WITHIN: Duration = Duration::from_secs(600);
 
 /// How often every pod of a node is synced again, whatever its last pass
 /// asked for (the kubelet's `--sync-frequency` default).

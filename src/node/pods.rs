@@ -108,6 +108,10 @@ pub async fn reconcile(pod: Arc<Pod>, agent: Arc<Agent>) -> Result<Action, Error
         // only write again, lose the race (409) and read the pod fresh.
         return Ok(Action::requeue(Duration::from_millis(500)));
     }
+    if pod.metadata.deletion_timestamp.is_some() && agent.finished.contains(&pod.uid().unwrap_or_default()) {
+        // Its deletion is complete; the watch has not shown it gone yet.
+        return Ok(Action::await_change());
+    }
     let action = sync(&pod, &agent).await?;
     agent.backoff.succeeded(&pod.uid().unwrap_or_default());
     Ok(action)
@@ -782,8 +786,10 @@ async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
     match step {
         StopStep::FinishDeletion => {
             agent.forget(&uid);
-            let note = format!("{} is off; its definition and disks are kept", status.backend_name);
-            agent.events.publish(pod, Reason::Stopped, &note);
+            if !agent.destroyed.contains(&uid) {
+                let note = format!("{} is off; its definition and disks are kept", status.backend_name);
+                agent.events.publish(pod, Reason::Stopped, &note);
+            }
             return finish_deletion(pod, agent).await;
         }
         StopStep::Hold => {
@@ -802,7 +808,9 @@ async fn stop(pod: &Pod, vm: &PodVm, agent: &Agent) -> Result<Action, Error> {
         StopStep::Destroy => {
             provider.destroy(&vm.spec.id).await?;
             info!(domain = %status.backend_name, "destroyed");
-            agent.events.publish(pod, Reason::Destroyed, &format!("powered {} off", status.backend_name));
+            agent.destroyed.mark(&uid);
+            let note = format!("powered {} off; its definition and disks are kept", status.backend_name);
+            agent.events.publish(pod, Reason::Destroyed, &note);
         }
         StopStep::Shutdown => {
             provider.shutdown(&vm.spec.id).await?;
@@ -846,7 +854,9 @@ pub(super) async fn finish_deletion(pod: &Pod, agent: &Agent) -> Result<Action, 
         Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
         Err(source) => return Err(Error::Kube { action: "delete", pod: pod.name_any(), source }),
     }
-    agent.forget(&pod.uid().unwrap_or_default());
+    let uid = pod.uid().unwrap_or_default();
+    agent.finished.mark(&uid);
+    agent.forget(&uid);
     Ok(Action::await_change())
 }
 
