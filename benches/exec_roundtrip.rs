@@ -16,7 +16,7 @@ mod common;
 mod exec;
 
 use common::{Host, TestEnv};
-use exec::{exec_via_api, report};
+use exec::{exec_via_api, exec_via_api_timed, report};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams};
 use std::time::Instant;
@@ -75,11 +75,12 @@ async fn main() {
     let provider = vmlet_libvirt::LibvirtProvider::connect_with(&uri, accelerator).await.unwrap();
     let mut via_api = Vec::with_capacity(runs);
     let mut direct = Vec::with_capacity(runs);
+    let mut phases = Vec::with_capacity(runs);
     let t = vec!["true".to_owned()];
     for _ in 0..runs {
-        let start = Instant::now();
-        exec_via_api(&pods, &pod, &["true"]).await;
-        via_api.push(start.elapsed());
+        let (_, steps) = exec_via_api_timed(&pods, &pod, &["true"]).await;
+        via_api.push(steps.closed);
+        phases.push(steps);
         let start = Instant::now();
         exec_direct(&provider, &id, &t).await;
         direct.push(start.elapsed());
@@ -87,6 +88,11 @@ async fn main() {
     println!("exec round trip, `true` in the guest ({runs} runs each):");
     report("  kubectl-style exec via the API server", via_api);
     report("  direct guest-agent call (provider)", direct);
+    println!("  where the exec via the API server spends its time (ms from the call, each step's p50):");
+    report("    upgrade answered", phases.iter().map(|p| p.upgraded).collect());
+    report("    stdout closed", phases.iter().map(|p| p.output).collect());
+    report("    status read", phases.iter().map(|p| p.status).collect());
+    report("    connection closed", phases.iter().map(|p| p.closed).collect());
 
     let bytes = mib * 1024 * 1024;
     let command = format!("head -c {bytes} /dev/zero");

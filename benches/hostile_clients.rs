@@ -23,6 +23,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "support/exec.rs"]
+#[allow(dead_code)] // the per-step timings are exec_roundtrip's
 mod exec;
 #[path = "support/process.rs"]
 #[allow(dead_code)] // its CPU figures are apply_to_running's

@@ -23,21 +23,41 @@ pub fn report(what: &str, mut samples: Vec<Duration>) {
     );
 }
 
+/// When each step of one exec through the API server ended, counted from
+/// the call: the upgrade answered (`pods.exec` returned), stdout closed,
+/// the status read from the error stream, the connection closed.
+#[derive(Clone, Copy, Debug)]
+pub struct Phases {
+    pub upgraded: Duration,
+    pub output: Duration,
+    pub status: Duration,
+    pub closed: Duration,
+}
+
 /// The stdout of `command` run in pod `pod` through the API server (kube-rs'
 /// exec: SPDY or WebSocket as the server offers). Panics when the exec
 /// cannot be made or the command fails.
 pub async fn exec_via_api(pods: &Api<Pod>, pod: &str, command: &[&str]) -> Vec<u8> {
+    exec_via_api_timed(pods, pod, command).await.0
+}
+
+/// [`exec_via_api`], with when each of its steps ended.
+pub async fn exec_via_api_timed(pods: &Api<Pod>, pod: &str, command: &[&str]) -> (Vec<u8>, Phases) {
+    let start = std::time::Instant::now();
     let params = AttachParams::default().stdin(false).stdout(true).stderr(false);
     let mut process = pods.exec(pod, command.to_vec(), &params).await.expect("exec through the API server");
+    let upgraded = start.elapsed();
     let mut stdout = process.stdout().expect("stdout");
     let status = process.take_status().expect("status");
     let mut out = Vec::new();
     stdout.read_to_end(&mut out).await.unwrap();
+    let output = start.elapsed();
     if let Some(status) = status.await {
         if status.status.as_deref() != Some("Success") {
             panic!("exec {command:?} failed: {:?}", status.message);
         }
     }
+    let status = start.elapsed();
     process.join().await.unwrap();
-    out
+    (out, Phases { upgraded, output, status, closed: start.elapsed() })
 }

@@ -422,6 +422,14 @@ impl Server {
                 }
                 continue;
             };
+            // As Go's net/http server does (and the kubelet with it): no
+            // Nagle delay. Without it, a small write after another that the
+            // peer has not acknowledged yet (a TLS session ticket, then the
+            // 101 of an exec's upgrade) waited for the peer's delayed ACK,
+            // up to 40 ms per exec.
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(%peer, error = %e, "TCP_NODELAY not set");
+            }
             let tls = self.tls.clone();
             let router = self.router.clone();
             let shutdown = shutdown.clone();

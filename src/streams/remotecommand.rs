@@ -102,6 +102,7 @@ where
     F: FnOnce(StreamIo) -> Fut,
     Fut: Future<Output = Outcome>,
 {
+    let began = std::time::Instant::now();
     let mut streams = Streams::default();
     let collected = tokio::time::timeout(STREAM_CREATION_TIMEOUT, async {
         while !streams.complete(opts, version) {
@@ -158,7 +159,9 @@ where
         }
     }
 
+    let streams_ms = began.elapsed().as_secs_f64() * 1e3;
     let outcome = run(pipes.io).await;
+    let ran_ms = began.elapsed().as_secs_f64() * 1e3;
     // The handler is done: what it wrote is queued in the pumps, which end when
     // its senders are gone.
     let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
@@ -180,6 +183,12 @@ where
         pump.abort();
     }
     session.close().await;
+    tracing::debug!(
+        streams_ms,
+        ran_ms,
+        closed_ms = began.elapsed().as_secs_f64() * 1e3,
+        "remote-command session over SPDY: streams created, command done, session closed (ms from the upgrade)"
+    );
 }
 
 /// Client stdin → the handler, until the client's FIN; then our half of the

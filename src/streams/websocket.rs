@@ -104,6 +104,7 @@ where
     F: FnOnce(StreamIo) -> Fut,
     Fut: Future<Output = Outcome>,
 {
+    let began = std::time::Instant::now();
     let (mut sink, source) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Message>(32);
     let writer = tokio::spawn(async move {
@@ -147,6 +148,7 @@ where
     }
 
     let outcome = run(pipes.io).await;
+    let ran_ms = began.elapsed().as_secs_f64() * 1e3;
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
         for pump in outputs {
             let _ = pump.await;
@@ -158,6 +160,11 @@ where
     drop(out_tx);
     let _ = writer.await;
     reader.abort();
+    tracing::debug!(
+        ran_ms,
+        closed_ms = began.elapsed().as_secs_f64() * 1e3,
+        "remote-command session over WebSocket: command done, session closed (ms from the upgrade)"
+    );
 }
 
 async fn read_loop(

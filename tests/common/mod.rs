@@ -285,12 +285,14 @@ fn kubectl_raw(cluster: &ClusterEnv, args: &[&str], paths: &[&Path]) -> Output {
     output_within(&mut kubectl, kubectl_deadline(args))
 }
 
-/// A Kubernetes client for the local control plane.
+/// A Kubernetes client for the local control plane: vmlet's own stack
+/// (`vmlet::api_client`), which sets TCP_NODELAY as kubectl's Go transport
+/// does, so that what the tests and benches time is what kubectl would see.
 pub async fn client() -> Client {
     let cluster = cluster();
     let kubeconfig = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).expect("read kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.expect("kubeconfig");
-    Client::try_from(config).expect("client")
+    vmlet::api_client::client(config).expect("client")
 }
 
 fn unique_suffix() -> String {

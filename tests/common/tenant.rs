@@ -46,5 +46,5 @@ pub async fn client_with_token(token: &str) -> kube::Client {
     let kubeconfig = kube::config::Kubeconfig::read_from(&super::cluster().kubeconfig).expect("read kubeconfig");
     let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.expect("kubeconfig");
     config.auth_info = kube::config::AuthInfo { token: Some(token.to_owned().into()), ..Default::default() };
-    kube::Client::try_from(config).expect("client")
+    vmlet::api_client::client(config).expect("client")
 }
