@@ -19,7 +19,8 @@
 //! The Node store keeps this process's own nodes only, without their status
 //! (what an agent's admission reads: labels and taints, as a kubelet reads
 //! its Node from its informer rather than per pod). No store keeps managed
-//! fields, which nothing in vmlet reads.
+//! fields, which nothing in vmlet reads, nor the VMs' annotations (see
+//! [`strip_unread_vm_fields`]).
 
 use crate::config::Config;
 use crate::pod_index::PodIndex;
@@ -176,12 +177,9 @@ impl Watches {
             Some(ns) => Api::namespaced(client.clone(), ns),
             None => Api::all(client.clone()),
         };
-        // Without managed fields, in this store as in the others: nothing
-        // here reads them, and they are a large part of each object (a
-        // write that sends an empty list leaves the server's as they are).
         let vm_events = watcher(vm_api, watcher::Config::default())
             .default_backoff()
-            .modify(|vm| vm.managed_fields_mut().clear())
+            .modify(strip_unread_vm_fields)
             .reflect(vm_writer);
         let router = watches.clone();
         let vm_loop = vm_events.for_each(move |event| {
@@ -482,6 +480,20 @@ fn only_kept<K>(event: watcher::Event<K>, keep: &impl Fn(&K) -> bool) -> Option<
     }
 }
 
+/// What the VirtualMachine store leaves out of each VM: its managed fields and
+/// annotations, which nothing reads from the cache (the VMs' own writes are
+/// to `/status`, where the API server keeps everything but the status as
+/// stored, and a restore reads its target VM from the API server). A VM
+/// applied with kubectl carries its whole manifest again in the
+/// `kubectl.kubernetes.io/last-applied-configuration` annotation: about a
+/// kilobyte per VM that the cache need not hold. Labels stay (the VM's pods
+/// carry them), as do the finalizers (released by a JSON patch that tests
+/// them) and the owner references.
+fn strip_unread_vm_fields(vm: &mut VirtualMachine) {
+    vm.managed_fields_mut().clear();
+    vm.metadata.annotations = None;
+}
+
 /// A stream that never yields: the object-trigger input of a queue that is
 /// fed only through [`Triggers`].
 pub fn no_objects<K: Send + 'static>() -> impl Stream<Item = Result<K, watcher::Error>> + Send + 'static {
@@ -492,6 +504,7 @@ pub fn no_objects<K: Send + 'static>() -> impl Stream<Item = Result<K, watcher::
 mod tests {
     use super::*;
     use crate::testing::{vm_and_pod, PodBuilder, VmBuilder};
+    use std::collections::BTreeMap;
 
     fn on_node(pod: &Pod, node: &str) -> bool {
         node_of(pod) == Some(node)
@@ -514,6 +527,33 @@ mod tests {
         assert!(matches!(only_kept(watcher::Event::InitApply(pod), &keep), Some(watcher::Event::InitApply(_))));
         assert!(matches!(only_kept(watcher::Event::<Pod>::Init, &keep), Some(watcher::Event::Init)));
         assert!(matches!(only_kept(watcher::Event::<Pod>::InitDone, &keep), Some(watcher::Event::InitDone)));
+    }
+
+    #[test]
+    fn the_vm_store_drops_annotations_and_managed_fields_and_keeps_what_is_read() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+        let mut vm = VmBuilder::new("web").build();
+        vm.metadata.labels = Some(BTreeMap::from([("tier".to_owned(), "front".to_owned())]));
+        vm.metadata.finalizers = Some(vec!["vmlet.io/undefine".to_owned()]);
+        vm.metadata.annotations = Some(BTreeMap::from([(
+            "kubectl.kubernetes.io/last-applied-configuration".to_owned(),
+            r#"{"apiVersion":"vmlet.io/v1alpha1","kind":"VirtualMachine"}"#.to_owned(),
+        )]));
+        vm.metadata.managed_fields =
+            Some(vec![ManagedFieldsEntry { manager: Some("kubectl".into()), ..Default::default() }]);
+        let (spec, status) = (serde_json::to_value(&vm.spec).unwrap(), serde_json::to_value(&vm.status).unwrap());
+        let uid = vm.metadata.uid.clone();
+        assert!(uid.is_some(), "the builder gives VMs a UID");
+
+        strip_unread_vm_fields(&mut vm);
+
+        assert_eq!(vm.metadata.annotations, None);
+        assert_eq!(vm.metadata.managed_fields, Some(vec![]));
+        assert_eq!(vm.labels().get("tier").map(String::as_str), Some("front"));
+        assert_eq!(vm.finalizers(), ["vmlet.io/undefine"]);
+        assert_eq!(vm.metadata.uid, uid);
+        assert_eq!(serde_json::to_value(&vm.spec).unwrap(), spec);
+        assert_eq!(serde_json::to_value(&vm.status).unwrap(), status);
     }
 
     #[test]

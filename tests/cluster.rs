@@ -125,6 +125,11 @@ async fn vm_is_bound_by_the_scheduler_runs_stops_starts_and_is_deleted() {
     assert_eq!(stopped.node_name.as_deref(), Some(node.as_str()), "a stopped VM stays on its host");
     assert_eq!((stopped.replicas, stopped.ready_replicas), (0, 0));
     assert_eq!(stopped.pod_name, None, "a stopped VM names no pod");
+    // vmlet's cache of VMs holds no annotations; its status writes (claim,
+    // placement, Running, Stopped by now) must leave the stored ones alone.
+    let stored = env.vms().get("web").await.unwrap();
+    let applied = stored.annotations().get("kubectl.kubernetes.io/last-applied-configuration");
+    assert!(applied.is_some_and(|a| a.contains("\"web\"")), "kubectl's annotation kept: {:?}", stored.annotations());
 
     env.kubectl(&["patch", "virtualmachine/web", "--type=merge", "-p", r#"{"spec":{"powerOffMode":"Hard"}}"#]);
     env.kubectl(&["scale", "virtualmachine/web", "--replicas=1"]);
