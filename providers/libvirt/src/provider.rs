@@ -473,8 +473,14 @@ impl Host {
             Err(err) => return Err(from_libvirt(OP, err)),
         }
         let uuid = uuid::Uuid::new_v4().to_string();
-        let domain =
-            conn.define_domain_xml(&domain_xml(spec, kind, &uuid, seed, &nics)).map_err(|e| from_libvirt(OP, e))?;
+        // Known before the domain exists: libvirt's event loop may hand over
+        // the event of its definition before `define_domain_xml` returns
+        // here, and an event of a UUID the cache does not know is dropped.
+        self.uuids.insert(spec.id.clone(), uuid.clone());
+        let domain = conn.define_domain_xml(&domain_xml(spec, kind, &uuid, seed, &nics)).map_err(|e| {
+            self.uuids.remove(&spec.id);
+            from_libvirt(OP, e)
+        })?;
         let identity = identity_of(&domain).map_err(|e| from_libvirt(OP, e))?.ok_or_else(|| {
             Error::new(
                 OP,
