@@ -110,7 +110,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(EX_USAGE);
                 }
             };
-            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+            let runtime = agent_runtime();
             match runtime.block_on(run(config, Duration::from_secs(shutdown_grace_seconds))) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -121,6 +121,28 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// The runtime of `vmlet run`: tokio's defaults, but an idle blocking-pool
+/// thread exits after [`BLOCKING_THREAD_KEEP_ALIVE`] rather than 10 s.
+///
+/// Every libvirt call runs on the blocking pool. tokio hands each new call to
+/// an idle thread in turn, so with calls from 500 hosts arriving more often
+/// than once per 10 s per thread, none of the 512 threads a burst (the VMs'
+/// defines) had started ever idled long enough to exit: 493 threads stayed
+/// at 500 hosts, each with its stack and its allocator caches. With 1 s, 10
+/// stayed, RSS fell from 167 to 153 MiB (1,000 VMs), and the idle CPU was the
+/// same (5.5 against 5.6% of a core).
+fn agent_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_keep_alive(BLOCKING_THREAD_KEEP_ALIVE)
+        .build()
+        .expect("tokio runtime")
+}
+
+/// How long an idle thread of the blocking pool waits for work before it
+/// exits (tokio's default: 10 s); see [`agent_runtime`].
+const BLOCKING_THREAD_KEEP_ALIVE: Duration = Duration::from_secs(1);
 
 fn init_tracing() {
     use tracing_subscriber::EnvFilter;
