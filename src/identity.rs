@@ -25,11 +25,12 @@
 //! sync, the kubelet API (logs, exec, attach, stats) and the console recorder.
 //! A pod that fails it is never acted on; the kubelet API answers it 403.
 
+use crate::cache::Cache;
 use crate::v1alpha1::{VirtualMachine, VM_LABEL};
 use crate::vmpod::{vm_from_pod, PodRole, PodVm, PodVmError, UID_ANNOTATION};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client, ResourceExt};
 
 /// Why a pod does not lead to a VM.
@@ -182,7 +183,7 @@ pub fn verify(pod: &Pod, vm: Option<&VirtualMachine>) -> Result<PodVm, Refusal> 
 /// API call. A VirtualMachine the cache does not hold (yet) counts as absent.
 ///
 /// Errors: the [`Refusal`] that applies.
-pub fn resolve_cached(pod: &Pod, vms: &Store<VirtualMachine>) -> Result<PodVm, Refusal> {
+pub fn resolve_cached(pod: &Pod, vms: &Cache<VirtualMachine>) -> Result<PodVm, Refusal> {
     let owner = vm_owner(pod).map(|o| o.name.clone()).unwrap_or_default();
     let vm = vms.get(&ObjectRef::new(&owner).within(&pod.namespace().unwrap_or_default()));
     verify(pod, vm.as_deref())
@@ -194,7 +195,7 @@ pub fn resolve_cached(pod: &Pod, vms: &Store<VirtualMachine>) -> Result<PodVm, R
 ///
 /// Errors: [`ResolveError::Refused`] when the pod does not lead to a VM;
 /// [`ResolveError::Kube`] when the VirtualMachine could not be read.
-pub async fn resolve(pod: &Pod, vms: &Store<VirtualMachine>, client: &Client) -> Result<PodVm, ResolveError> {
+pub async fn resolve(pod: &Pod, vms: &Cache<VirtualMachine>, client: &Client) -> Result<PodVm, ResolveError> {
     let Some(owner) = vm_owner(pod) else {
         return Err(verify(pod, None).expect_err("no owner is refused").into());
     };

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod api_client;
 pub mod bootstrap;
+pub mod cache;
 pub mod clouds;
 pub mod conditions;
 pub mod config;

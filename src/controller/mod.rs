@@ -30,6 +30,7 @@ pub mod status;
 pub mod task_jobs;
 pub mod vm_tasks;
 
+use crate::cache::{compact_ref, decoded, decoded_policy};
 use crate::conditions::{new_condition, same_conditions, set_condition};
 use crate::events::{EventSink, Reason};
 use crate::v1alpha1::{DeletionPolicy, Migration, MigrationPhase, VirtualMachine, VirtualMachineStatus, FINALIZER};
@@ -106,12 +107,12 @@ pub async fn run(
     let Some(controller) = watches.vm_controller(&shutdown).await else { return };
     let queue = crate::metrics::QueueDepth::new(
         crate::metrics::QueueLabels { controller: "virtualmachine", node: None },
-        watches.vms.clone(),
+        watches.vms.store(),
     );
     controller
-        .reconcile_on(queue.track(triggers))
+        .reconcile_on(queue.track(triggers.map(compact_ref)))
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
-        .run(queue.counted(reconcile), error_policy, ctx)
+        .run(queue.counted(decoded(reconcile)), decoded_policy(error_policy), ctx)
         .for_each(|result| async move {
             match result {
                 // A VM deleted meanwhile: nothing to do.

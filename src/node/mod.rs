@@ -33,6 +33,7 @@ mod storage;
 pub mod tasks;
 pub mod volumes;
 
+use crate::cache::{compact_ref, decoded, decoded_policy};
 use crate::config::{Config, HostConfig};
 use crate::events::EventSink;
 use crate::watches::Watches;
@@ -254,12 +255,12 @@ pub async fn run(
             let Some(controller) = watches.pod_controller(&shutdown).await else { return };
             let queue = crate::metrics::QueueDepth::new(
                 crate::metrics::QueueLabels { controller: "pod", node: Some(agent.host.name.clone()) },
-                watches.pods.clone(),
+                watches.pods.store(),
             );
             controller
-                .reconcile_on(queue.track(triggers))
+                .reconcile_on(queue.track(triggers.map(compact_ref)))
                 .graceful_shutdown_on(cancelled(shutdown.clone()))
-                .run(queue.counted(pods::reconcile), pods::error_policy, agent)
+                .run(queue.counted(decoded(pods::reconcile)), decoded_policy(pods::error_policy), agent)
                 .for_each(|_| async {})
                 .await
         }

@@ -9,6 +9,7 @@
 //! holds the VM.
 
 use super::{console, Hosts};
+use crate::cache::{compact_ref, decoded, decoded_policy};
 use crate::controller::release_finalizer;
 use crate::events::{EventSink, Reason};
 use crate::v1alpha1::{DeletionPolicy, VirtualMachine, FINALIZER};
@@ -61,9 +62,9 @@ pub async fn run(
     });
     let Some(controller) = watches.vm_controller(&shutdown).await else { return };
     controller
-        .reconcile_on(triggers)
+        .reconcile_on(triggers.map(compact_ref))
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
-        .run(reconcile, error_policy, releaser)
+        .run(decoded(reconcile), decoded_policy(error_policy), releaser)
         .for_each(|_| async {})
         .await;
 }
