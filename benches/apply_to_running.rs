@@ -29,7 +29,8 @@
 //! per second, first create to last Running). For vmlet also: VMs per host
 //! (min/max, and each host's count for up to ten hosts), vmlet's RSS once all
 //! VMs are Running (VmRSS, and the peak so far, VmHWM, from /proc/<pid>/status,
-//! in MiB) and per VM (RSS all Running minus RSS before the first VM, / N, in
+//! in MiB; and VmRSS split into RssAnon, the heap and stacks, and RssFile, the
+//! code read in, which does not grow with N) and per VM (RSS all Running minus RSS before the first VM, / N, in
 //! KiB), vmlet's and kube-apiserver's CPU over `VMLET_BENCH_IDLE_SECONDS`
 //! (default 60) with every VM Running and idle, the test driver's own share
 //! of the memory (the same N domains defined and started in a bare `virsh -c
@@ -246,8 +247,8 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     println!("  nodes schedulable after {}", ms(started.elapsed()));
     wait_default_service_account(client, ns, Duration::from_secs(60)).await;
     let rss_empty = process::status_mib(pid, "VmRSS");
-    if let Some(rss) = rss_empty {
-        println!("  vmlet RSS, no VMs:     {rss:.1} MiB (VmRSS)");
+    if let (Some(rss), Some(anon)) = (rss_empty, process::status_mib(pid, "RssAnon")) {
+        println!("  vmlet RSS, no VMs:     {rss:.1} MiB (VmRSS; {anon:.1} MiB RssAnon)");
     }
 
     let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), ns);
@@ -262,6 +263,11 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
     let mut per_vm_kib = None;
     if let (Some(now), Some(peak)) = (process::status_mib(pid, "VmRSS"), process::status_mib(pid, "VmHWM")) {
         println!("  vmlet RSS:             {now:.1} MiB now (VmRSS, all Running), {peak:.1} MiB peak (VmHWM)");
+        if let (Some(anon), Some(file)) = (process::status_mib(pid, "RssAnon"), process::status_mib(pid, "RssFile")) {
+            // RssFile is the binary's and libraries' pages read in: shared,
+            // clean, and the same at any N.
+            println!("  vmlet RSS by kind:     {anon:.1} MiB anonymous (RssAnon: heap, stacks), {file:.1} MiB file (RssFile: code)");
+        }
         if let Some(empty) = rss_empty {
             let kib = (now - empty) * 1024.0 / timeline.reached().max(1) as f64;
             println!("  vmlet memory per VM:   {kib:.1} KiB ((RSS all Running - RSS no VMs) / {})", timeline.reached());
