@@ -743,6 +743,13 @@ async fn each_node_of_one_process_answers_stats_summary_for_its_own_vms_only() {
         assert!(text.contains(&format!("pod=\"{pod}\"")), "{text}");
         let other = if i == 0 { &pod_b } else { &pod_a };
         assert!(!text.contains(&format!("pod=\"{other}\"")), "{node} must not report {other}: {text}");
+        // One router serves both listeners; the listener alone decides the
+        // node: the other node's pod is not found here, whoever asks.
+        for path in [format!("/containerLogs/{}/{other}/vm", env.ns), format!("/portForward/{}/{other}", env.ns)] {
+            let (status, body) = common::kubelet::get(port, &path, Caller::ApiServer).await.unwrap();
+            assert_eq!(status, 404, "{path} on {node}'s port {port}: {body}");
+            assert!(body.contains("does not exist on any node of this vmlet"), "{body}");
+        }
     }
 
     // Through the API server, which dials each Node's InternalIP and

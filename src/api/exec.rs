@@ -11,7 +11,7 @@ use super::routes::{lacks, not_a_vm_pod, not_found, text, ApiState};
 use super::{http_status, PodEntry};
 use crate::streams::{self, Outcome, StreamOptions};
 use axum::body::Body;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Path, Query, Request};
 use axum::http::StatusCode;
 use axum::response::Response;
 use std::collections::HashMap;
@@ -62,7 +62,7 @@ pub(super) fn take_slot(state: &ApiState, path: &PodPath) -> Result<super::slots
 
 /// `GET|POST /exec/...`: `command` (repeated), `stdin`, `stdout`, `stderr`, `tty`.
 pub async fn exec(
-    State(state): State<ApiState>,
+    state: ApiState,
     Path(path): Path<PodPath>,
     Query(query): Query<Vec<(String, String)>>,
     req: Request,
@@ -115,7 +115,7 @@ pub async fn exec(
 
 /// `GET|POST /attach/...`: the live serial console.
 pub async fn attach(
-    State(state): State<ApiState>,
+    state: ApiState,
     Path(path): Path<PodPath>,
     Query(query): Query<Vec<(String, String)>>,
     req: Request,

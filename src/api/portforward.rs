@@ -18,7 +18,7 @@ use super::exec::{take_slot, PodPath};
 use super::routes::{not_a_vm_pod, not_found, text, ApiState};
 use crate::streams::portforward::{self, Dial};
 use axum::body::Body;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Path, Query, Request};
 use axum::http::StatusCode;
 use axum::response::Response;
 use std::sync::Arc;
@@ -26,7 +26,7 @@ use std::sync::Arc;
 /// `GET|POST /portForward/...`: upgrade and forward each connection the
 /// client opens to the port it names.
 pub async fn port_forward(
-    State(state): State<ApiState>,
+    state: ApiState,
     Path(path): Path<PodPath>,
     Query(query): Query<Vec<(String, String)>>,
     req: Request,

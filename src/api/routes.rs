@@ -5,7 +5,8 @@ use super::auth::{self, Attributes, Auth, PeerCertificate};
 use super::logs;
 use super::{exec, portforward, stats, PodDirectory};
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{FromRequestParts, Path, Query, Request};
+use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -15,10 +16,39 @@ use k8s_openapi::jiff::Timestamp;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Shared state of the handlers.
+/// The router's state: what every listener of a process shares. One router
+/// serves all of a process's nodes; which node's pods a request reaches is
+/// its listener's [`Scope`], set on the request by the server.
+#[derive(Clone)]
+pub struct RouterState {
+    /// Authentication and authorization.
+    pub auth: Arc<Auth>,
+    /// CPU counters for rates, keyed by node and VM.
+    pub rates: Arc<stats::RateCache>,
+    /// The exec and attach streams running, against their caps.
+    pub slots: Arc<super::slots::StreamSlots>,
+}
+
+impl RouterState {
+    /// State over `auth` and the stream caps `slots`.
+    pub fn new(auth: Arc<Auth>, slots: Arc<super::slots::StreamSlots>) -> RouterState {
+        RouterState { auth, rates: Arc::default(), slots }
+    }
+}
+
+/// The pods a request may reach: those of the node whose listener it came
+/// in on ([`super::ForNode`]), or every node's on the one listener of a
+/// process without nodes. The server puts it in the request's extensions
+/// from the listener, never from anything the client sent; a request
+/// without one is refused with 500 before authentication.
+#[derive(Clone)]
+pub struct Scope(pub Arc<dyn PodDirectory>);
+
+/// What a handler works with: the process's [`RouterState`] and the pods of
+/// the request's [`Scope`].
 #[derive(Clone)]
 pub struct ApiState {
-    /// Pods of this process's nodes.
+    /// The pods of the listener's node.
     pub directory: Arc<dyn PodDirectory>,
     /// Authentication and authorization.
     pub auth: Arc<Auth>,
@@ -28,10 +58,20 @@ pub struct ApiState {
     pub slots: Arc<super::slots::StreamSlots>,
 }
 
-impl ApiState {
-    /// State over `directory`, `auth` and the stream caps `slots`.
-    pub fn new(directory: Arc<dyn PodDirectory>, auth: Arc<Auth>, slots: Arc<super::slots::StreamSlots>) -> ApiState {
-        ApiState { directory, auth, rates: Arc::default(), slots }
+impl FromRequestParts<RouterState> for ApiState {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, shared: &RouterState) -> Result<ApiState, Response> {
+        let Some(Scope(directory)) = parts.extensions.get::<Scope>().cloned() else {
+            tracing::error!(path = parts.uri.path(), "kubelet API request without its listener's scope; refused");
+            return Err(text(StatusCode::INTERNAL_SERVER_ERROR, "this request has no node scope; refused"));
+        };
+        Ok(ApiState {
+            directory,
+            auth: Arc::clone(&shared.auth),
+            rates: Arc::clone(&shared.rates),
+            slots: Arc::clone(&shared.slots),
+        })
     }
 }
 
@@ -68,8 +108,9 @@ pub fn not_found(namespace: &str, pod: &str) -> Response {
     text(StatusCode::NOT_FOUND, format!("pod {namespace}/{pod} does not exist on any node of this vmlet"))
 }
 
-/// The kubelet API's routes.
-pub fn router(state: ApiState) -> Router {
+/// The kubelet API's routes, for every listener of a process: each request
+/// carries its listener's [`Scope`].
+pub fn router(state: RouterState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/pods", get(pods))
@@ -101,7 +142,7 @@ async fn count_request(req: Request, next: Next) -> Response {
 
 /// `GET /metrics`: vmlet's own metrics ([`crate::metrics`]), the pods by
 /// node and phase counted now.
-async fn metrics(State(state): State<ApiState>) -> Response {
+async fn metrics(state: ApiState) -> Response {
     let metrics = crate::metrics::global();
     metrics.pods.clear();
     for entry in state.directory.pods() {
@@ -112,7 +153,7 @@ async fn metrics(State(state): State<ApiState>) -> Response {
         .into_response()
 }
 
-async fn authenticate_and_authorize(State(state): State<ApiState>, req: Request, next: Next) -> Response {
+async fn authenticate_and_authorize(state: ApiState, req: Request, next: Next) -> Response {
     let peer = req.extensions().get::<PeerCertificate>().cloned().unwrap_or_default();
     let authorization = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
     let user = match state.auth.authenticate(&peer, authorization).await {
@@ -139,7 +180,7 @@ async fn authenticate_and_authorize(State(state): State<ApiState>, req: Request,
     next.run(req).await
 }
 
-async fn pods(State(state): State<ApiState>) -> Response {
+async fn pods(state: ApiState) -> Response {
     let items: Vec<_> = state.directory.pods().into_iter().map(|e| (*e.pod).clone()).collect();
     axum::Json(serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}))
         .into_response()
@@ -152,7 +193,7 @@ const FOLLOW_POLL: Duration = Duration::from_millis(250);
 const LOG_CHUNK_BYTES: usize = 32 * 1024;
 
 async fn container_logs(
-    State(state): State<ApiState>,
+    state: ApiState,
     Path((namespace, pod, container)): Path<(String, String, String)>,
     Query(query): Query<Vec<(String, String)>>,
 ) -> Response {

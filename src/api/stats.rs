@@ -2,14 +2,13 @@
 //! `GET /metrics/resource` (the Prometheus text metrics-server scrapes), from
 //! the providers' per-VM [`vmlet_provider::Stats`].
 //!
-//! Each node has its own listener ([`super::ForNode`]), so the figures are
-//! that node's: its VMs, and the node section adds up theirs (a hypervisor
+//! Each node has its own listener ([`super::ForNode`], the request's
+//! [`super::routes::Scope`]), so the figures are that node's: its VMs, and the node section adds up theirs (a hypervisor
 //! host's own usage outside its VMs is not known to vmlet). A listener that
 //! spans all nodes (a process without nodes, tests) adds up all it sees.
 
 use super::routes::ApiState;
 use super::PodEntry;
-use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use k8s_openapi::jiff::Timestamp;
@@ -30,17 +29,18 @@ pub struct Sample {
     pub usage_nano_cores: Option<u64>,
 }
 
-/// Previous CPU counters, for rates.
+/// Previous CPU counters, for rates: by node and VM, as one cache serves
+/// every node's listener and two hosts may use the same VM id.
 #[derive(Default)]
 pub struct RateCache {
-    last: Mutex<HashMap<VmId, (Instant, u64)>>,
+    last: Mutex<HashMap<(String, VmId), (Instant, u64)>>,
 }
 
 impl RateCache {
-    fn rate(&self, id: &VmId, cpu_ns: u64) -> Option<u64> {
+    fn rate(&self, node: &str, id: &VmId, cpu_ns: u64) -> Option<u64> {
         let now = Instant::now();
         let mut last = self.last.lock().expect("rate cache");
-        let previous = last.insert(id.clone(), (now, cpu_ns));
+        let previous = last.insert((node.to_owned(), id.clone()), (now, cpu_ns));
         let (then, before) = previous?;
         let elapsed = now.duration_since(then).as_nanos() as u64;
         (elapsed > 0 && cpu_ns >= before).then(|| ((cpu_ns - before) as u128 * 1_000_000_000 / elapsed as u128) as u64)
@@ -64,7 +64,7 @@ pub async fn collect(state: &ApiState) -> Vec<Sample> {
         .into_iter()
         .flatten()
         .map(|(entry, vm, stats)| {
-            let usage_nano_cores = state.rates.rate(&vm, stats.cpu_usage_ns);
+            let usage_nano_cores = state.rates.rate(&entry.node, &vm, stats.cpu_usage_ns);
             Sample { entry, stats, usage_nano_cores }
         })
         .collect()
@@ -188,13 +188,13 @@ pub fn resource_metrics(samples: &[Sample], now: Timestamp) -> String {
 }
 
 /// `GET /stats/summary`.
-pub async fn get_summary(State(state): State<ApiState>) -> Response {
+pub async fn get_summary(state: ApiState) -> Response {
     let samples = collect(&state).await;
     axum::Json(summary(state.directory.node(), &samples, Timestamp::now())).into_response()
 }
 
 /// `GET /metrics/resource`.
-pub async fn get_resource_metrics(State(state): State<ApiState>) -> Response {
+pub async fn get_resource_metrics(state: ApiState) -> Response {
     let samples = collect(&state).await;
     (
         StatusCode::OK,
@@ -207,6 +207,7 @@ pub async fn get_resource_metrics(State(state): State<ApiState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::routes::{RouterState, Scope};
     use crate::api::{AuthorizationMode, ForNode, PodDirectory};
     use crate::testing::StatsHost;
     use axum::body::Body;
@@ -276,8 +277,9 @@ mod tests {
         let auth = crate::api::auth::Auth::new(client, true, AuthorizationMode::AlwaysAllow);
         let slots = crate::api::slots::StreamSlots::new(1, 1);
         let scoped = Arc::new(ForNode::new(directory, node));
-        let router = crate::api::routes::router(ApiState::new(scoped, Arc::new(auth), Arc::new(slots)));
-        let response = router.oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
+        let router = crate::api::routes::router(RouterState::new(Arc::new(auth), Arc::new(slots)));
+        let request = Request::get(path).extension(Scope(scoped)).body(Body::empty()).unwrap();
+        let response = router.oneshot(request).await.unwrap();
         let status = response.status().as_u16();
         let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
         (status, String::from_utf8(body.to_vec()).unwrap())
@@ -313,6 +315,33 @@ mod tests {
         assert!(text.contains("\nnode_cpu_usage_seconds_total 4 "), "{text}");
         assert!(text.contains("pod_cpu_usage_seconds_total{namespace=\"ns\",pod=\"b1\"} 4 "), "{text}");
         assert!(!text.contains("pod=\"a1\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_request_without_its_listeners_scope_is_refused_and_reveals_nothing() {
+        let client = kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
+        let auth = crate::api::auth::Auth::new(client, true, AuthorizationMode::AlwaysAllow);
+        let router = crate::api::routes::router(RouterState::new(
+            Arc::new(auth),
+            Arc::new(crate::api::slots::StreamSlots::new(1, 1)),
+        ));
+        for path in ["/pods", "/stats/summary", "/containerLogs/ns/a1/vm", "/exec/ns/a1/vm?command=id&stdout=1"] {
+            let response = router.clone().oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
+            assert_eq!(response.status().as_u16(), 500, "{path}");
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+            assert_eq!(&body[..], b"this request has no node scope; refused\n", "{path}");
+        }
+    }
+
+    #[test]
+    fn rates_of_two_nodes_vms_with_one_id_are_kept_apart() {
+        let rates = RateCache::default();
+        let id = VmId("same".into());
+        assert_eq!(rates.rate("host-a", &id, 1_000), None, "a first sample has no rate");
+        assert_eq!(rates.rate("host-b", &id, 9_000_000_000), None, "nor has host-b's first, whatever host-a's was");
+        // Keyed by VM id alone, host-a's counter would be compared with
+        // host-b's (lower than it: no rate).
+        assert_eq!(rates.rate("host-a", &id, 1_000), Some(0), "host-a's VM used nothing since its own last sample");
     }
 
     #[tokio::test]
