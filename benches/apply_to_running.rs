@@ -32,7 +32,8 @@
 //! in MiB; and VmRSS split into RssAnon, the heap and stacks, and RssFile, the
 //! code read in, which does not grow with N) and per VM (RSS all Running minus RSS before the first VM, / N, in
 //! KiB), vmlet's and kube-apiserver's CPU over `VMLET_BENCH_IDLE_SECONDS`
-//! (default 60) with every VM Running and idle, the test driver's own share
+//! (default 60) with every VM Running and idle and vmlet's RSS after it (by
+//! then vmlet has returned what the burst freed: `src/heap.rs`), the test driver's own share
 //! of the memory (the same N domains defined and started in a bare `virsh -c
 //! test:///default`, `apply_to_running/test_driver.rs`: on a real host they
 //! live in libvirtd) and vmlet's own per VM beside it, the time from deleting all
@@ -275,6 +276,13 @@ async fn run_vmlet(cluster: &'static ClusterEnv, client: &Client, ns: &str, sett
         }
     }
     print_idle_cpu(pid, settings.idle).await;
+    if !settings.idle.is_zero() {
+        // Steady state: vmlet hands what the burst freed back to the system
+        // within a period (src/heap.rs), which the idle window spans.
+        if let (Some(now), Some(anon)) = (process::status_mib(pid, "VmRSS"), process::status_mib(pid, "RssAnon")) {
+            println!("  vmlet RSS after idle:  {now:.1} MiB (VmRSS; {anon:.1} MiB RssAnon)");
+        }
+    }
     // After the idle window, which it would disturb.
     print_test_driver_share(timeline.reached(), per_vm_kib);
 

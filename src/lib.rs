@@ -16,6 +16,7 @@ pub mod controller;
 pub mod election;
 pub mod events;
 pub mod failure;
+pub mod heap;
 pub mod identity;
 pub mod metrics;
 pub mod node;

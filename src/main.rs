@@ -316,6 +316,9 @@ async fn run(config: Config, grace: Duration) -> anyhow::Result<()> {
         };
         tasks.spawn(vmlet::election::run(client.clone(), settings, shutdown.child_token(), lead));
     }
+    // What a burst of creates, deletes or host starts freed goes back to the
+    // system within a period (vmlet::heap).
+    tasks.spawn(vmlet::heap::trim_every(vmlet::heap::TRIM_PERIOD, shutdown.child_token()));
     info!(hosts = config.hosts.len(), controller = config.controller, identity = %config.identity, "vmlet running");
 
     wait_for_signal().await;
